@@ -1,0 +1,1 @@
+"""Benchmarks of ktae_kernels against the scipy reference and an upstream-style loop."""

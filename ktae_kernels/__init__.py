@@ -1,0 +1,22 @@
+"""ktae_kernels: fast, exact Key-token Advantage Estimation (KTAE) for GRPO/DAPO.
+
+Public API: ``token_advantage``, ``key_token_scores``, ``KTAEConfig``, ``fisher_exact_pvalue``,
+``KeyTokenScores``, ``available_backends``.
+"""
+from .api import key_token_scores, token_advantage
+from .backends import BackendUnavailableError, available_backends
+from .config import KTAEConfig
+from .fisher import fisher_exact_pvalue
+from .types import KeyTokenScores
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "KTAEConfig",
+    "KeyTokenScores",
+    "available_backends",
+    "fisher_exact_pvalue",
+    "key_token_scores",
+    "token_advantage",
+]

@@ -1,0 +1,178 @@
+"""Public entry points: validate and normalise the inputs, then dispatch to a backend."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .backends import get_backend
+from .config import KTAEConfig
+from .types import Batch, KeyTokenScores
+
+#: token ids must fit a signed 32-bit int (every vocabulary does; the GPU kernels rely on it).
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def token_advantage(
+    responses: Tensor,
+    response_mask: Tensor,
+    rewards: Tensor,
+    index: Any,
+    *,
+    config: KTAEConfig | None = None,
+    backend: str = "auto",
+    rollout_advantage: Tensor | None = None,
+) -> Tensor:
+    """KTAE token-level advantages.
+
+    Args:
+        responses: integer ``[B, L]`` response token ids (``0 <= id < 2**31`` where the mask is 1).
+        response_mask: ``[B, L]`` bool / int / float of 0 and 1; 1 on real response tokens.
+        rewards: ``[B]`` sequence rewards, or verl's ``token_level_rewards [B, L]`` (summed over L).
+        index: ``[B]`` group ids: an int tensor, a numpy int array, a numpy object array of uid
+            strings (as verl passes it) or a list.
+        config: hyper-parameters; ``KTAEConfig()`` when None.
+        backend: "auto", "reference", "torch", "triton" or "cuda" (see ``available_backends()``).
+        rollout_advantage: optional ``[B]`` caller-given rollout advantage ``A_i``, used instead of
+            ``config.baseline``.
+    Returns:
+        float32 ``[B, L]`` on the device of ``responses``:
+        ``(A_i + weight * score[group(i), responses[i, t]]) * response_mask[i, t]``.
+    """
+    config = _check_config(config)
+    batch = normalise_batch(responses, response_mask, rewards, index)
+    base = _check_rollout_advantage(rollout_advantage, batch)
+    impl = get_backend(backend, batch.device)
+    return impl.token_advantage(batch, config, base)
+
+
+def key_token_scores(
+    responses: Tensor,
+    response_mask: Tensor,
+    rewards: Tensor,
+    index: Any,
+    *,
+    config: KTAEConfig | None = None,
+    backend: str = "auto",
+) -> KeyTokenScores:
+    """Per (group, token id) KTAE statistics (tables, p-values, F, IG, direction, score).
+
+    Same inputs as ``token_advantage``. Returns a ``KeyTokenScores`` whose row tensors cover only the
+    (group, token) pairs that occur under the mask, sorted by (group, token).
+    """
+    config = _check_config(config)
+    batch = normalise_batch(responses, response_mask, rewards, index)
+    return get_backend(backend, batch.device).key_token_scores(batch, config)
+
+
+def _check_config(config: KTAEConfig | None) -> KTAEConfig:
+    if config is None:
+        return KTAEConfig()
+    if not isinstance(config, KTAEConfig):
+        raise ValueError(f"`config` must be a KTAEConfig or None, got {type(config).__name__}")
+    return config
+
+
+def normalise_batch(responses: Any, response_mask: Any, rewards: Any, index: Any) -> Batch:
+    """Validate the caller's inputs and bring them to the canonical ``Batch`` form.
+
+    Raises ValueError naming the argument on any shape, dtype or value problem.
+    """
+    responses = _as_tensor("responses", responses)
+    if responses.dim() != 2:
+        raise ValueError(f"`responses` must be 2-D [B, L], got shape {tuple(responses.shape)}")
+    if responses.dtype == torch.bool or responses.dtype.is_floating_point or responses.dtype.is_complex:
+        raise ValueError(f"`responses` must hold integer token ids, got dtype {responses.dtype}")
+    device = responses.device
+    shape = tuple(responses.shape)
+    mask = _check_mask(_as_tensor("response_mask", response_mask, device), shape)
+    responses = responses.to(torch.int64)
+    masked_ids = responses[mask]
+    if masked_ids.numel():
+        lo, hi = int(masked_ids.min()), int(masked_ids.max())
+        if lo < 0:
+            raise ValueError(f"`responses` must hold token ids >= 0 where the mask is 1, found {lo}")
+        if hi > MAX_TOKEN_ID:
+            raise ValueError(f"`responses` token ids must be < 2**31, found {hi}")
+    reward = _check_rewards(_as_tensor("rewards", rewards, device), shape)
+    group, labels = _normalise_index(index, shape[0], device)
+    return Batch(responses=responses, mask=mask, rewards=reward, group=group, group_labels=labels)
+
+
+def _as_tensor(name: str, value: Any, device: torch.device | None = None) -> Tensor:
+    if isinstance(value, Tensor):
+        t = value
+    elif isinstance(value, (np.ndarray, list, tuple)):
+        try:
+            t = torch.as_tensor(np.asarray(value))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"`{name}` must be a tensor or a numeric array: {err}") from None
+    else:
+        raise ValueError(f"`{name}` must be a torch.Tensor or numpy array, got {type(value).__name__}")
+    return t if device is None else t.to(device)
+
+
+def _check_mask(mask: Tensor, shape: tuple[int, ...]) -> Tensor:
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_complex:
+        raise ValueError(f"`response_mask` must be bool, int or float, got {mask.dtype}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("`response_mask` must hold only 0 and 1")
+    return mask != 0
+
+
+def _check_rewards(rewards: Tensor, shape: tuple[int, ...]) -> Tensor:
+    if rewards.dtype.is_complex:
+        raise ValueError(f"`rewards` must be real, got {rewards.dtype}")
+    if rewards.dim() == 2:
+        if tuple(rewards.shape) != shape:
+            raise ValueError(f"`rewards` as token-level rewards must have shape {shape}, got {tuple(rewards.shape)}")
+        rewards = rewards.to(torch.float64).sum(dim=1)
+    elif rewards.dim() != 1 or rewards.shape[0] != shape[0]:
+        raise ValueError(f"`rewards` must have shape [B] = [{shape[0]}] or [B, L] = {list(shape)}, got {tuple(rewards.shape)}")
+    rewards = rewards.to(torch.float64)
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("`rewards` must be finite (found NaN or inf)")
+    return rewards
+
+
+def _normalise_index(index: Any, batch_size: int, device: torch.device) -> tuple[Tensor, np.ndarray]:
+    """Dense int64 group ids ``[B]`` (sorted label order) and the labels ``[n_groups]``."""
+    if isinstance(index, Tensor):
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise ValueError(f"`index` as a tensor must hold integers, got {index.dtype}")
+        values = index.detach().cpu().numpy()
+    elif isinstance(index, (np.ndarray, list, tuple)):
+        values = np.asarray(index) if not isinstance(index, np.ndarray) else index
+    else:
+        raise ValueError(f"`index` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
+    if values.ndim != 1 or values.shape[0] != batch_size:
+        raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {values.shape}")
+    if values.dtype.kind == "f":
+        if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
+            raise ValueError("`index` must hold integer or string group ids, got non-integer floats")
+        values = values.astype(np.int64)
+    try:
+        labels, inverse = np.unique(values, return_inverse=True)
+    except TypeError as err:
+        raise ValueError(f"`index` group ids must be mutually comparable (all ints or all strings): {err}") from None
+    group = torch.as_tensor(inverse.reshape(-1).astype(np.int64), device=device)
+    return group, labels
+
+
+def _check_rollout_advantage(value: Tensor | None, batch: Batch) -> Tensor | None:
+    """``[B]`` float64 on the batch device, or None."""
+    if value is None:
+        return None
+    t = _as_tensor("rollout_advantage", value, batch.device)
+    if t.dtype.is_complex or tuple(t.shape) != (batch.responses.shape[0],):
+        raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], got {tuple(t.shape)}")
+    t = t.to(torch.float64)
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError("`rollout_advantage` must be finite (found NaN or inf)")
+    return t

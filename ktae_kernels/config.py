@@ -1,0 +1,88 @@
+"""KTAEConfig: the method's hyper-parameters, frozen and validated on construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+Baseline = Literal["grpo", "mean", "none"]
+FisherMode = Literal["exact", "upstream"]
+
+BASELINES: tuple[str, ...] = ("grpo", "mean", "none")
+FISHER_MODES: tuple[str, ...] = ("exact", "upstream")
+
+
+def _check_real(name: str, value: object, *, minimum: float | None = None, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"KTAEConfig.{name} must be a finite number, got {value!r}")
+    if positive and not value > 0:
+        raise ValueError(f"KTAEConfig.{name} must be > 0, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"KTAEConfig.{name} must be >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class KTAEConfig:
+    """Hyper-parameters of Key-token Advantage Estimation (see README, "The method").
+
+    alpha, beta: weights of the Fisher term F and the information gain IG (>= 0, not both 0).
+    use_tf: add the BM25 term-frequency ratio to the Cohen-h direction.
+    top: scores lie in (-top, top).
+    k1, b: BM25 saturation and length normalisation.
+    correct_threshold: a rollout is correct when its reward is > this.
+    ignore_token_ids: token ids whose score is forced to 0 (e.g. Qwen's 151643).
+    weight: advantage = A_rollout + weight * score.
+    baseline: rollout advantage A: "grpo" (group z-score), "mean" (group mean-centred, Dr. GRPO),
+        "none" (the reward itself).
+    eps: added to the group std in the "grpo" baseline.
+    fisher: "exact" (scipy's two-sided test in float64) or "upstream" (the published float32 code).
+    """
+
+    alpha: float = 1.0
+    beta: float = 1.0
+    use_tf: bool = True
+    top: float = 1.0
+    k1: float = 2.0
+    b: float = 0.5
+    correct_threshold: float = 0.0
+    ignore_token_ids: tuple[int, ...] = field(default=())
+    weight: float = 1.0
+    baseline: Baseline = "grpo"
+    eps: float = 1e-6
+    fisher: FisherMode = "exact"
+
+    def __post_init__(self) -> None:
+        _check_real("alpha", self.alpha, minimum=0.0)
+        _check_real("beta", self.beta, minimum=0.0)
+        if self.alpha + self.beta <= 0:
+            raise ValueError("KTAEConfig.alpha + KTAEConfig.beta must be > 0 (they weight F and IG)")
+        if not isinstance(self.use_tf, bool):
+            raise ValueError(f"KTAEConfig.use_tf must be a bool, got {self.use_tf!r}")
+        _check_real("top", self.top, positive=True)
+        _check_real("k1", self.k1, positive=True)
+        _check_real("b", self.b, minimum=0.0)
+        if self.b > 1:
+            raise ValueError(f"KTAEConfig.b must be in [0, 1], got {self.b!r}")
+        _check_real("correct_threshold", self.correct_threshold)
+        _check_real("weight", self.weight)
+        _check_real("eps", self.eps, minimum=0.0)
+        if self.baseline not in BASELINES:
+            raise ValueError(f"KTAEConfig.baseline must be one of {BASELINES}, got {self.baseline!r}")
+        if self.fisher not in FISHER_MODES:
+            raise ValueError(f"KTAEConfig.fisher must be one of {FISHER_MODES}, got {self.fisher!r}")
+        object.__setattr__(self, "ignore_token_ids", _normalise_ids(self.ignore_token_ids))
+
+
+def _normalise_ids(ids: object) -> tuple[int, ...]:
+    """Sorted, de-duplicated tuple of non-negative Python ints."""
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"KTAEConfig.ignore_token_ids must be an iterable of ints, got {ids!r}")
+    out = set()
+    for v in ids:  # type: ignore[union-attr]
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise ValueError(f"KTAEConfig.ignore_token_ids must hold ints, got {v!r}")
+        v = int(v)
+        if v < 0:
+            raise ValueError(f"KTAEConfig.ignore_token_ids must be >= 0, got {v}")
+        out.add(v)
+    return tuple(sorted(out))

@@ -1,0 +1,91 @@
+"""The two data types every backend shares: a validated batch and the per-(group, token) result."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A validated, normalised training batch (see ``api.normalise_batch``).
+
+    responses: int64 ``[B, L]`` token ids (ids under ``mask == 0`` are never read).
+    mask: bool ``[B, L]``.
+    rewards: float64 ``[B]`` sequence rewards.
+    group: int64 ``[B]`` dense group ids, ``0 .. n_groups - 1`` in sorted order of the labels.
+    group_labels: numpy ``[n_groups]``, the caller's label of each dense group id.
+    All tensors live on the device of the caller's ``responses``.
+    """
+
+    responses: Tensor
+    mask: Tensor
+    rewards: Tensor
+    group: Tensor
+    group_labels: np.ndarray
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.group_labels)
+
+    @property
+    def device(self) -> torch.device:
+        return self.responses.device
+
+
+@dataclass
+class KeyTokenScores:
+    """KTAE statistics, one row per (group, token id) present in the batch, sorted by (group, token).
+
+    Row tensors ``[U]``: ``group``, ``token`` (int64); the contingency table ``a, b, c, d`` (correct /
+    wrong rollouts containing the token, correct / wrong rollouts not containing it) and the
+    occurrence counts ``f_c, f_w`` (int64); ``p_value`` (two-sided Fisher), ``F``, ``IG`` (bits),
+    direction ``x`` and ``score`` in ``(-top, top)`` (float64).
+    Group tensors ``[n_groups]`` (int64): ``n_c, n_w`` (correct / wrong rollouts), ``T_c, T_w``
+    (masked tokens in them). ``group_labels[g]`` is the caller's label of group ``g``.
+    """
+
+    group: Tensor
+    token: Tensor
+    a: Tensor
+    b: Tensor
+    c: Tensor
+    d: Tensor
+    f_c: Tensor
+    f_w: Tensor
+    p_value: Tensor
+    F: Tensor
+    IG: Tensor
+    x: Tensor
+    score: Tensor
+    n_c: Tensor
+    n_w: Tensor
+    T_c: Tensor
+    T_w: Tensor
+    group_labels: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.group.shape[0])
+
+    def to(self, device: torch.device | str) -> "KeyTokenScores":
+        """A copy with every tensor on ``device``."""
+        moved = {
+            f.name: (getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), Tensor) else getattr(self, f.name))
+            for f in fields(self)
+        }
+        return KeyTokenScores(**moved)
+
+    def lookup(self, group: int, token: int) -> dict[str, float]:
+        """The row of one (dense group id, token id) as a dict of Python numbers; KeyError if absent."""
+        hit = torch.nonzero((self.group == group) & (self.token == token)).flatten()
+        if hit.numel() == 0:
+            raise KeyError(f"no row for group {group}, token {token}")
+        i = int(hit[0])
+        return {f.name: getattr(self, f.name)[i].item() for f in fields(self) if f.name in ROW_FIELDS}
+
+
+ROW_FIELDS: tuple[str, ...] = (
+    "group", "token", "a", "b", "c", "d", "f_c", "f_w", "p_value", "F", "IG", "x", "score",
+)

@@ -1,0 +1,4 @@
+"""Packaging; the metadata lives in pyproject.toml."""
+from setuptools import setup
+
+setup()
