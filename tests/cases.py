@@ -1,0 +1,132 @@
+"""Shared batch generators and comparison helpers for every backend's tests.
+
+A case is ``(name, responses [B, L] int64, mask [B, L] bool, rewards [B] float32, index [B])``.
+``random_cases`` draws realistic batches; ``adversarial_cases`` covers the corners the method
+defines specially. ``small=True`` keeps shapes fit for the Triton CPU interpreter.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ktae_kernels.types import KeyTokenScores
+
+ROW_INT_FIELDS = ("group", "token", "a", "b", "c", "d", "f_c", "f_w")
+ROW_FLOAT_FIELDS = ("p_value", "F", "IG", "x", "score")
+GROUP_FIELDS = ("n_c", "n_w", "T_c", "T_w")
+
+
+def make_batch(rng: np.random.Generator, group_sizes, length: int, vocab: int, *, zipf: bool = False,
+               mask_rate: float = 0.2, p_correct: float = 0.5, shuffle: bool = False):
+    """A batch of groups of the given sizes; rollouts of a group are interleaved when ``shuffle``."""
+    B = int(sum(group_sizes))
+    if zipf:
+        responses = np.minimum(rng.zipf(1.2, size=(B, length)) - 1, vocab - 1)
+    else:
+        responses = rng.integers(0, vocab, size=(B, length))
+    lengths = rng.integers(0, length + 1, size=B) if mask_rate > 0 else np.full(B, length)
+    mask = np.arange(length)[None, :] < lengths[:, None]
+    mask &= rng.random((B, length)) >= mask_rate / 4
+    rewards = (rng.random(B) < p_correct).astype(np.float32)
+    index = np.repeat(np.arange(len(group_sizes)), group_sizes)
+    if shuffle:
+        perm = rng.permutation(B)
+        responses, mask, rewards, index = responses[perm], mask[perm], rewards[perm], index[perm]
+    return (torch.as_tensor(responses, dtype=torch.int64), torch.as_tensor(mask),
+            torch.as_tensor(rewards), torch.as_tensor(index, dtype=torch.int64))
+
+
+def random_cases(seed: int = 0, small: bool = False):
+    """Named random batches: G in {2, 4, 16, 64}, small and large vocabularies, mixed group sizes."""
+    rng = np.random.default_rng(seed)
+    if small:
+        specs = [
+            ("G2-small-vocab", [2] * 4, 16, 8, False, False),
+            ("G4-mixed-shuffled", [4, 3, 1, 4], 24, 30, False, True),
+            ("G16-zipf", [16, 16], 32, 151936, True, False),
+        ]
+    else:
+        specs = [
+            ("G2-small-vocab", [2] * 16, 64, 8, False, False),
+            ("G4-mixed-shuffled", [4, 3, 5, 1, 4, 2], 128, 50, False, True),
+            ("G16-zipf-qwen-vocab", [16] * 4, 512, 151936, True, True),
+            ("G16-long", [16] * 2, 4096, 151936, True, False),
+            ("G64-large", [64] * 2, 256, 2000, False, True),
+            ("G64-zipf", [64, 33], 300, 151936, True, True),
+        ]
+    return [(name, *make_batch(rng, sizes, length, vocab, zipf=zipf, shuffle=shuffle))
+            for name, sizes, length, vocab, zipf, shuffle in specs]
+
+
+def adversarial_cases(small: bool = False):
+    """Named corner cases: degenerate groups, all-masked rollouts, universal tokens, Fisher ties,
+    huge occurrence counts and token ids up to 2**31 - 1."""
+    rng = np.random.default_rng(1234)
+    L = 16 if small else 64
+    cases = []
+
+    r, m, w, i = make_batch(rng, [4, 4, 4], L, 10)
+    w[:4] = 1.0
+    w[4:8] = 0.0
+    w[8:] = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    cases.append(("all-correct-and-all-wrong-groups", r, m, w, i))
+
+    r, m, w, i = make_batch(rng, [1, 1, 3, 1], L, 12)
+    cases.append(("one-rollout-groups", r, m, w, i))
+
+    r, m, w, i = make_batch(rng, [4, 4], L, 12)
+    m[1] = False
+    m[6] = False
+    w[:] = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    cases.append(("all-masked-rollouts", r, m, w, i))
+
+    r, m, w, i = make_batch(rng, [6, 6], L, 20)
+    r[:, 0] = 5
+    m[:, 0] = True
+    w[:] = torch.tensor([1.0, 0.0] * 6)
+    cases.append(("token-in-every-rollout", r, m, w, i))
+
+    # symmetric tables: n_c == n_w and every presence pattern, so the Fisher support has ties
+    G = 8
+    r = torch.zeros(G, L, dtype=torch.int64)
+    for j in range(G):
+        r[j] = 100 + torch.arange(L) % (j + 2)
+    m = torch.ones(G, L, dtype=torch.bool)
+    w = torch.tensor([1.0, 0.0] * (G // 2))
+    cases.append(("fisher-ties", r, m, w, torch.zeros(G, dtype=torch.int64)))
+
+    big = 2**31 - 1
+    r, m, w, i = make_batch(rng, [4, 4], L, 5)
+    r = r + (big - 4)
+    r[0, :3] = 0
+    w[:] = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    cases.append(("token-ids-near-2^31", r, m, w, i))
+
+    n_long = 4096 if small else 100_000
+    r = torch.zeros(4, n_long, dtype=torch.int64)
+    r[:, ::7] = 3
+    r[2:, ::3] = 9
+    m = torch.ones(4, n_long, dtype=torch.bool)
+    cases.append(("huge-counts", r, m, torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.zeros(4, dtype=torch.int64)))
+
+    r, m, w, i = make_batch(rng, [5, 5], L, 15)
+    w[:] = torch.tensor([0.7, -0.2, 0.0, 1.0, 2.5, 0.0, 0.0, 0.1, -1.0, 0.0])
+    cases.append(("graded-rewards", r, m, w, i))
+
+    r, m, w, i = make_batch(rng, [3, 3], L, 15)
+    m[:] = False
+    cases.append(("everything-masked", r, m, w, i))
+    return cases
+
+
+def assert_scores_match(expected: KeyTokenScores, actual: KeyTokenScores, *, p_rtol: float = 1e-9,
+                        atol: float = 1e-9) -> None:
+    """Same rows, identical integer columns, float columns within tolerance (p-values relative)."""
+    assert len(expected) == len(actual), (len(expected), len(actual))
+    for name in ROW_INT_FIELDS + GROUP_FIELDS:
+        e, a = getattr(expected, name).cpu(), getattr(actual, name).cpu()
+        assert torch.equal(e, a), f"{name} differs at {torch.nonzero(e != a).flatten()[:5].tolist()}"
+    torch.testing.assert_close(actual.p_value.cpu(), expected.p_value.cpu(), rtol=p_rtol, atol=0.0)
+    for name in ("F", "IG", "x", "score"):
+        torch.testing.assert_close(getattr(actual, name).cpu().double(), getattr(expected, name).cpu().double(),
+                                   rtol=1e-9, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
