@@ -98,10 +98,15 @@ def _score_group(g: int, responses: np.ndarray, mask: np.ndarray, rewards: np.nd
         IG = _information_gain(a_v, b_v, n_c, n_w) if scorable else 0.0
         x = _direction(a_v, b_v, f_c, f_w, n_c, n_w, T_c, T_w, config)
         key = (config.alpha * F + config.beta * IG) * x / (config.alpha + config.beta)
-        score = config.top * (2.0 / (1.0 + math.exp(-key)) - 1.0) if scorable and abs(key) < 700 else (
-            math.copysign(config.top, key) if scorable else 0.0)
+        score = _squash(key, config.top) if scorable else 0.0
         rows.append((g, v, a_v, b_v, n_c - a_v, n_w - b_v, f_c, f_w, p_v, F, IG, x, score))
     return rows, (n_c, n_w, T_c, T_w)
+
+
+def _squash(key: float, top: float) -> float:
+    """``top * (2 sigmoid(key) - 1) = top * tanh(key / 2)``, kept strictly inside ``(-top, top)``."""
+    bound = math.nextafter(top, 0.0)
+    return max(-bound, min(bound, top * math.tanh(key / 2.0)))
 
 
 def _fisher_pvalues(a: list[int], b: list[int], n_c: int, n_w: int, config: KTAEConfig) -> list[float]:

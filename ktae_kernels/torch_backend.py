@@ -181,10 +181,11 @@ def direction(a: Tensor, b: Tensor, f_c: Tensor, f_w: Tensor, n_c: Tensor, n_w: 
 
 
 def squash(F: Tensor, IG: Tensor, x: Tensor, scorable: Tensor, config: KTAEConfig) -> Tensor:
-    """``top * tanh(key / 2)`` (= ``top * (2 sigmoid(key) - 1)``) with
+    """``top * tanh(key / 2)`` (= ``top * (2 sigmoid(key) - 1)``), strictly inside ``(-top, top)``, with
     ``key = (alpha F + beta IG) x / (alpha + beta)``; 0 where not ``scorable``."""
     key = (config.alpha * F + config.beta * IG) * x / (config.alpha + config.beta)
-    return torch.where(scorable, config.top * torch.tanh(key / 2.0), 0.0)
+    bound = math.nextafter(config.top, 0.0)  # keep the open interval even where tanh rounds to 1
+    return torch.where(scorable, (config.top * torch.tanh(key / 2.0)).clamp(-bound, bound), 0.0)
 
 
 def scorable_rows(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor, token: Tensor, config: KTAEConfig) -> Tensor:

@@ -1,0 +1,151 @@
+"""Public API: accepted input forms, output contract, and clear errors on bad input."""
+import numpy as np
+import pytest
+import torch
+
+from ktae_kernels import BackendUnavailableError, KTAEConfig, available_backends, key_token_scores, token_advantage
+from ktae_kernels.backends import get_backend
+
+
+@pytest.fixture
+def batch():
+    g = torch.Generator().manual_seed(0)
+    responses = torch.randint(0, 30, (8, 10), generator=g)
+    mask = torch.ones(8, 10, dtype=torch.bool)
+    mask[:, 8:] = False
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0])
+    index = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    return responses, mask, rewards, index
+
+
+def test_output_contract(batch):
+    responses, mask, rewards, index = batch
+    adv = token_advantage(responses, mask, rewards, index)
+    assert adv.shape == (8, 10) and adv.dtype == torch.float32 and adv.device == responses.device
+    assert torch.all(adv[:, 8:] == 0)
+    assert torch.isfinite(adv).all()
+
+
+@pytest.mark.parametrize("form", ["tensor", "numpy-int", "uid-strings", "list", "int32"])
+def test_index_forms_agree(batch, form):
+    responses, mask, rewards, index = batch
+    expected = token_advantage(responses, mask, rewards, index)
+    labels = {
+        "tensor": index,
+        "numpy-int": index.numpy() * 7 + 3,
+        "uid-strings": np.array([f"uid-{int(i)}" for i in index], dtype=object),
+        "list": index.tolist(),
+        "int32": index.to(torch.int32),
+    }[form]
+    torch.testing.assert_close(token_advantage(responses, mask, rewards, labels), expected, rtol=0, atol=0)
+
+
+def test_group_ids_follow_sorted_labels(batch):
+    responses, mask, rewards, _ = batch
+    uids = np.array(["b"] * 4 + ["a"] * 4, dtype=object)
+    res = key_token_scores(responses, mask, rewards, uids)
+    assert list(res.group_labels) == ["a", "b"]
+    assert res.n_c.tolist() == [1, 3]  # group "a" holds rollouts 4..7
+
+
+def test_token_level_rewards_are_summed(batch):
+    responses, mask, rewards, index = batch
+    tlr = torch.zeros(8, 10)
+    tlr[:, 3] = rewards * 0.5
+    tlr[:, 5] = rewards * 0.5
+    torch.testing.assert_close(token_advantage(responses, mask, tlr, index),
+                               token_advantage(responses, mask, rewards, index))
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.float32, torch.uint8])
+def test_mask_dtypes(batch, mask_dtype):
+    responses, mask, rewards, index = batch
+    torch.testing.assert_close(token_advantage(responses, mask.to(mask_dtype), rewards, index),
+                               token_advantage(responses, mask, rewards, index))
+
+
+def test_masked_out_ids_are_never_read(batch):
+    responses, mask, rewards, index = batch
+    padded = responses.clone()
+    padded[~mask] = -100  # e.g. a label pad value under mask 0
+    torch.testing.assert_close(token_advantage(padded, mask, rewards, index),
+                               token_advantage(responses, mask, rewards, index))
+
+
+def test_baselines(batch):
+    responses, mask, rewards, index = batch
+    cfg = KTAEConfig(weight=0.0)
+    r = rewards.double().view(2, 4)
+    grpo = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(8, 1).float()
+    mean = (r - r.mean(1, keepdim=True)).view(8, 1).float()
+    torch.testing.assert_close(token_advantage(responses, mask, rewards, index, config=cfg), grpo * mask)
+    cfg_mean = KTAEConfig(weight=0.0, baseline="mean")
+    torch.testing.assert_close(token_advantage(responses, mask, rewards, index, config=cfg_mean), mean * mask)
+    cfg_none = KTAEConfig(weight=0.0, baseline="none")
+    torch.testing.assert_close(token_advantage(responses, mask, rewards, index, config=cfg_none),
+                               rewards.view(8, 1) * mask)
+
+
+def test_given_rollout_advantage(batch):
+    responses, mask, rewards, index = batch
+    given = torch.linspace(-1, 1, 8)
+    no_ktae = token_advantage(responses, mask, rewards, index, config=KTAEConfig(weight=0.0), rollout_advantage=given)
+    torch.testing.assert_close(no_ktae, given.view(8, 1) * mask)
+    full = token_advantage(responses, mask, rewards, index, rollout_advantage=given)
+    plain = token_advantage(responses, mask, rewards, index)
+    base = token_advantage(responses, mask, rewards, index, config=KTAEConfig(weight=0.0))
+    torch.testing.assert_close(full - no_ktae, plain - base, rtol=0, atol=1e-6)
+
+
+def test_single_rollout_group_follows_verl(batch):
+    """verl gives a one-rollout group mean 0 and std 1: A = r / (1 + eps)."""
+    responses, mask, rewards, _ = batch
+    index = torch.arange(8)
+    adv = token_advantage(responses, mask, rewards * 3, index)
+    torch.testing.assert_close(adv, (rewards * 3 / (1 + 1e-6)).view(8, 1) * mask)
+
+
+def test_empty_batch_and_empty_length():
+    out = token_advantage(torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5), torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    assert out.shape == (0, 5)
+    out = token_advantage(torch.zeros(3, 0, dtype=torch.long), torch.zeros(3, 0), torch.ones(3), torch.zeros(3, dtype=torch.long))
+    assert out.shape == (3, 0)
+
+
+@pytest.mark.parametrize("mutate, argument", [
+    (lambda r, m, w, i: (r.float(), m, w, i), "responses"),
+    (lambda r, m, w, i: (r[0], m, w, i), "responses"),
+    (lambda r, m, w, i: (torch.where(m, -r - 1, r), m, w, i), "responses"),
+    (lambda r, m, w, i: (r + 2**31, m, w, i), "responses"),
+    (lambda r, m, w, i: (r, m[:, :5], w, i), "response_mask"),
+    (lambda r, m, w, i: (r, m.float() * 0.5, w, i), "response_mask"),
+    (lambda r, m, w, i: (r, m.long() * 2, w, i), "response_mask"),
+    (lambda r, m, w, i: (r, m, w[:5], i), "rewards"),
+    (lambda r, m, w, i: (r, m, torch.where(w > 0, float("nan"), w), i), "rewards"),
+    (lambda r, m, w, i: (r, m, w + float("inf"), i), "rewards"),
+    (lambda r, m, w, i: (r, m, w, i[:5]), "index"),
+    (lambda r, m, w, i: (r, m, w, i.float() + 0.5), "index"),
+    (lambda r, m, w, i: (r, m, w, "uid"), "index"),
+    (lambda r, m, w, i: ([[1, 2]], m, w, i), "responses"),
+])
+def test_bad_input_names_the_argument(batch, mutate, argument):
+    with pytest.raises(ValueError, match=argument):
+        token_advantage(*mutate(*batch))
+
+
+def test_bad_config_and_rollout_advantage(batch):
+    with pytest.raises(ValueError, match="config"):
+        token_advantage(*batch, config={"alpha": 1.0})
+    with pytest.raises(ValueError, match="rollout_advantage"):
+        token_advantage(*batch, rollout_advantage=torch.zeros(3))
+    with pytest.raises(ValueError, match="rollout_advantage"):
+        token_advantage(*batch, rollout_advantage=torch.full((8,), float("nan")))
+
+
+def test_backend_registry_errors(batch):
+    with pytest.raises(ValueError, match="backend"):
+        token_advantage(*batch, backend="numpy")
+    assert "torch" in available_backends("cpu") and "reference" in available_backends("cpu")
+    assert get_backend("auto", "cpu").__name__ == "ktae_kernels.torch_backend"
+    with pytest.raises((ValueError, BackendUnavailableError), match="cuda"):
+        token_advantage(*batch, backend="cuda")
