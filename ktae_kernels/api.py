@@ -24,6 +24,7 @@ def token_advantage(
     config: KTAEConfig | None = None,
     backend: str = "auto",
     rollout_advantage: Tensor | None = None,
+    process_group: Any = None,
 ) -> Tensor:
     """KTAE token-level advantages.
 
@@ -37,6 +38,11 @@ def token_advantage(
         backend: "auto", "reference", "torch", "triton" or "cuda" (see ``available_backends()``).
         rollout_advantage: optional ``[B]`` caller-given rollout advantage ``A_i``, used instead of
             ``config.baseline``.
+        process_group: a ``torch.distributed`` group whose ranks each hold part of the batch (a
+            group's rollouts may be spread over ranks): every rank passes its own rows and gets, for
+            them, exactly the one-process result on all ranks' rows concatenated in rank order.
+            Collective: every rank of the group must call. Runs the torch path (``backend`` "auto"
+            or "torch"); see ``ktae_kernels.distributed``. None (default): this batch alone.
     Returns:
         float32 ``[B, L]`` on the device of ``responses``:
         ``(A_i + weight * score[group(i), responses[i, t]]) * response_mask[i, t]``.
@@ -44,6 +50,9 @@ def token_advantage(
     config = _check_config(config)
     batch = normalise_batch(responses, response_mask, rewards, index)
     base = _check_rollout_advantage(rollout_advantage, batch)
+    if process_group is not None:
+        from . import distributed
+        return distributed.token_advantage(batch, config, base, process_group, backend)
     impl = get_backend(backend, batch.device)
     return impl.token_advantage(batch, config, base)
 
@@ -56,14 +65,20 @@ def key_token_scores(
     *,
     config: KTAEConfig | None = None,
     backend: str = "auto",
+    process_group: Any = None,
 ) -> KeyTokenScores:
     """Per (group, token id) KTAE statistics (tables, p-values, F, IG, direction, score).
 
     Same inputs as ``token_advantage``. Returns a ``KeyTokenScores`` whose row tensors cover only the
-    (group, token) pairs that occur under the mask, sorted by (group, token).
+    (group, token) pairs that occur under the mask, sorted by (group, token). With a
+    ``process_group``: the rows of every group with a rollout on this rank, group ids dense over all
+    ranks' labels (``ktae_kernels.distributed.key_token_scores``).
     """
     config = _check_config(config)
     batch = normalise_batch(responses, response_mask, rewards, index)
+    if process_group is not None:
+        from . import distributed
+        return distributed.key_token_scores(batch, config, process_group, backend)
     return get_backend(backend, batch.device).key_token_scores(batch, config)
 
 
@@ -89,16 +104,24 @@ def normalise_batch(responses: Any, response_mask: Any, rewards: Any, index: Any
     shape = tuple(responses.shape)
     mask = _check_mask(_as_tensor("response_mask", response_mask, device), shape)
     responses = responses.to(torch.int64)
-    masked_ids = responses[mask]
-    if masked_ids.numel():
-        lo, hi = int(masked_ids.min()), int(masked_ids.max())
-        if lo < 0:
-            raise ValueError(f"`responses` must hold token ids >= 0 where the mask is 1, found {lo}")
-        if hi > MAX_TOKEN_ID:
-            raise ValueError(f"`responses` token ids must be < 2**31, found {hi}")
+    _check_token_ids(responses, mask)
     reward = _check_rewards(_as_tensor("rewards", rewards, device), shape)
     group, labels = _normalise_index(index, shape[0], device)
     return Batch(responses=responses, mask=mask, rewards=reward, group=group, group_labels=labels)
+
+
+def _check_token_ids(responses: Tensor, mask: Tensor) -> None:
+    """Ids under the mask must lie in ``[0, 2**31)``; padding under mask 0 may be anything."""
+    if responses.numel() == 0:
+        return
+    lo, hi = torch.aminmax(responses)
+    if int(lo) >= 0 and int(hi) <= MAX_TOKEN_ID:
+        return  # the common case: one pass, no masked copy
+    masked = responses[mask]
+    if masked.numel() and int(masked.min()) < 0:
+        raise ValueError(f"`responses` must hold token ids >= 0 where the mask is 1, found {int(masked.min())}")
+    if masked.numel() and int(masked.max()) > MAX_TOKEN_ID:
+        raise ValueError(f"`responses` token ids must be < 2**31, found {int(masked.max())}")
 
 
 def _as_tensor(name: str, value: Any, device: torch.device | None = None) -> Tensor:

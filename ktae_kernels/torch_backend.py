@@ -104,22 +104,34 @@ def _segment_sums(flags: Tensor, starts: Tensor, n: int) -> Tensor:
     return csum[ends] - csum[starts]
 
 
-def fisher_pvalues(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor, group: Tensor, config: KTAEConfig) -> tuple[Tensor, Tensor]:
-    """p-values (float64 ``[U]``) and ``F`` of the tables ``[[a, b], [n_c - a, n_w - b]]``.
+def table_statistics(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor, group: Tensor,
+                     config: KTAEConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Fisher p-value, ``F``, ``IG`` and Cohen's ``h`` (float64 ``[U]``) of the tables
+    ``[[a, b], [n_c - a, n_w - b]]``.
 
-    Distinct tables are evaluated once: a batch of G rollouts holds at most O(G^3) of them.
+    They depend on the table only, and a batch of G-rollout groups holds at most O(G^3) distinct
+    tables, so each distinct table is evaluated once and the results are gathered back.
     """
+    columns = [a, b, n_c, n_w]
+    if config.fisher == "upstream":  # the p-value also depends on the group's grid width
+        columns.append(upstream_width(a, b, n_c, group)[group])
+    uniq, inv = unique_rows(torch.stack(columns, dim=1))
+    ua, ub, unc, unw = uniq[:, 0], uniq[:, 1], uniq[:, 2], uniq[:, 3]
     if config.fisher == "exact":
-        uniq, inv = unique_rows(torch.stack([a, b, n_c - a, n_w - b], dim=1))
-        p = exact_pvalue_flat(*uniq.unbind(1))[inv]
-        return p, fisher_weight(p)
-    # upstream: the grid width is the group's largest min(a + b, n_c), plus one
+        p = exact_pvalue_flat(ua, ub, unc - ua, unw - ub)
+        F = fisher_weight(p)
+    else:
+        p32 = upstream_pvalue(ua, ub, unc - ua, unw - ub, uniq[:, 4])
+        p, F = p32.double(), upstream_fisher_weight(p32)
+    IG = information_gain(ua, ub, unc, unw)
+    return p[inv], F[inv], IG[inv], cohen_h(ua, ub, unc, unw)[inv]
+
+
+def upstream_width(a: Tensor, b: Tensor, n_c: Tensor, group: Tensor) -> Tensor:
+    """Per group, the published code's Fisher grid width: the largest ``min(a + b, n_c)``, plus one."""
     n_groups = int(group.max()) + 1 if group.numel() else 0
     width = torch.zeros(n_groups, dtype=torch.int64, device=a.device)
-    width.scatter_reduce_(0, group, torch.minimum(a + b, n_c), reduce="amax")
-    uniq, inv = unique_rows(torch.stack([a, b, n_c - a, n_w - b, width[group] + 1], dim=1))
-    p32 = upstream_pvalue(*uniq.unbind(1))[inv]
-    return p32.double(), upstream_fisher_weight(p32)
+    return width.scatter_reduce_(0, group, torch.minimum(a + b, n_c), reduce="amax") + 1
 
 
 def unique_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -169,15 +181,17 @@ def bm25_tf(f: Tensor, T: Tensor, avg: Tensor, config: KTAEConfig) -> Tensor:
     return torch.where(f > 0, q * (config.k1 + 1.0) / (q + K), 0.0)
 
 
-def direction(a: Tensor, b: Tensor, f_c: Tensor, f_w: Tensor, n_c: Tensor, n_w: Tensor,
-              T_c: Tensor, T_w: Tensor, config: KTAEConfig) -> Tensor:
-    """``x = asin(sqrt(a / n_c)) - asin(sqrt(b / n_w))`` plus, with ``use_tf``, the BM25 ratio term."""
-    h = torch.asin(torch.sqrt(a.double() / n_c.clamp(min=1))) - torch.asin(torch.sqrt(b.double() / n_w.clamp(min=1)))
-    if not config.use_tf:
-        return h
+def cohen_h(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor) -> Tensor:
+    """``asin(sqrt(a / n_c)) - asin(sqrt(b / n_w))`` (0 for an empty side); float64."""
+    return torch.asin(torch.sqrt(a.double() / n_c.clamp(min=1))) - torch.asin(torch.sqrt(b.double() / n_w.clamp(min=1)))
+
+
+def tf_ratio(f_c: Tensor, f_w: Tensor, T_c: Tensor, T_w: Tensor, config: KTAEConfig) -> Tensor:
+    """``tf_c / (tf_w + 1e-5) - tf_w / (tf_c + 1e-5)`` with BM25 ``tf`` of the pooled correct / wrong
+    rollouts; float64."""
     avg = (T_c + T_w).double() / 2.0
     tf_c, tf_w = bm25_tf(f_c, T_c, avg, config), bm25_tf(f_w, T_w, avg, config)
-    return h + (tf_c / (tf_w + TF_EPS) - tf_w / (tf_c + TF_EPS))
+    return tf_c / (tf_w + TF_EPS) - tf_w / (tf_c + TF_EPS)
 
 
 def squash(F: Tensor, IG: Tensor, x: Tensor, scorable: Tensor, config: KTAEConfig) -> Tensor:
@@ -200,10 +214,10 @@ def score_tables(tables: Tables, stats: GroupStats, config: KTAEConfig, labels) 
     """Statistics stage over all rows at once."""
     g = tables.group
     a, b, f_c, f_w = tables.a, tables.b, tables.f_c, tables.f_w
-    n_c, n_w, T_c, T_w = stats.n_c[g], stats.n_w[g], stats.T_c[g], stats.T_w[g]
-    p, F = fisher_pvalues(a, b, n_c, n_w, g, config)
-    IG = information_gain(a, b, n_c, n_w)
-    x = direction(a, b, f_c, f_w, n_c, n_w, T_c, T_w, config)
+    n_c, n_w = stats.n_c[g], stats.n_w[g]
+    p, F, IG, x = table_statistics(a, b, n_c, n_w, g, config)
+    if config.use_tf:
+        x = x + tf_ratio(f_c, f_w, stats.T_c[g], stats.T_w[g], config)
     scorable = scorable_rows(a, b, n_c, n_w, tables.token, config)
     F, IG = torch.where(scorable, F, 0.0), torch.where(scorable, IG, 0.0)
     return KeyTokenScores(
@@ -235,13 +249,13 @@ def rollout_advantage(batch: Batch, stats: GroupStats, config: KTAEConfig, given
     return centred / (std[g] + config.eps)
 
 
-def combine(batch: Batch, base: Tensor, row_score: Tensor, row_of: Tensor, flat_pos: Tensor, weight: float) -> Tensor:
-    """float32 ``[B, L]``: ``(A_i + weight * score) * mask``, the score gathered from each position's row."""
+def combine(batch: Batch, base: Tensor, row_score: Tensor, tables: Tables, weight: float) -> Tensor:
+    """float32 ``[B, L]``: ``A_i + weight * score`` at masked positions (float64 sum, rounded once), 0 elsewhere."""
     B, L = batch.responses.shape
-    token_score = torch.zeros(B * L, dtype=torch.float64, device=base.device)
-    token_score[flat_pos] = row_score[row_of]
-    out = (base[:, None] + weight * token_score.view(B, L)) * batch.mask
-    return out.to(torch.float32)
+    out = torch.zeros(B * L, dtype=torch.float32, device=base.device)
+    rollout = tables.flat_pos // max(L, 1)
+    out[tables.flat_pos] = (base[rollout] + weight * row_score[tables.row_of]).to(torch.float32)
+    return out.view(B, L)
 
 
 def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
@@ -254,4 +268,4 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None) -> T
     tables = build_tables(batch, stats.correct)
     scores = score_tables(tables, stats, config, batch.group_labels)
     base = rollout_advantage(batch, stats, config, given)
-    return combine(batch, base, scores.score, tables.row_of, tables.flat_pos, config.weight)
+    return combine(batch, base, scores.score, tables, config.weight)
