@@ -93,9 +93,10 @@ def _score_group(g: int, responses: np.ndarray, mask: np.ndarray, rewards: np.nd
     rows = []
     for v, a_v, b_v, p_v in zip(vocab, a, b, p):
         f_c, f_w = occurrences[True][v], occurrences[False][v]
-        scorable = n_c > 0 and n_w > 0 and a_v + b_v < n_c + n_w and v not in config.ignore_token_ids
-        F = _fisher_weight(p_v, config) if scorable else 0.0
-        IG = _information_gain(a_v, b_v, n_c, n_w) if scorable else 0.0
+        informative = n_c > 0 and n_w > 0 and a_v + b_v < n_c + n_w  # mixed group, token not everywhere
+        F = _fisher_weight(p_v, config) if informative else 0.0
+        IG = _information_gain(a_v, b_v, n_c, n_w) if informative else 0.0
+        scorable = informative and v not in config.ignore_token_ids
         x = _direction(a_v, b_v, f_c, f_w, n_c, n_w, T_c, T_w, config)
         key = (config.alpha * F + config.beta * IG) * x / (config.alpha + config.beta)
         score = _squash(key, config.top) if scorable else 0.0

@@ -202,12 +202,16 @@ def squash(F: Tensor, IG: Tensor, x: Tensor, scorable: Tensor, config: KTAEConfi
     return torch.where(scorable, (config.top * torch.tanh(key / 2.0)).clamp(-bound, bound), 0.0)
 
 
-def scorable_rows(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor, token: Tensor, config: KTAEConfig) -> Tensor:
-    """Rows that may get a non-zero score: a mixed group, a token missing from some rollout, not ignored."""
-    ok = (n_c > 0) & (n_w > 0) & (a + b < n_c + n_w)
-    if config.ignore_token_ids:
-        ok &= ~torch.isin(token, torch.tensor(config.ignore_token_ids, dtype=token.dtype, device=token.device))
-    return ok
+def informative_rows(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor) -> Tensor:
+    """Tables that carry information: a mixed group and a token missing from some rollout.
+    Elsewhere ``F``, ``IG`` and the score are 0."""
+    return (n_c > 0) & (n_w > 0) & (a + b < n_c + n_w)
+
+
+def ignored_rows(token: Tensor, config: KTAEConfig) -> Tensor:
+    """Rows of ``config.ignore_token_ids``, whose score is forced to 0."""
+    ids = torch.tensor(config.ignore_token_ids, dtype=token.dtype, device=token.device)
+    return torch.isin(token, ids)
 
 
 def score_tables(tables: Tables, stats: GroupStats, config: KTAEConfig, labels) -> KeyTokenScores:
@@ -218,8 +222,9 @@ def score_tables(tables: Tables, stats: GroupStats, config: KTAEConfig, labels) 
     p, F, IG, x = table_statistics(a, b, n_c, n_w, g, config)
     if config.use_tf:
         x = x + tf_ratio(f_c, f_w, stats.T_c[g], stats.T_w[g], config)
-    scorable = scorable_rows(a, b, n_c, n_w, tables.token, config)
-    F, IG = torch.where(scorable, F, 0.0), torch.where(scorable, IG, 0.0)
+    informative = informative_rows(a, b, n_c, n_w)
+    F, IG = torch.where(informative, F, 0.0), torch.where(informative, IG, 0.0)
+    scorable = informative & ~ignored_rows(tables.token, config)
     return KeyTokenScores(
         group=g, token=tables.token, a=a, b=b, c=n_c - a, d=n_w - b, f_c=f_c, f_w=f_w,
         p_value=p, F=F, IG=IG, x=x, score=squash(F, IG, x, scorable, config),

@@ -42,7 +42,9 @@ class KeyTokenScores:
     Row tensors ``[U]``: ``group``, ``token`` (int64); the contingency table ``a, b, c, d`` (correct /
     wrong rollouts containing the token, correct / wrong rollouts not containing it) and the
     occurrence counts ``f_c, f_w`` (int64); ``p_value`` (two-sided Fisher), ``F``, ``IG`` (bits),
-    direction ``x`` and ``score`` in ``(-top, top)`` (float64).
+    direction ``x`` and ``score`` in ``(-top, top)`` (float64). ``F`` and ``IG`` are 0 where the table
+    carries no information (a group with one class only, or a token in every rollout); ``score`` is 0
+    there and for ``config.ignore_token_ids``.
     Group tensors ``[n_groups]`` (int64): ``n_c, n_w`` (correct / wrong rollouts), ``T_c, T_w``
     (masked tokens in them). ``group_labels[g]`` is the caller's label of group ``g``.
     """

@@ -79,7 +79,9 @@ def test_worked_advantage(backend):
 def test_ignored_ids_and_switches(backend):
     batch = worked_batch()
     res = key_token_scores(*batch, config=KTAEConfig(ignore_token_ids=(7,)), backend=backend)
-    assert res.score[res.token == 7].item() == 0
+    plain = key_token_scores(*batch, backend=backend)
+    assert res.score[res.token == 7].item() == 0 and plain.score[plain.token == 7].item() > 0.5
+    assert torch.equal(res.F, plain.F) and torch.equal(res.IG, plain.IG)  # statistics still reported
     assert res.score[res.token == 9].item() != 0
     res = key_token_scores(*batch, config=KTAEConfig(use_tf=False), backend=backend)
     i = int(torch.nonzero(res.token == 7))
