@@ -1,0 +1,164 @@
+"""Data-parallel KTAE: the rollouts of a group spread over the ranks of a ``torch.distributed`` group.
+
+Each rank passes only its own rows. Every rank gets, for its rows, exactly what one process computes
+on the concatenation of all ranks' rows (rank 0's first): the same dense group ids, statistics,
+scores and advantages. What travels, per call:
+
+- the group labels present on each rank (``all_gather_object``, so string uids work);
+- per-group ``size, n_c, T_c, T_w`` (one ``all_reduce`` of an int64 ``[4, n_groups]`` tensor);
+- the ``(group, token, a, b, f_c, f_w)`` rows of the groups that are split across ranks only
+  (``all_gather``; a group held by one rank never leaves it). Rollouts are never split, so the
+  integer counts simply add up;
+- for the ``grpo`` / ``mean`` baselines without a caller-given advantage, every row's reward and
+  group id (``all_gather`` of ``[B]``), so the group mean / std are summed in the one-process order.
+
+Tables and statistics use the torch backend's stages on the batch's device (CPU with gloo, CUDA
+with NCCL); the GPU backends are not used in this mode.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import torch_backend as tb
+from .config import KTAEConfig
+from .types import Batch, KeyTokenScores
+
+#: token ids are < 2**31 (checked by the API), so (group, token) packs as ``group << 31 | token``.
+TOKEN_BITS = 31
+#: backends accepted together with a process group: the statistics always run on the torch path.
+BACKENDS = ("auto", "torch")
+
+
+@dataclass(frozen=True)
+class _Merged:
+    """This rank's rows relabelled with global group ids, the global group counts, and the merged
+    (group, token) tables of every group present on this rank."""
+
+    batch: Batch
+    stats: tb.GroupStats
+    tables: tb.Tables
+
+
+def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, process_group: Any,
+                    backend: str = "auto") -> Tensor:
+    """float32 ``[B, L]`` advantages of this rank's rows (see ``api.token_advantage``)."""
+    merged = _merge(batch, config, process_group, backend)
+    scores = tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
+    base = given if given is not None else _rollout_advantage(merged, config, process_group)
+    return tb.combine(merged.batch, base, scores.score, merged.tables, config.weight)
+
+
+def key_token_scores(batch: Batch, config: KTAEConfig, process_group: Any, backend: str = "auto") -> KeyTokenScores:
+    """Rows of every group with at least one rollout on this rank, group ids dense over the union of
+    all ranks' labels; group tensors ``n_c, n_w, T_c, T_w`` and ``group_labels`` cover all groups."""
+    merged = _merge(batch, config, process_group, backend)
+    return tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
+
+
+def _merge(batch: Batch, config: KTAEConfig, process_group: Any, backend: str) -> _Merged:
+    _check(process_group, backend)
+    batch = _relabel(batch, process_group)
+    local = tb.group_stats(batch, config)
+    counts = torch.stack([local.size, local.n_c, local.T_c, local.T_w])
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
+    size, n_c, T_c, T_w = counts.unbind(0)
+    stats = tb.GroupStats(correct=local.correct, size=size, n_c=n_c, n_w=size - n_c, T_c=T_c, T_w=T_w)
+    split = (local.size > 0) & (local.size < size)
+    tables = _merge_tables(tb.build_tables(batch, local.correct), split, process_group)
+    return _Merged(batch=batch, stats=stats, tables=tables)
+
+
+def _check(process_group: Any, backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"`backend` must be one of {BACKENDS} with a `process_group` (the torch path "
+                         f"computes data-parallel statistics), got {backend!r}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("`process_group` needs an initialised torch.distributed (call init_process_group first)")
+    if dist.get_rank(process_group) < 0:
+        raise ValueError("`process_group` does not contain this process")
+
+
+def _relabel(batch: Batch, process_group: Any) -> Batch:
+    """The batch with dense group ids over the sorted union of every rank's labels."""
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, batch.group_labels, group=process_group)
+    labels = _union(gathered)
+    position = np.searchsorted(labels, batch.group_labels) if len(batch.group_labels) else np.zeros(0, np.int64)
+    remap = torch.as_tensor(np.asarray(position, dtype=np.int64), device=batch.device)
+    return Batch(responses=batch.responses, mask=batch.mask, rewards=batch.rewards,
+                 group=remap[batch.group], group_labels=labels)
+
+
+def _union(arrays: list[np.ndarray]) -> np.ndarray:
+    """Sorted distinct labels of all ranks, as ``np.unique`` gives them for one process."""
+    arrays = [a for a in arrays if len(a)]
+    if not arrays:
+        return np.zeros(0, dtype=np.int64)
+    numeric = [a.dtype.kind in "iub" for a in arrays]
+    if any(numeric) and not all(numeric):
+        raise ValueError("`index` group ids must be of one kind on every rank (all ints or all strings), "
+                         f"got dtypes {[str(a.dtype) for a in arrays]}")
+    try:
+        return np.unique(np.concatenate(arrays))
+    except TypeError as err:
+        raise ValueError(f"`index` group ids must be mutually comparable across ranks: {err}") from None
+
+
+def _merge_tables(local: tb.Tables, split: Tensor, process_group: Any) -> tb.Tables:
+    """Tables of this rank's groups, counts summed over every rank holding part of a group.
+
+    ``row_of`` maps this rank's masked positions (``flat_pos`` order) to the merged rows.
+    """
+    rows = torch.stack([local.group, local.token, local.a, local.b, local.f_c, local.f_w], dim=1)
+    shared = split[local.group]
+    others, _, _ = _all_gather_rows(rows[shared], process_group)
+    others = others[split[others[:, 0]]]  # rows of the split groups present here (this rank's included)
+    rows = torch.cat([rows[~shared], others])
+    uniq, inverse = torch.unique(_pack(rows[:, 0], rows[:, 1]), return_inverse=True)
+    summed = torch.zeros(uniq.shape[0], 4, dtype=torch.int64, device=rows.device).index_add_(0, inverse, rows[:, 2:])
+    local_row = torch.searchsorted(uniq, _pack(local.group, local.token))
+    a, b, f_c, f_w = summed.unbind(1)
+    return tb.Tables(group=uniq >> TOKEN_BITS, token=uniq & ((1 << TOKEN_BITS) - 1), a=a, b=b, f_c=f_c, f_w=f_w,
+                     row_of=local_row[local.row_of], flat_pos=local.flat_pos)
+
+
+def _pack(group: Tensor, token: Tensor) -> Tensor:
+    return (group << TOKEN_BITS) | token
+
+
+def _rollout_advantage(merged: _Merged, config: KTAEConfig, process_group: Any) -> Tensor:
+    """float64 ``[B]`` baseline of this rank's rows, summed in the one-process order."""
+    batch = merged.batch
+    if config.baseline == "none":
+        return tb.rollout_advantage(batch, merged.stats, config, None)
+    rows = torch.stack([batch.rewards.contiguous().view(torch.int64), batch.group], dim=1)  # rewards' bits travel exactly
+    everyone, offset, n = _all_gather_rows(rows, process_group)
+    rewards = everyone[:, 0].view(torch.float64)
+    full = Batch(responses=everyone.new_zeros(everyone.shape[0], 0), mask=everyone.new_zeros(everyone.shape[0], 0, dtype=torch.bool),
+                 rewards=rewards, group=everyone[:, 1], group_labels=batch.group_labels)
+    return tb.rollout_advantage(full, merged.stats, config, None)[offset:offset + n]
+
+
+def _all_gather_rows(rows: Tensor, process_group: Any) -> tuple[Tensor, int, int]:
+    """Concatenation (in rank order) of every rank's int64 ``[n_r, k]`` rows, this rank's offset in
+    it and its row count."""
+    world = dist.get_world_size(process_group)
+    count = torch.tensor([rows.shape[0]], dtype=torch.int64, device=rows.device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=process_group)
+    sizes = [int(c) for c in counts]
+    rank = dist.get_rank(process_group)
+    offset = sum(sizes[:rank])
+    if max(sizes) == 0:
+        return rows, offset, rows.shape[0]
+    padded = rows.new_zeros(max(sizes), rows.shape[1])
+    padded[: rows.shape[0]] = rows
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=process_group)
+    return torch.cat([p[:s] for p, s in zip(parts, sizes)]), offset, rows.shape[0]

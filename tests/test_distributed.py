@@ -1,0 +1,134 @@
+"""Data-parallel KTAE: 2 CPU ranks over gloo give, for each rank's rows, exactly the one-process result
+on the concatenated batch (groups split unevenly across ranks, string uids, different lengths)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from cases import adversarial_cases, random_cases
+from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
+from ktae_kernels.types import KeyTokenScores
+
+WORLD = 2
+CONFIGS = {
+    "default": KTAEConfig(),
+    "upstream-ignore": KTAEConfig(fisher="upstream", ignore_token_ids=(3, 5)),
+    "mean-no-tf": KTAEConfig(baseline="mean", use_tf=False, weight=0.5, correct_threshold=0.5),
+    "none": KTAEConfig(baseline="none"),
+}
+
+
+def _uids(index: torch.Tensor, rng: np.random.Generator) -> np.ndarray:
+    """verl-style object array of random uid strings, one per group id."""
+    names = {int(g): f"{rng.integers(1 << 30):08x}-{int(g)}" for g in index.unique()}
+    return np.array([names[int(g)] for g in index], dtype=object)
+
+
+def _shards():
+    """Named (rows of rank 0, rows of rank 1) splits: uneven cuts through groups, interleaved groups,
+    one rank without rows, and different padded lengths per rank."""
+    rng = np.random.default_rng(7)
+    named = {name: rest for name, *rest in random_cases(seed=3, small=True) + adversarial_cases(small=True)}
+    out = []
+    for name in ("G4-mixed-shuffled", "G16-zipf", "G2-small-vocab", "one-rollout-groups",
+                 "all-correct-and-all-wrong-groups", "graded-rewards", "token-ids-near-2^31", "fisher-ties"):
+        r, m, w, i = named[name]
+        uid = _uids(i, rng)
+        cut = int(rng.integers(1, r.shape[0]))
+        a, b = slice(0, cut), slice(cut, None)
+        out.append((f"{name}-cut{cut}", (r[a], m[a], w[a], uid[a]), (r[b], m[b], w[b], uid[b])))
+    r, m, w, i = named["G4-mixed-shuffled"]
+    uid = _uids(i, rng)
+    out.append(("rank1-empty", (r, m, w, uid), (r[:0], m[:0], w[:0], uid[:0])))
+    short = 10  # rank 0 pads its rows to 10 tokens, rank 1 to the full length
+    r, m, w, i = named["G16-zipf"]
+    uid = _uids(i, rng)
+    out.append(("different-lengths", (r[:20, :short], m[:20, :short], w[:20], uid[:20]), (r[20:], m[20:], w[20:], uid[20:])))
+    return out
+
+
+SHARDS = _shards()
+
+
+def _concat(shard0, shard1):
+    """The one-process batch: rank 0's rows then rank 1's, padded to the longer length."""
+    L = max(shard0[0].shape[1], shard1[0].shape[1])
+    pad = lambda t: torch.nn.functional.pad(t, (0, L - t.shape[1]))  # noqa: E731
+    return (torch.cat([pad(shard0[0]), pad(shard1[0])]), torch.cat([pad(shard0[1]), pad(shard1[1])]),
+            torch.cat([shard0[2], shard1[2]]), np.concatenate([shard0[3], shard1[3]]))
+
+
+def _given(rewards: torch.Tensor) -> torch.Tensor:
+    return rewards.double() * 0.25 - 0.1
+
+
+def _worker(rank: int, store: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    results = {}
+    for name, *shards in SHARDS:
+        r, m, w, uid = shards[rank]
+        for cname, config in CONFIGS.items():
+            adv = token_advantage(r, m, w, uid, config=config, process_group=dist.group.WORLD)
+            kts = key_token_scores(r, m, w, uid, config=config, process_group=dist.group.WORLD)
+            results[name, cname] = (adv, dataclasses.asdict(kts))
+        given = token_advantage(r, m, w, uid, rollout_advantage=_given(w), process_group=dist.group.WORLD)
+        results[name, "given"] = (given, None)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    mp.spawn(_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{k}.pt", weights_only=False) for k in range(WORLD)]
+
+
+def _restrict(full: KeyTokenScores, groups: torch.Tensor) -> dict:
+    keep = torch.isin(full.group, groups)
+    row = {f.name: getattr(full, f.name)[keep] for f in dataclasses.fields(full)
+           if isinstance(getattr(full, f.name), torch.Tensor) and getattr(full, f.name).shape == full.group.shape}
+    return row
+
+
+@pytest.mark.parametrize("shard", SHARDS, ids=[s[0] for s in SHARDS])
+def test_two_ranks_equal_one_process(rank_results, shard):
+    name, shard0, shard1 = shard
+    r, m, w, uid = _concat(shard0, shard1)
+    rows = [range(0, shard0[0].shape[0]), range(shard0[0].shape[0], r.shape[0])]
+    for cname, config in CONFIGS.items():
+        adv = token_advantage(r, m, w, uid, config=config)
+        full = key_token_scores(r, m, w, uid, config=config)
+        for rank, own in enumerate(rows):
+            got, kts = rank_results[rank][name, cname]
+            L = got.shape[1]
+            assert torch.equal(got, adv[own.start:own.stop, :L]), (cname, rank)
+            assert list(kts["group_labels"]) == list(full.group_labels)
+            for key in ("n_c", "n_w", "T_c", "T_w"):
+                assert torch.equal(kts[key], getattr(full, key)), (cname, rank, key)
+            own_groups = torch.unique(torch.as_tensor(np.searchsorted(full.group_labels, uid[own.start:own.stop]), dtype=torch.int64))
+            for key, value in _restrict(full, own_groups).items():
+                assert torch.equal(kts[key], value), (cname, rank, key)
+    given = token_advantage(r, m, w, uid, rollout_advantage=_given(w))
+    for rank, own in enumerate(rows):
+        got, _ = rank_results[rank][name, "given"]
+        assert torch.equal(got, given[own.start:own.stop, :got.shape[1]])
+
+
+def test_process_group_refuses_other_backends():
+    r, m, w, i = random_cases(small=True)[0][1:]
+    with pytest.raises(ValueError, match="backend"):
+        token_advantage(r, m, w, i, backend="reference", process_group=object())
+
+
+def test_process_group_needs_initialised_distributed():
+    r, m, w, i = random_cases(small=True)[0][1:]
+    with pytest.raises(ValueError, match="init_process_group"):
+        key_token_scores(r, m, w, i, process_group=object())
