@@ -1,0 +1,170 @@
+"""Realistic synthetic training batches for the benchmarks (any device, seeded).
+
+A batch looks like a DAPO/GRPO step of a Qwen2.5-Math model: ``prompts`` groups of ``G`` rollouts,
+responses of ragged length right-padded to ``L`` with the pad id, a mask that is a prefix of ones.
+
+- Token ids follow a truncated Zipf law over the vocabulary (frequency of rank ``r`` ~ ``r^-s``,
+  ``s = 1.2``), mixed with a per-prompt "topic" vocabulary (a quarter of the tokens come from 512
+  ids drawn for that prompt, Zipf within), so a group holds a few thousand distinct ids, as real
+  responses to one problem do. Ranks map to ids through a fixed random permutation of the vocabulary.
+- Lengths are log-normal around ``0.35 L`` (about 7% reach ``L`` and are truncated); a finished
+  response ends with the end-of-turn id, and positions after it hold the pad id (masked out).
+- Rewards are 1 (correct) or 0; each prompt draws its own accuracy from Beta(0.6, 0.6), so some
+  groups are all-correct or all-wrong (scored 0 by KTAE) as in real batches.
+
+Token ids are drawn with torch on the target device, in chunks of 64 prompts each from its own
+seed (the first groups do not depend on how many are drawn); lengths and rewards are drawn on the
+host with numpy, so ``batch_tokens`` counts a batch's real tokens without drawing it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+#: Qwen2.5 vocabulary size (the paper's setting).
+QWEN_VOCAB = 151_936
+#: Qwen2.5's <|endoftext|> (verl's pad id for Qwen) and <|im_end|> (end of an assistant turn).
+PAD_ID = 151_643
+EOS_ID = 151_645
+#: size of each prompt's topic vocabulary and the share of tokens drawn from it.
+TOPIC_IDS = 512
+TOPIC_SHARE = 0.25
+#: prompts drawn per chunk (each chunk from its own seed).
+CHUNK_PROMPTS = 64
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A benchmark shape: ``prompts`` groups of ``G`` rollouts, responses padded to ``L``."""
+
+    G: int
+    prompts: int
+    L: int
+
+    @property
+    def B(self) -> int:
+        return self.G * self.prompts
+
+    @property
+    def positions(self) -> int:
+        """``B * L``: entries of the ``[B, L]`` tensors."""
+        return self.B * self.L
+
+    def __str__(self) -> str:
+        return f"G={self.G} P={self.prompts} L={self.L}"
+
+
+@dataclass(frozen=True)
+class BenchBatch:
+    """responses int64 ``[B, L]``, mask bool ``[B, L]``, rewards float32 ``[B]``, index int64 ``[B]``
+    (rows of one prompt are contiguous: ``index = arange(prompts).repeat_interleave(G)``)."""
+
+    shape: Shape
+    responses: Tensor
+    mask: Tensor
+    rewards: Tensor
+    index: Tensor
+    _host: list = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def tokens(self) -> int:
+        """Real (masked) response tokens."""
+        return int(self.mask.sum())
+
+    def first_groups(self, k: int) -> "BenchBatch":
+        """The batch restricted to its first ``k`` prompts (views, no copy; a host copy made
+        earlier by ``on_host`` is restricted too)."""
+        rows = k * self.shape.G
+        host = [self._host[0].first_groups(k)] if self._host else []
+        return BenchBatch(Shape(self.shape.G, k, self.shape.L), self.responses[:rows], self.mask[:rows],
+                          self.rewards[:rows], self.index[:rows], host)
+
+    def on_host(self) -> "BenchBatch":
+        """This batch on the CPU: itself there, else a copy made once and kept."""
+        if self.responses.device.type == "cpu":
+            return self
+        if not self._host:
+            self._host.append(BenchBatch(self.shape, self.responses.cpu(), self.mask.cpu(), self.rewards.cpu(),
+                                         self.index.cpu()))
+        return self._host[0]
+
+    def args(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(responses, mask, rewards, index)`` as ``token_advantage`` takes them."""
+        return self.responses, self.mask, self.rewards, self.index
+
+
+def make_batch(shape: Shape, *, prompts: int | None = None, vocab: int = QWEN_VOCAB, seed: int = 0,
+               device: str | torch.device = "cpu", zipf_s: float = 1.2) -> BenchBatch:
+    """A seeded synthetic batch of ``shape`` on ``device`` (see the module docstring).
+
+    ``prompts``: materialise only the first ``prompts`` groups of the shape (all by default). The
+    batch is drawn in chunks of ``CHUNK_PROMPTS`` prompts, each from its own seed, so the first
+    groups are the same whether the rest is drawn or not.
+    """
+    if shape.G < 1 or shape.prompts < 1 or shape.L < 1:
+        raise ValueError(f"`shape` must have G, prompts, L >= 1, got {shape}")
+    if vocab <= EOS_ID:
+        raise ValueError(f"`vocab` must exceed the special ids ({EOS_ID}), got {vocab}")
+    prompts = shape.prompts if prompts is None else prompts
+    if not 1 <= prompts <= shape.prompts:
+        raise ValueError(f"`prompts` must be in [1, {shape.prompts}], got {prompts}")
+    device = torch.device(device)
+    out = Shape(shape.G, prompts, shape.L)
+    rank_to_id = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)).to(device)
+    responses = torch.empty((out.B, out.L), dtype=torch.int64, device=device)
+    lengths, rewards = _lengths_and_rewards(shape, seed)
+    for first in range(0, prompts, CHUNK_PROMPTS):  # whole chunks of the shape, cut to `prompts`
+        gen = torch.Generator(device=device).manual_seed(_chunk_seed(seed, first // CHUNK_PROMPTS))
+        chunk = _chunk_tokens(min(CHUNK_PROMPTS, shape.prompts - first), shape.G, shape.L, rank_to_id, vocab,
+                              zipf_s, gen, device)
+        rows = min(first + CHUNK_PROMPTS, prompts) * shape.G - first * shape.G
+        responses[first * shape.G: first * shape.G + rows] = chunk[:rows]
+    lengths = torch.as_tensor(lengths[: out.B], device=device)
+    mask = torch.arange(out.L, device=device)[None, :] < lengths[:, None]
+    finished = lengths < out.L
+    responses[finished, lengths[finished] - 1] = EOS_ID
+    responses.masked_fill_(~mask, PAD_ID)
+    index = torch.arange(out.B, device=device) // shape.G
+    return BenchBatch(out, responses, mask, torch.as_tensor(rewards[: out.B], device=device), index)
+
+
+def batch_tokens(shape: Shape, seed: int = 0) -> int:
+    """Real (masked) tokens of ``make_batch(shape, seed=seed)``, without drawing the tokens."""
+    return int(_lengths_and_rewards(shape, seed)[0].sum())
+
+
+def _chunk_seed(seed: int, chunk: int) -> int:
+    return int(np.random.SeedSequence([seed, chunk]).generate_state(1)[0])
+
+
+def _chunk_tokens(prompts: int, G: int, L: int, rank_to_id: Tensor, vocab: int, zipf_s: float,
+                  gen: torch.Generator, device: torch.device) -> Tensor:
+    """int64 ``[prompts * G, L]`` token ids: global Zipf, a quarter from each prompt's topic ids."""
+    B = prompts * G
+    topic = torch.randint(0, vocab, (prompts, TOPIC_IDS), generator=gen, device=device)
+    tokens = rank_to_id[_zipf_ranks((B, L), vocab, zipf_s, gen, device)]
+    from_topic = torch.rand((B, L), generator=gen, device=device) < TOPIC_SHARE
+    prompt_of_row = torch.arange(B, device=device) // G
+    topic_ids = topic[prompt_of_row[:, None], _zipf_ranks((B, L), TOPIC_IDS, zipf_s, gen, device)]
+    return torch.where(from_topic, topic_ids, tokens)
+
+
+def _lengths_and_rewards(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """int64 lengths in ``[1, L]`` (log-normal, median ``0.35 L``, sigma 0.7) and float32 0/1 rewards
+    (each prompt's accuracy ~ Beta(0.6, 0.6)), ``[B]`` each, drawn on the host."""
+    rng = np.random.default_rng([seed, shape.G, shape.prompts, shape.L])
+    lengths = np.clip(np.round(np.exp(np.log(0.35 * shape.L) + 0.7 * rng.standard_normal(shape.B))), 1, shape.L)
+    accuracy = np.repeat(rng.beta(0.6, 0.6, shape.prompts), shape.G)
+    rewards = (rng.random(shape.B) < accuracy).astype(np.float32)
+    return lengths.astype(np.int64), rewards
+
+
+def _zipf_ranks(size: tuple[int, int], n: int, s: float, gen: torch.Generator, device: torch.device) -> Tensor:
+    """int64 ranks in ``[0, n)`` with ``P(r) ~ (r + 1)^-s`` (inverse CDF of a truncated Pareto, floored)."""
+    u = torch.rand(size, generator=gen, device=device)
+    tail = 1.0 - n ** (1.0 - s)
+    x = (1.0 - u * tail).pow_(-1.0 / (s - 1.0))
+    return x.floor_().clamp_(1, n).to(torch.int64).sub_(1)
