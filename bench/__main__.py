@@ -1,0 +1,140 @@
+"""``python -m bench``: time every available backend against the scipy reference and the
+upstream-style loop on a grid of realistic batches; print a table, write JSON and a PNG.
+
+Examples::
+
+    python -m bench                       # default grid on this machine (CUDA if present)
+    python -m bench --quick               # a 1-minute smoke run
+    python -m bench --device cuda --sweep --backends torch,triton,cuda
+    python -m bench --full --repeats 10   # no caps (hours on a CPU)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+import ktae_kernels
+from bench import data
+from bench.contenders import ALL_NAMES, BENCH_CONFIG, UPSTREAM
+from bench.data import Shape
+from bench.grid import PRESETS, budget_for
+from bench.machine import machine_info, machine_slug, today
+from bench.paper import copy_bandwidth_gb_s, format_paper_summary, paper_summary
+from bench.report import format_table, plot, result_json, write_json
+from bench.runner import run_grid
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available, else cpu)")
+    p.add_argument("--backends", default=None,
+                   help=f"comma-separated subset of {','.join(ALL_NAMES)} (default: every one available here)")
+    grid = p.add_mutually_exclusive_group()
+    grid.add_argument("--preset", choices=sorted(PRESETS), default="default", help="shape grid (default: default)")
+    grid.add_argument("--quick", dest="preset", action="store_const", const="quick", help="small grid, about a minute")
+    grid.add_argument("--full", dest="preset", action="store_const", const="full", help="default grid, no caps")
+    grid.add_argument("--sweep", dest="preset", action="store_const", const="sweep",
+                      help="G=16, B=256..65536, L=512..8192 (for GPUs)")
+    p.add_argument("--shape", action="append", type=_shape, metavar="GxPxL",
+                   help="run these shapes instead of a preset (repeatable), e.g. --shape 16x1024x3072")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per cell, at most (default 5)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice, usually one per core)")
+    p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output folder (default {RESULTS_DIR})")
+    p.add_argument("--tag", default="", help="extra suffix of the output file names")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    return args
+
+
+def _shape(text: str) -> Shape:
+    try:
+        G, P, L = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GxPxL (e.g. 16x1024x3072), got {text!r}") from None
+    if min(G, P, L) < 1:
+        raise argparse.ArgumentTypeError(f"G, P and L must be >= 1, got {text!r}")
+    return Shape(G, P, L)
+
+
+def default_backends(device: torch.device) -> list[str]:
+    """The upstream-style loop and every library backend available on ``device`` (Triton on CUDA only)."""
+    names = set(ktae_kernels.available_backends(device)) | {UPSTREAM}
+    if device.type != "cuda":
+        names.discard("triton")
+    return [n for n in ALL_NAMES if n in names]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here", file=sys.stderr)
+        return 2
+    names = default_backends(device) if args.backends is None else [n.strip() for n in args.backends.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL_NAMES]
+    if unknown:
+        print(f"--backends: unknown {unknown}; choose from {','.join(ALL_NAMES)}", file=sys.stderr)
+        return 2
+    budget = budget_for(device.type, args.preset)
+    shapes = tuple(args.shape) if args.shape else PRESETS[args.preset]
+    grid_name = "custom" if args.shape else args.preset
+    stem = f"{machine_slug(device)}-{today()}" + ("" if grid_name == "default" else f"-{grid_name}") + \
+        (f"-{args.tag}" if args.tag else "")
+    print(f"ktae_kernels bench: {len(shapes)} shapes x {names} on {device} ({grid_name} grid); results -> {args.out}/{stem}.*")
+
+    start = time.perf_counter()
+    results = run_grid(shapes, names, device, budget, args.repeats, args.seed, progress=not args.no_progress)
+    copy_gb_s = copy_bandwidth_gb_s(device, gbytes=4.0 if device.type == "cuda" else 1.0)
+    wall = time.perf_counter() - start
+    paper = paper_summary(results, copy_gb_s)
+
+    print()
+    print(format_table(results))
+    print()
+    print(format_paper_summary(paper))
+    print(f"\nwall time {wall:.0f} s")
+
+    payload = {
+        "schema": "ktae_kernels.bench/1",
+        "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine_info(device),
+        "settings": {
+            "preset": grid_name, "shapes": [str(sh) for sh in shapes], "device": str(device), "backends": names, "repeats": args.repeats,
+            "seed": args.seed, "budget": asdict(budget), "vocab": data.QWEN_VOCAB,
+            "config": repr(BENCH_CONFIG), "upstream_config": "same, fisher='upstream'",
+            "data": data.__doc__.strip(),
+            "timing": "wall clock around a synchronised token_advantage call; inputs already on the device; "
+                      "seconds = median of the timed runs (scaled by prompts / groups_measured when extrapolated)",
+        },
+        "results": result_json(results),
+        "paper_batch": paper,
+        "copy_gb_s": copy_gb_s,
+        "wall_time_s": wall,
+    }
+    write_json(args.out / f"{stem}.json", payload)
+    if not args.no_plot:
+        plot(results, args.out / f"{stem}.png", f"ktae_kernels on {payload['machine']['gpu']['name'] if device.type == 'cuda' else payload['machine']['cpu_model']}"
+             f" ({payload['machine']['cpu_cores']} cores), {today()}, {grid_name} grid")
+    print(f"wrote {args.out / stem}.json" + ("" if args.no_plot else f" and {args.out / stem}.png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

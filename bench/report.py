@@ -1,0 +1,160 @@
+"""Results as a text table, a JSON document and a PNG plot.
+
+Columns: ``time`` is the median wall time of the whole batch (``~``: extrapolated from the first
+groups); ``Mtok/s`` counts real (masked) response tokens; ``x ref`` / ``x upstream`` are the
+speed-ups against the scipy reference and the upstream-style loop on the same batch (``~`` when
+either side is extrapolated); ``max|d| ref`` is the largest difference from the reference's
+advantages on the groups both ran.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from bench.contenders import UPSTREAM
+from bench.runner import Result
+
+COLUMNS = ("G", "P", "L", "tokens", "backend", "time", "Mtok/s", "x ref", "x upstream", "max|d| ref", "note")
+
+
+def speedups(results: list[Result]) -> dict[tuple, dict[str, float | None]]:
+    """``(shape, backend) -> {"vs_reference", "vs_upstream", "extrapolated"}``, None where a side is missing."""
+    by_key = {(r.shape, r.backend): r for r in results}
+    out = {}
+    for r in results:
+        row: dict = {"extrapolated": r.extrapolated}
+        for key, base in (("vs_reference", "reference"), ("vs_upstream", UPSTREAM)):
+            b = by_key.get((r.shape, base))
+            ok = r.seconds is not None and b is not None and b.seconds is not None
+            row[key] = b.seconds / r.seconds if ok else None
+            row["extrapolated"] |= bool(ok and b.extrapolated)
+        out[(r.shape, r.backend)] = row
+    return out
+
+
+def format_time(seconds: float | None) -> str:
+    """Seconds as ``812 us``, ``12.3 ms``, ``4.56 s`` or ``2,260 s``."""
+    if seconds is None:
+        return "-"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1:
+        return f"{seconds * 1e3:.3g} ms"
+    return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:,.0f} s"
+
+
+def format_ratio(value: float) -> str:
+    """``0.25x``, ``63.2x`` or ``1,130x``."""
+    return f"{value:.3g}x" if value < 1000 else f"{value:,.0f}x"
+
+
+def _speedup(value: float | None, extrapolated: bool) -> str:
+    return "-" if value is None else ("~" if extrapolated else "") + format_ratio(value)
+
+
+def format_table(results: list[Result]) -> str:
+    """A fixed-width text table, long notes moved to numbered footnotes."""
+    ups = speedups(results)
+    notes: list[str] = []
+    rows = []
+    for r in results:
+        sp = ups[(r.shape, r.backend)]
+        note = ""
+        if r.note:
+            if r.note not in notes:
+                notes.append(r.note)
+            note = f"[{notes.index(r.note) + 1}]"
+        time = ("~" if r.extrapolated else "") + format_time(r.seconds) if r.status == "ok" else r.status
+        rate = f"{r.tokens_per_s / 1e6:.3g}" if r.tokens_per_s else "-"
+        diff = f"{r.max_abs_diff_vs_reference:.1e}" if r.max_abs_diff_vs_reference is not None else "-"
+        rows.append((str(r.shape.G), str(r.shape.prompts), str(r.shape.L), f"{r.tokens:,}" if r.tokens else "-",
+                     r.backend, time, rate, _speedup(sp["vs_reference"], sp["extrapolated"]),
+                     _speedup(sp["vs_upstream"], sp["extrapolated"]), diff, note))
+    widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
+    line = lambda cells: "  ".join(c.rjust(w) if i < 4 or 5 <= i <= 9 else c.ljust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+    out = [line(COLUMNS), line(tuple("-" * w for w in widths))]
+    previous = None
+    for r, row in zip(results, rows):
+        if previous is not None and r.shape != previous:
+            out.append("")
+        out.append(line(row))
+        previous = r.shape
+    out += ["", "~ = extrapolated linearly from the first groups of the batch (per-group Python loops)."]
+    out += [f"[{i + 1}] {n}" for i, n in enumerate(notes)]
+    return "\n".join(out)
+
+
+def result_json(results: list[Result]) -> list[dict]:
+    """JSON-ready rows, speed-ups included."""
+    ups = speedups(results)
+    rows = []
+    for r in results:
+        sp = ups[(r.shape, r.backend)]
+        rows.append({
+            "G": r.shape.G, "prompts": r.shape.prompts, "L": r.shape.L, "B": r.shape.B,
+            "positions": r.shape.positions, "tokens": r.tokens, "backend": r.backend, "status": r.status,
+            "note": r.note, "seconds": r.seconds, "extrapolated": r.extrapolated, "groups_measured": r.groups,
+            "samples_s": r.samples_s, "tokens_per_s": r.tokens_per_s,
+            "speedup_vs_reference": sp["vs_reference"], "speedup_vs_upstream": sp["vs_upstream"],
+            "speedup_extrapolated": sp["extrapolated"],
+            "max_abs_diff_vs_reference": r.max_abs_diff_vs_reference,
+        })
+    return rows
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """``payload`` as indented JSON (NaN/inf written as null)."""
+    def clean(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(clean(payload), indent=1) + "\n", encoding="utf-8")
+
+
+def plot(results: list[Result], path: Path, title: str) -> None:
+    """Time vs real tokens per backend (left) and speed-up over the upstream-style loop (right);
+    hollow markers are extrapolated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ups = speedups(results)
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 5))
+    names = list(dict.fromkeys(r.backend for r in results))
+    for i, name in enumerate(names):
+        rows = sorted((r for r in results if r.backend == name and r.seconds), key=lambda r: r.tokens)
+        if not rows:
+            continue
+        color = f"C{i}"
+        ax_t.plot([r.tokens for r in rows], [r.seconds for r in rows], "-", color=color, alpha=0.4)
+        for r in rows:
+            ax_t.plot(r.tokens, r.seconds, "o", color=color, mfc="none" if r.extrapolated else color)
+        ax_t.plot([], [], "o-", color=color, label=name)
+        if name != UPSTREAM:
+            pts = [(r.tokens, ups[(r.shape, name)]) for r in rows if ups[(r.shape, name)]["vs_upstream"]]
+            for tok, sp in pts:
+                ax_s.plot(tok, sp["vs_upstream"], "o", color=color, mfc="none" if sp["extrapolated"] else color)
+            if pts:
+                ax_s.plot([], [], "o", color=color, label=name)
+    ax_t.set(xscale="log", yscale="log", xlabel="real response tokens in the batch", ylabel="median time (s)",
+             title="token_advantage end to end")
+    ax_s.axhline(100, color="grey", ls="--", lw=1, label="100x target")
+    ax_s.set(xscale="log", yscale="log", xlabel="real response tokens in the batch",
+             ylabel="speed-up over the upstream-style loop", title="speed-up (hollow: extrapolated)")
+    for ax in (ax_t, ax_s):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,100 @@
+"""Timing of one contender on one batch: wall clock around a synchronised call, median of runs.
+
+Vectorised contenders run on the whole batch: one untimed warm-up (on CUDA, or when the batch is
+small), then up to ``repeats`` timed runs, stopping early once ``sample_budget_s`` is spent.
+Per-group contenders (Python loops over groups) run on the first ``k`` groups (at least 4, more
+while the runs fit ``loop_budget_s``), and their time is scaled by ``prompts / k``: marked
+extrapolated when ``k < prompts``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from bench.contenders import Contender
+from bench.data import BenchBatch
+
+#: CPU batches up to this many positions get an untimed warm-up run.
+CPU_WARMUP_POSITIONS = 4_000_000
+#: per-group contenders always run on at least this many groups (when the batch has them).
+MIN_GROUPS = 4
+
+
+@dataclass(frozen=True)
+class Timing:
+    """samples_s: wall times of the measured runs (on ``groups`` of the batch's groups);
+    seconds: the median scaled to the whole batch; output: the last run's output (on ``groups``)."""
+
+    samples_s: list[float]
+    groups: int
+    seconds: float
+    extrapolated: bool
+    output: Tensor
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device`` (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Tensor], device: torch.device) -> tuple[float, Tensor]:
+    """Seconds of one synchronised call of ``fn`` and its output."""
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def _samples(fn: Callable[[], Tensor], device: torch.device, repeats: int, budget_s: float,
+             first: tuple[float, Tensor] | None = None) -> tuple[list[float], Tensor]:
+    """Up to ``repeats`` timed calls (``first`` counts as one), at least one, stopping when
+    ``budget_s`` is spent."""
+    samples, out = ([first[0]], first[1]) if first else ([], None)
+    while not samples or (len(samples) < repeats and sum(samples) < budget_s):
+        seconds, out = timed(fn, device)
+        samples.append(seconds)
+    return samples, out
+
+
+def measure_vectorised(contender: Contender, batch: BenchBatch, device: torch.device, repeats: int,
+                       sample_budget_s: float) -> Timing:
+    """Whole-batch timing of a vectorised contender."""
+    contender.prepare(batch)
+    fn = lambda: contender.run(batch)  # noqa: E731
+    if device.type == "cuda" or batch.shape.positions <= CPU_WARMUP_POSITIONS:
+        timed(fn, device)
+    samples, out = _samples(fn, device, repeats, sample_budget_s)
+    return Timing(samples, batch.shape.prompts, statistics.median(samples), False, out)
+
+
+def measure_per_group(contender: Contender, batch: BenchBatch, prompts: int, device: torch.device, repeats: int,
+                      loop_budget_s: float) -> Timing:
+    """Timing of a per-group contender on the first ``k`` groups of ``batch``, scaled to ``prompts``
+    groups (the whole shape; ``batch`` may hold only its first groups).
+
+    The first ``MIN_GROUPS`` groups run first; ``k`` then grows (at most 8x a step) while a run on
+    ``k`` groups fits the budget left; runs on the final ``k`` groups repeat within the budget and
+    are the samples. Groups are drawn independently, so the first ``k`` are a fair sample.
+    """
+    available = batch.shape.prompts
+    k, spent, samples = 0, 0.0, []
+    grow_to = min(available, MIN_GROUPS)
+    while grow_to > k:
+        k = grow_to
+        sub = batch.first_groups(k)
+        contender.prepare(sub)
+        seconds, out = timed(lambda: contender.run(sub), device)
+        spent, samples = spent + seconds, [seconds]
+        grow_to = min(available, 8 * k, int((loop_budget_s - spent) * k / max(seconds, 1e-9)))
+    while len(samples) < repeats and spent + samples[-1] <= loop_budget_s:
+        seconds, out = timed(lambda: contender.run(sub), device)
+        spent += seconds
+        samples.append(seconds)
+    return Timing(samples, k, statistics.median(samples) * prompts / k, k < prompts, out)
