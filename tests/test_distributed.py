@@ -1,5 +1,6 @@
 """Data-parallel KTAE: 2 CPU ranks over gloo give, for each rank's rows, exactly the one-process result
-on the concatenated batch (groups split unevenly across ranks, string uids, different lengths)."""
+on the concatenated batch (groups split unevenly across ranks, string uids, different lengths), also
+in TRL's gathered layout (``ktae_kernels.integrations.gathered``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +14,7 @@ import torch.multiprocessing as mp
 
 from cases import adversarial_cases, random_cases
 from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
+from ktae_kernels.integrations.gathered import grpo_token_advantages
 from ktae_kernels.types import KeyTokenScores
 
 WORLD = 2
@@ -68,6 +70,31 @@ def _given(rewards: torch.Tensor) -> torch.Tensor:
     return rewards.double() * 0.25 - 0.1
 
 
+TRL_G, TRL_ROWS = 4, 9  # 2 processes x 9 rows: groups of 4 straddle the processes
+
+
+def _trl_layout(seed: int = 5):
+    """A gathered TRL batch: ids, loss mask, rewards per function (NaN: not scored; row 7 unscorable),
+    reward weights, TRL's per-rollout advantages."""
+    rng = np.random.default_rng(seed)
+    n, T = WORLD * TRL_ROWS, 12
+    ids = torch.as_tensor(rng.integers(3, 20, size=(n, T)))
+    mask = (torch.arange(T)[None, :] < torch.as_tensor(rng.integers(1, T + 1, size=n))[:, None]).long()
+    per_func = torch.as_tensor(rng.integers(0, 2, size=(n, 2)), dtype=torch.float32)
+    per_func[:, 1] = torch.where(torch.as_tensor(rng.random(n) < 0.5), torch.nan, per_func[:, 1])
+    per_func[7] = torch.nan
+    return ids, mask, per_func, torch.tensor([1.0, 0.5]), torch.as_tensor(rng.normal(size=n), dtype=torch.float32)
+
+
+def _trl_advantages(rank: int | None, process_group=None) -> dict:
+    """Both rollout-advantage modes for one process's rows (all rows when ``rank`` is None)."""
+    ids, mask, per_func, weights, trl_adv = _trl_layout()
+    own = slice(None) if rank is None else slice(rank * TRL_ROWS, (rank + 1) * TRL_ROWS)
+    return {name: grpo_token_advantages(ids[own], mask[own], per_func, weights, given, process_index=rank or 0,
+                                        num_generations=TRL_G, config=KTAEConfig(), process_group=process_group)
+            for name, given in (("trl", trl_adv[own]), ("ktae", None))}
+
+
 def _worker(rank: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     torch.set_num_threads(1)
@@ -80,6 +107,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
             results[name, cname] = (adv, dataclasses.asdict(kts))
         given = token_advantage(r, m, w, uid, rollout_advantage=_given(w), process_group=dist.group.WORLD)
         results[name, "given"] = (given, None)
+    results["trl-layout"] = _trl_advantages(rank, dist.group.WORLD)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -120,6 +148,15 @@ def test_two_ranks_equal_one_process(rank_results, shard):
     for rank, own in enumerate(rows):
         got, _ = rank_results[rank][name, "given"]
         assert torch.equal(got, given[own.start:own.stop, :got.shape[1]])
+
+
+def test_trl_layout_groups_split_across_processes(rank_results):
+    one = _trl_advantages(None)
+    for name, expected in one.items():
+        got = torch.cat([rank_results[k]["trl-layout"][name] for k in range(WORLD)])
+        assert torch.equal(got, expected), name
+        assert torch.all(expected[7] == 0)  # the unscorable rollout
+    assert not torch.equal(one["trl"], one["ktae"])
 
 
 def test_process_group_refuses_other_backends():

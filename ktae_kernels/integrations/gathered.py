@@ -1,0 +1,42 @@
+"""Advantages in the layout of frameworks that gather every process's rewards and form groups of
+``num_generations`` consecutive rows of the gathered batch (TRL's ``GRPOTrainer``).
+
+Kept free of framework imports so it can run (and be tested) anywhere.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..api import token_advantage
+from ..config import KTAEConfig
+
+
+def grpo_token_advantages(completion_ids: Tensor, loss_mask: Tensor, rewards_per_func: Tensor, reward_weights: Tensor,
+                          advantages: Tensor | None, *, process_index: int, num_generations: int,
+                          config: KTAEConfig, backend: str = "auto", process_group: Any = None) -> Tensor:
+    """float32 ``[B, T]`` KTAE advantages of this process's rows in TRL's layout.
+
+    Args:
+        completion_ids, loss_mask: this process's ``[B, T]`` completions and loss mask.
+        rewards_per_func: ``[N, n_funcs]`` rewards of all processes (TRL gathers them), NaN where a
+            function did not score; a row's reward is the weighted ``nansum``, as TRL logs it.
+        reward_weights: ``[n_funcs]``.
+        advantages: this process's ``[B]`` TRL rollout advantages, used as ``A_i``; None: ``config.baseline``.
+        process_index, num_generations: this process's slice is rows ``process_index * B ...`` of the
+            gathered batch, and a group is ``num_generations`` consecutive gathered rows.
+        process_group: the group of all processes when there are several, else None.
+    Rows that no reward function scored (all NaN) get advantage 0 and take no part in any group.
+    """
+    B = completion_ids.shape[0]
+    start = process_index * B
+    rows = torch.arange(start, start + B, device=completion_ids.device)
+    own = rewards_per_func[start:start + B]
+    unscorable = torch.isnan(own).all(dim=1)
+    rewards = (own * reward_weights.to(own.device).unsqueeze(0)).nansum(dim=1)
+    group = torch.where(unscorable, -(rows + 1), rows // num_generations)  # unscorable: a group of its own
+    mask = loss_mask.bool() & ~unscorable[:, None]
+    return token_advantage(completion_ids, mask, rewards, group, config=config, backend=backend,
+                           rollout_advantage=advantages, process_group=process_group)
