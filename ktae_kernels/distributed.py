@@ -13,7 +13,8 @@ scores and advantages. What travels, per call:
   group id (``all_gather`` of ``[B]``), so the group mean / std are summed in the one-process order.
 
 Tables and statistics use the torch backend's stages on the batch's device (CPU with gloo, CUDA
-with NCCL); the GPU backends are not used in this mode.
+with NCCL); the GPU backends are not used in this mode. Every rank must pass the same config, and
+either every rank or none a ``rollout_advantage`` (the collectives must match).
 """
 from __future__ import annotations
 

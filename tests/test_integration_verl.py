@@ -134,7 +134,7 @@ def test_v1_trainer_mode_fetches_responses(monkeypatch):
 
     trainers = importlib.import_module("ktae_kernels.integrations.verl_trainers")
     cls = trainer_base.get_trainer_cls("ktae_sync")
-    assert cls is trainers.KTAEPPOTrainerSync and issubclass(cls, ktae_verl.KTAEResponsesMixin)
+    assert cls is trainers.KTAEPPOTrainerSync and issubclass(cls, trainers.KTAEResponsesMixin)
     responses, mask, token_rewards, uid = _verl_batch(seed=2)
     lengths = mask.long().sum(1).tolist()
     nested = lambda t: torch.nested.as_nested_tensor([row[:n] for row, n in zip(t, lengths)], layout=torch.jagged)  # noqa: E731
