@@ -1,4 +1,77 @@
-"""Packaging; the metadata lives in pyproject.toml."""
+"""Packaging; the metadata lives in pyproject.toml. This file only adds the optional CUDA extension.
+
+``ktae_kernels._C`` (csrc/) is built when the build environment has torch with CUDA and a CUDA
+toolkit (nvcc), and skipped otherwise: the package then installs as pure Python and
+``backend="cuda"`` reports itself unavailable. pyproject's build requirements deliberately lack torch,
+so a default (isolated) ``pip install .`` never builds it and never pulls torch into the build.
+
+    KTAE_SKIP_CUDA_BUILD=1   never build the extension
+    KTAE_FORCE_CUDA_BUILD=1  build it, or fail with the reason
+
+GPU build, against the torch already installed:
+    TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation
+"""
+from __future__ import annotations
+
+import os
+import sys
+
 from setuptools import setup
 
-setup()
+#: the kernels use __match_any_sync: compute capability 7.0 or newer.
+MIN_ARCH = 7.0
+
+
+def _flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value not in ("", "0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"{name} must be 0 or 1, got {os.environ[name]!r}")
+    return value in ("1", "true", "yes", "on")
+
+
+def _build_problem() -> str | None:
+    """None when the extension can be built here, else the reason it cannot."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return ("torch is not importable in the build environment "
+                "(build with `pip install -e . --no-build-isolation` against an installed CUDA torch)")
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build"
+    if cpp_extension.CUDA_HOME is None:
+        return "no CUDA toolkit found (put nvcc on PATH or set CUDA_HOME)"
+    old = [a for a in os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").split()
+           if a[0].isdigit() and float(a.split("+")[0]) < MIN_ARCH]
+    if old:
+        return f"TORCH_CUDA_ARCH_LIST names {old}; the kernels need compute capability >= {MIN_ARCH}"
+    return None
+
+
+def _extension() -> dict:
+    """setup() arguments that build ktae_kernels._C, or none."""
+    skip, force = _flag("KTAE_SKIP_CUDA_BUILD"), _flag("KTAE_FORCE_CUDA_BUILD")
+    if skip and force:
+        raise ValueError("set at most one of KTAE_SKIP_CUDA_BUILD and KTAE_FORCE_CUDA_BUILD")
+    if skip:
+        print("ktae_kernels: KTAE_SKIP_CUDA_BUILD=1: not building the CUDA extension", file=sys.stderr)
+        return {}
+    problem = _build_problem()
+    if problem is not None:
+        if force:
+            raise RuntimeError(f"KTAE_FORCE_CUDA_BUILD=1 but the CUDA extension cannot be built: {problem}")
+        print(f"ktae_kernels: not building the CUDA extension: {problem}", file=sys.stderr)
+        return {}
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    extension = CUDAExtension(
+        name="ktae_kernels._C",
+        sources=["csrc/ktae.cpp", "csrc/ktae_kernels.cu"],
+        include_dirs=[os.path.join(here, "csrc")],
+        extra_compile_args={"cxx": ["-O3"], "nvcc": ["-O3", "-lineinfo"]},
+    )
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
+
+
+setup(**_extension())

@@ -1,0 +1,47 @@
+// The KTAE kernels built for the CPU emulator (cuda_on_cpu.h): the same ktae_kernels.cu, launched
+// block by block on host threads. Linked with ktae.cpp into a test-only extension whose tensors
+// live on the CPU (see tests/test_cuda_emulation.py). Not part of the installed package.
+#define KTAE_CPU_EMULATION
+#include "cuda_on_cpu.h"
+
+#include "../ktae_kernels.cu"
+
+namespace ktae {
+namespace {
+
+// The opt-in shared memory per block of an H100 / H200, so host-side sizing matches a real GPU.
+constexpr int64_t kEmulatedSharedBytes = 232448;
+constexpr int kBadLaunch = 1;
+
+template <int kMode>
+void run_mode(const KernelArgs& args, bool shared_table, int64_t n_blocks, int threads, int64_t shared_bytes) {
+  if (shared_table) {
+    ktae_emu::run([&] { group_kernel<kMode, true>(args); }, n_blocks, threads, shared_bytes);
+  } else {
+    ktae_emu::run([&] { group_kernel<kMode, false>(args); }, n_blocks, threads, shared_bytes);
+  }
+}
+
+}  // namespace
+
+int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
+                        int threads, int64_t shared_bytes, void* /*stream*/) {
+  if (threads <= 0 || threads % 32 != 0 || threads > kMaxThreads || shared_bytes < 0 ||
+      shared_bytes > kEmulatedSharedBytes || n_blocks <= 0) {
+    return kBadLaunch;
+  }
+  switch (mode) {
+    case kCount: run_mode<kCount>(args, shared_table, n_blocks, threads, shared_bytes); return 0;
+    case kRows: run_mode<kRows>(args, shared_table, n_blocks, threads, shared_bytes); return 0;
+    case kAdvantage: run_mode<kAdvantage>(args, shared_table, n_blocks, threads, shared_bytes); return 0;
+  }
+  return kBadLaunch;
+}
+
+const char* error_string(int code) {
+  return code == 0 ? "no error" : "invalid launch configuration (CPU emulator)";
+}
+
+int64_t max_shared_bytes(int /*device*/) { return kEmulatedSharedBytes; }
+
+}  // namespace ktae

@@ -1,0 +1,194 @@
+// Torch bindings of the KTAE group kernels: ktae_kernels._C.
+//
+// Checks every tensor's dtype, device, layout and shape, then launches one pass of the group kernel
+// (ktae_kernels.h). Free of CUDA headers: the caller passes the stream handle and sets the current
+// device (ktae_kernels/cuda.py does both), so this file also builds against a CPU-only torch and
+// links with the CPU emulator of the kernels for the tests.
+#include <torch/extension.h>
+
+#include <optional>
+#include <vector>
+
+#include "ktae_kernels.h"
+
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+void check(const Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
+           const at::Device& device) {
+  TORCH_CHECK(t.scalar_type() == dtype, "ktae_kernels._C: `", name, "` must be ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == device, "ktae_kernels._C: `", name, "` must be on ", device, ", got ",
+              t.device());
+  TORCH_CHECK(t.sizes() == shape, "ktae_kernels._C: `", name, "` must have shape ", shape, ", got ",
+              t.sizes());
+  TORCH_CHECK(t.is_contiguous(), "ktae_kernels._C: `", name, "` must be contiguous");
+}
+
+const Tensor& required(const OptTensor& t, const char* name, const char* when) {
+  TORCH_CHECK(t.has_value(), "ktae_kernels._C: `", name, "` is required ", when);
+  return *t;
+}
+
+template <class T>
+T* ptr(const Tensor& t) {
+  return t.numel() ? t.data_ptr<T>() : nullptr;
+}
+
+// One pass of the group kernel over the groups in `block_group` (see ktae_kernels.h for each
+// argument). Optional tensors are needed only by some modes / table kinds.
+void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tensor& mask,
+            const Tensor& members, const Tensor& starts, const Tensor& correct,
+            const Tensor& group_counts, const Tensor& log_fact, const Tensor& ignore_ids,
+            const Tensor& block_group, int64_t words, int64_t shared_capacity,
+            const OptTensor& ws_keys, const OptTensor& ws_counts, const OptTensor& ws_presence,
+            const OptTensor& ws_offset, const OptTensor& ws_capacity,
+            const std::vector<double>& params, bool use_tf, const Tensor& status,
+            const OptTensor& row_offset, const OptTensor& row_ints, const OptTensor& row_reals,
+            const OptTensor& base, const OptTensor& advantage, const OptTensor& given_token,
+            const OptTensor& given_score, int64_t threads, int64_t shared_bytes, int64_t stream) {
+  TORCH_CHECK(mode == ktae::kCount || mode == ktae::kRows || mode == ktae::kAdvantage,
+              "ktae_kernels._C: `mode` must be 0 (count), 1 (rows) or 2 (advantage), got ", mode);
+  const at::DeviceType kind = ktae::runs_on_cpu() ? at::kCPU : at::kCUDA;
+  TORCH_CHECK(responses.device().type() == kind, "ktae_kernels._C: tensors must be on ",
+              at::DeviceTypeName(kind), ", got ", responses.device());
+  TORCH_CHECK(responses.dim() == 2, "ktae_kernels._C: `responses` must be [B, L], got ", responses.sizes());
+  const at::Device device = responses.device();
+  const int64_t B = responses.size(0), L = responses.size(1);
+  const int64_t n_groups = starts.numel() - 1;
+  const int64_t n_blocks = block_group.numel();
+  TORCH_CHECK(n_groups >= 0, "ktae_kernels._C: `starts` must hold n_groups + 1 offsets");
+  check(responses, "responses", at::kLong, {B, L}, device);
+  check(mask, "mask", at::kBool, {B, L}, device);
+  check(members, "members", at::kLong, {B}, device);
+  check(starts, "starts", at::kLong, {n_groups + 1}, device);
+  check(correct, "correct", at::kBool, {B}, device);
+  check(group_counts, "group_counts", at::kLong, {4, n_groups}, device);
+  check(log_fact, "log_fact", at::kDouble, {log_fact.numel()}, device);
+  check(ignore_ids, "ignore_ids", at::kLong, {ignore_ids.numel()}, device);
+  check(block_group, "block_group", at::kLong, {n_blocks}, device);
+  check(status, "status", at::kLong, {n_groups}, device);
+  TORCH_CHECK(log_fact.numel() > 0, "ktae_kernels._C: `log_fact` must hold log(k!) for k = 0..G_max");
+  TORCH_CHECK(words >= 1, "ktae_kernels._C: `words` must be >= 1, got ", words);
+  TORCH_CHECK(params.size() == 6, "ktae_kernels._C: `params` must be [alpha, beta, k1, b, top, weight]");
+  TORCH_CHECK(threads >= 32 && threads <= ktae::kMaxThreads && threads % 32 == 0,
+              "ktae_kernels._C: `threads` must be a multiple of 32 in [32, ", ktae::kMaxThreads, "], got ", threads);
+
+  ktae::KernelArgs args{};
+  args.responses = ptr<int64_t>(responses);
+  args.mask = ptr<bool>(mask);
+  args.length = L;
+  args.members = ptr<int64_t>(members);
+  args.starts = ptr<int64_t>(starts);
+  args.correct = ptr<bool>(correct);
+  args.group_counts = ptr<int64_t>(group_counts);
+  args.n_groups = n_groups;
+  args.log_fact = ptr<double>(log_fact);
+  args.ignore_ids = ptr<int64_t>(ignore_ids);
+  args.n_ignore = ignore_ids.numel();
+  args.block_group = ptr<int64_t>(block_group);
+  args.words = static_cast<int32_t>(words);
+  args.alpha = params[0];
+  args.beta = params[1];
+  args.k1 = params[2];
+  args.bm25_b = params[3];
+  args.top = params[4];
+  args.weight = params[5];
+  args.use_tf = use_tf;
+  args.status = ptr<int64_t>(status);
+
+  if (shared_table) {
+    TORCH_CHECK(shared_capacity >= 2 && (shared_capacity & (shared_capacity - 1)) == 0,
+                "ktae_kernels._C: `shared_capacity` must be a power of two >= 2, got ", shared_capacity);
+    TORCH_CHECK(shared_bytes >= ktae::shared_table_bytes(shared_capacity, words),
+                "ktae_kernels._C: `shared_bytes` is too small for the shared table");
+    args.shared_capacity = shared_capacity;
+  } else {
+    const char* when = "for a global-memory table";
+    const Tensor& keys = required(ws_keys, "ws_keys", when);
+    const int64_t slots = keys.numel();
+    check(keys, "ws_keys", at::kInt, {slots}, device);
+    check(required(ws_counts, "ws_counts", when), "ws_counts", at::kLong, {slots}, device);
+    check(required(ws_presence, "ws_presence", when), "ws_presence", at::kInt, {slots * words}, device);
+    check(required(ws_offset, "ws_offset", when), "ws_offset", at::kLong, {n_blocks}, device);
+    check(required(ws_capacity, "ws_capacity", when), "ws_capacity", at::kLong, {n_blocks}, device);
+    TORCH_CHECK(shared_bytes >= ktae::header_bytes(words), "ktae_kernels._C: `shared_bytes` is too small");
+    args.ws_keys = reinterpret_cast<uint32_t*>(ptr<int32_t>(keys));
+    args.ws_counts = reinterpret_cast<unsigned long long*>(ptr<int64_t>(*ws_counts));
+    args.ws_presence = reinterpret_cast<uint32_t*>(ptr<int32_t>(*ws_presence));
+    args.ws_offset = ptr<int64_t>(*ws_offset);
+    args.ws_capacity = ptr<int64_t>(*ws_capacity);
+  }
+
+  if (mode == ktae::kRows) {
+    const char* when = "in rows mode";
+    const int64_t n_rows = required(row_ints, "row_ints", when).size(-1);
+    check(required(row_offset, "row_offset", when), "row_offset", at::kLong, {n_groups + 1}, device);
+    check(*row_ints, "row_ints", at::kLong, {ktae::kRowInts, n_rows}, device);
+    check(required(row_reals, "row_reals", when), "row_reals", at::kDouble, {ktae::kRowReals, n_rows}, device);
+    args.row_offset = ptr<int64_t>(*row_offset);
+    args.row_ints = ptr<int64_t>(*row_ints);
+    args.row_reals = ptr<double>(*row_reals);
+    args.n_rows = n_rows;
+  } else if (mode == ktae::kAdvantage) {
+    const char* when = "in advantage mode";
+    check(required(base, "base", when), "base", at::kDouble, {B}, device);
+    check(required(advantage, "advantage", when), "advantage", at::kFloat, {B, L}, device);
+    args.base = ptr<double>(*base);
+    args.advantage = ptr<float>(*advantage);
+    TORCH_CHECK(given_token.has_value() == given_score.has_value(),
+                "ktae_kernels._C: `given_token` and `given_score` go together");
+    if (given_token.has_value()) {
+      const int64_t n_rows = given_token->numel();
+      check(*given_token, "given_token", at::kLong, {n_rows}, device);
+      check(*given_score, "given_score", at::kDouble, {n_rows}, device);
+      check(required(row_offset, "row_offset", "with given scores"), "row_offset", at::kLong, {n_groups + 1}, device);
+      args.row_offset = ptr<int64_t>(*row_offset);
+      args.use_given = true;
+      args.given_token = ptr<int64_t>(*given_token);
+      args.given_score = ptr<double>(*given_score);
+      args.n_rows = n_rows;
+    }
+  }
+
+  if (n_blocks == 0) return;
+  const int err = ktae::launch_group_kernel(args, static_cast<ktae::Mode>(mode), shared_table, n_blocks,
+                                            static_cast<int>(threads), shared_bytes,
+                                            reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  TORCH_CHECK(err == 0, "ktae_kernels._C: kernel launch failed: ", ktae::error_string(err));
+}
+
+int64_t max_shared_bytes(int64_t device) {
+  const int64_t bytes = ktae::max_shared_bytes(static_cast<int>(device));
+  TORCH_CHECK(bytes > 0, "ktae_kernels._C: cannot read the shared memory size of device ", device);
+  return bytes;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.doc() = "KTAE group kernels (csrc/): one thread block per group of rollouts.";
+  m.def("launch", &launch, "One pass of the group kernel (see csrc/ktae_kernels.h).", py::arg("mode"),
+        py::arg("shared_table"), py::arg("responses"), py::arg("mask"), py::arg("members"),
+        py::arg("starts"), py::arg("correct"), py::arg("group_counts"), py::arg("log_fact"),
+        py::arg("ignore_ids"), py::arg("block_group"), py::arg("words"), py::arg("shared_capacity"),
+        py::arg("ws_keys"), py::arg("ws_counts"),
+        py::arg("ws_presence"), py::arg("ws_offset"),
+        py::arg("ws_capacity"), py::arg("params"), py::arg("use_tf"), py::arg("status"),
+        py::arg("row_offset"), py::arg("row_ints"),
+        py::arg("row_reals"), py::arg("base"),
+        py::arg("advantage"), py::arg("given_token"),
+        py::arg("given_score"), py::arg("threads"), py::arg("shared_bytes"),
+        py::arg("stream"));
+  m.def("max_shared_bytes", &max_shared_bytes, "Opt-in dynamic shared memory per block of a device.",
+        py::arg("device"));
+  m.def("shared_table_bytes", &ktae::shared_table_bytes, py::arg("capacity"), py::arg("words"));
+  m.def("header_bytes", &ktae::header_bytes, py::arg("words"));
+  m.def("max_keys", &ktae::max_keys, py::arg("capacity"));
+  m.attr("MAX_THREADS") = ktae::kMaxThreads;
+  m.attr("UNROLL") = ktae::kUnroll;
+  m.attr("RUNS_ON_CPU") = ktae::runs_on_cpu();
+}

@@ -1,0 +1,500 @@
+// KTAE on the GPU: one thread block per group of rollouts.
+//
+// Phase 1 (build): the block reads its rollouts' tokens once (coalesced, kUnroll loads in flight per
+//   thread) and inserts each masked token id into an open-addressing hash table (linear probing):
+//   a key, an occurrence counter pair (f_c in the low 32 bits, f_w in the high 32 bits) and one
+//   presence bit per rollout. Lanes of a warp holding the same id are merged with __match_any_sync,
+//   so a frequent token costs one atomic per warp, not one per lane. The table lives in shared
+//   memory when the host finds room; a group whose distinct ids exceed 3/4 of it sets an overflow
+//   flag and is redone by the host with a table in global memory sized to the group.
+// Phase 2 (statistics): per occupied slot, a = popc(presence & correct rollouts), b = the rest;
+//   exact two-sided Fisher p in float64 log space (log-factorial table, scipy's tie tolerance),
+//   F, information gain, Cohen-h + BM25 direction, tanh squash; as fisher.py / torch_backend.py.
+// Phase 3: kRows sorts the table by token (bitonic, in place) and writes the rows at the group's
+//   row offset; kAdvantage stores each slot's score in place of its counters and writes
+//   (A_i + weight * score) * mask for every position of the group's rollouts.
+//
+// The same source builds for the CPU emulator (KTAE_CPU_EMULATION, csrc/emulation/), which runs
+// every CUDA thread as a host thread so the tests exercise this code without a GPU.
+#include <cmath>
+#include <cstdint>
+
+#include "ktae_kernels.h"
+
+#ifndef KTAE_CPU_EMULATION
+#include <cuda_runtime.h>
+#define KTAE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
+namespace ktae {
+namespace {
+
+constexpr unsigned kFullWarp = 0xFFFFFFFFu;
+constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
+constexpr double kScipyRtol = 1e-14;                      // fisher.SCIPY_RTOL
+constexpr double kLogErr = 16 * 2.220446049250313e-16;    // fisher._LOG_ERR
+constexpr double kPOne = 1.0 - 1e-12;                     // fisher.P_ONE
+constexpr double kTfEps = 1e-5;                           // torch_backend.TF_EPS
+constexpr double kLn2 = 0.69314718055994530942;
+
+__device__ __forceinline__ int imin(int x, int y) { return x < y ? x : y; }
+__device__ __forceinline__ int imax(int x, int y) { return x > y ? x : y; }
+
+// Block-wide scalars at the start of dynamic shared memory (see header_bytes).
+struct BlockState {
+  uint32_t used;      // slots claimed
+  uint32_t overflow;  // nonzero once the table holds more than max_keys ids (or is full)
+};
+
+struct Table {
+  uint32_t* keys;                // [capacity], kEmptyKey where free
+  unsigned long long* counts;    // [capacity] f_c | f_w << 32; later the score's bits (kAdvantage)
+  uint32_t* presence;            // [words][capacity] bit r: rollout r of the group holds the key
+  uint32_t capacity;             // power of two
+};
+
+struct GroupCounts {
+  int64_t n_c, n_w, T_c, T_w;
+};
+
+struct SlotCounts {
+  int a, b;
+  uint32_t f_c, f_w;
+};
+
+struct RowStats {
+  double p, F, IG, x, score;
+};
+
+__device__ __forceinline__ uint32_t load_volatile(const uint32_t* p) {
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+
+// Home slot: the high half of key * 2^64 / phi (Fibonacci hashing), masked to the table.
+__device__ __forceinline__ uint32_t home_slot(uint32_t key, uint32_t capacity) {
+  const unsigned long long h = static_cast<unsigned long long>(key) * 0x9E3779B97F4A7C15ull;
+  return static_cast<uint32_t>(h >> 32) & (capacity - 1u);
+}
+
+// The slot holding `key`, claiming a free one for a new key; kNoSlot when the table is full.
+// Keys only ever go from kEmptyKey to an id, so a key seen once stays in its slot.
+__device__ uint32_t find_or_insert(const Table& t, uint32_t key, BlockState* state) {
+  uint32_t slot = home_slot(key, t.capacity);
+  for (uint32_t probe = 0; probe < t.capacity; ++probe) {
+    uint32_t seen = load_volatile(t.keys + slot);
+    if (seen == kEmptyKey) {
+      seen = atomicCAS(t.keys + slot, kEmptyKey, key);
+      if (seen == kEmptyKey) {
+        if (atomicAdd(&state->used, 1u) + 1u > static_cast<uint32_t>(max_keys(t.capacity))) {
+          *reinterpret_cast<volatile uint32_t*>(&state->overflow) = 1u;
+        }
+        return slot;
+      }
+    }
+    if (seen == key) return slot;
+    slot = (slot + 1u) & (t.capacity - 1u);
+  }
+  *reinterpret_cast<volatile uint32_t*>(&state->overflow) = 1u;
+  return kNoSlot;
+}
+
+// The slot of a key known to be in the (complete, read-only) table; kNoSlot if it is not.
+__device__ __forceinline__ uint32_t find(const Table& t, uint32_t key) {
+  uint32_t slot = home_slot(key, t.capacity);
+  for (uint32_t probe = 0; probe < t.capacity; ++probe) {
+    const uint32_t seen = t.keys[slot];
+    if (seen == key) return slot;
+    if (seen == kEmptyKey) return kNoSlot;
+    slot = (slot + 1u) & (t.capacity - 1u);
+  }
+  return kNoSlot;
+}
+
+__device__ void clear_table(const Table& t, int words) {
+  for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
+    t.keys[s] = kEmptyKey;
+    t.counts[s] = 0ull;
+    for (int w = 0; w < words; ++w) t.presence[static_cast<size_t>(w) * t.capacity + s] = 0u;
+  }
+}
+
+// Phase 1. Each pass of the inner loop covers blockDim.x * kUnroll positions of one rollout, so a
+// warp's lanes always share the rollout and agree on correctness and the presence bit. Every lane
+// runs every warp collective (masked positions carry kEmptyKey and are skipped afterwards).
+template <bool kKeysOnly>
+__device__ void build_table(const KernelArgs& args, const Table& t, int64_t first, int group_size,
+                            BlockState* state) {
+  const unsigned lane = threadIdx.x & 31u;
+  const int64_t length = args.length;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
+  for (int r = 0; r < group_size; ++r) {
+    const int64_t rollout = args.members[first + r];
+    const int64_t* tokens = args.responses + rollout * length;
+    const bool* mask = args.mask + rollout * length;
+    const bool is_correct = args.correct[rollout];
+    uint32_t* presence = t.presence + static_cast<size_t>(r >> 5) * t.capacity;
+    const uint32_t bit = 1u << (r & 31);
+    for (int64_t start = 0; start < length; start += step) {
+      if (__shfl_sync(kFullWarp, load_volatile(&state->overflow), 0) != 0u) return;
+      int64_t token[kUnroll];
+      bool valid[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+        valid[u] = pos < length && mask[pos];
+        token[u] = pos < length ? tokens[pos] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const uint32_t key = valid[u] ? static_cast<uint32_t>(token[u]) : kEmptyKey;
+        const unsigned peers = __match_any_sync(kFullWarp, key);
+        if (key == kEmptyKey || lane != static_cast<unsigned>(__ffs(peers) - 1)) continue;
+        const uint32_t slot = find_or_insert(t, key, state);
+        if (kKeysOnly || slot == kNoSlot) continue;
+        const unsigned long long n = static_cast<unsigned long long>(__popc(peers));
+        atomicAdd(t.counts + slot, is_correct ? n : n << 32);
+        atomicOr(presence + slot, bit);
+      }
+    }
+  }
+}
+
+__device__ SlotCounts slot_counts(const Table& t, uint32_t slot, const uint32_t* correct_bits,
+                                  int words) {
+  SlotCounts c{0, 0, 0u, 0u};
+  for (int w = 0; w < words; ++w) {
+    const uint32_t present = t.presence[static_cast<size_t>(w) * t.capacity + slot];
+    c.a += __popc(present & correct_bits[w]);
+    c.b += __popc(present & ~correct_bits[w]);
+  }
+  const unsigned long long f = t.counts[slot];
+  c.f_c = static_cast<uint32_t>(f & 0xFFFFFFFFull);
+  c.f_w = static_cast<uint32_t>(f >> 32);
+  return c;
+}
+
+// log P(first cell = k) of the hypergeometric law, up to a k-independent constant.
+__device__ __forceinline__ double log_pmf(const double* lf, int k, int n1, int n2, int col) {
+  return -(lf[k] + lf[n1 - k] + lf[col - k] + lf[n2 - col + k]);
+}
+
+// Two-sided Fisher exact p of [[a, b], [c, d]] as fisher._pvalue_grid: the mass of the support
+// tables no more probable than the observed one (scipy's relative tolerance), each sum taken
+// relative to its own largest term, as torch.logsumexp does.
+__device__ double fisher_pvalue(const double* lf, int a, int b, int c, int d) {
+  const int n1 = a + b, n2 = c + d, col = a + c;
+  if (n1 == 0 || n2 == 0 || col == 0 || col == n1 + n2) return 1.0;
+  const int lo = imax(col - n2, 0), hi = imin(n1, col);
+  const double lp_obs = log_pmf(lf, a, n1, n2, col);
+  const double tol = log1p(kScipyRtol) + kLogErr * fabs(lp_obs);
+  const double cut = lp_obs + tol;
+  double top = -INFINITY, top_kept = -INFINITY;
+  for (int k = lo; k <= hi; ++k) {
+    const double lp = log_pmf(lf, k, n1, n2, col);
+    top = fmax(top, lp);
+    if (lp <= cut) top_kept = fmax(top_kept, lp);
+  }
+  if (lp_obs >= top - tol) return 1.0;
+  double sum_all = 0.0, sum_kept = 0.0;
+  for (int k = lo; k <= hi; ++k) {
+    const double lp = log_pmf(lf, k, n1, n2, col);
+    sum_all += exp(lp - top);
+    if (lp <= cut) sum_kept += exp(lp - top_kept);
+  }
+  return fmin(exp((top_kept + log(sum_kept)) - (top + log(sum_all))), 1.0);
+}
+
+__device__ __forceinline__ double xlogx(double v) { return v > 0.0 ? v * log(v) : 0.0; }
+
+__device__ __forceinline__ double binary_entropy(double p) {
+  const double q = 1.0 - p;
+  return -(xlogx(p) + xlogx(q)) / kLn2;
+}
+
+__device__ double information_gain(int a, int b, const GroupCounts& g) {
+  const double n_c = static_cast<double>(g.n_c), n_w = static_cast<double>(g.n_w);
+  const double n = n_c + n_w;
+  const double c = n_c - a, d = n_w - b;
+  const double present = static_cast<double>(a) + b, absent = c + d;
+  const double h_present = present > 0.0 ? present / n * binary_entropy(a / present) : 0.0;
+  const double h_absent = absent > 0.0 ? absent / n * binary_entropy(c / absent) : 0.0;
+  return fmax(binary_entropy(n_c / n) - h_present - h_absent, 0.0);
+}
+
+__device__ __forceinline__ double bm25_tf(uint32_t f, int64_t T, double avg, const KernelArgs& args) {
+  if (f == 0u) return 0.0;
+  const double q = static_cast<double>(f) / static_cast<double>(T > 1 ? T : 1);
+  const double K = args.k1 * (1.0 - args.bm25_b + args.bm25_b * static_cast<double>(T) / fmax(avg, 1e-300));
+  return q * (args.k1 + 1.0) / (q + K);
+}
+
+__device__ double direction(const SlotCounts& s, const GroupCounts& g, const KernelArgs& args) {
+  const double h = asin(sqrt(s.a / static_cast<double>(g.n_c > 1 ? g.n_c : 1))) -
+                   asin(sqrt(s.b / static_cast<double>(g.n_w > 1 ? g.n_w : 1)));
+  if (!args.use_tf) return h;
+  const double avg = static_cast<double>(g.T_c + g.T_w) / 2.0;
+  const double tf_c = bm25_tf(s.f_c, g.T_c, avg, args), tf_w = bm25_tf(s.f_w, g.T_w, avg, args);
+  return h + (tf_c / (tf_w + kTfEps) - tf_w / (tf_c + kTfEps));
+}
+
+__device__ bool is_ignored(const KernelArgs& args, uint32_t token) {
+  int64_t lo = 0, hi = args.n_ignore;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (args.ignore_ids[mid] < static_cast<int64_t>(token)) lo = mid + 1; else hi = mid;
+  }
+  return lo < args.n_ignore && args.ignore_ids[lo] == static_cast<int64_t>(token);
+}
+
+// Phase 2 for one (group, token) row. F and IG are 0 unless the table is informative (a mixed
+// group, a token missing from some rollout); the score is also 0 for ignored ids, and otherwise
+// top * tanh(key / 2) kept strictly inside (-top, top). `need_p`: compute the p-value of every row
+// (rows report it); the advantage needs it only where the row scores.
+__device__ RowStats row_stats(const KernelArgs& args, uint32_t token, const SlotCounts& s,
+                              const GroupCounts& g, bool need_p) {
+  const bool informative = g.n_c > 0 && g.n_w > 0 && static_cast<int64_t>(s.a) + s.b < g.n_c + g.n_w;
+  const bool scorable = informative && !is_ignored(args, token);
+  RowStats r;
+  r.p = (scorable || need_p)
+            ? fisher_pvalue(args.log_fact, s.a, s.b, static_cast<int>(g.n_c) - s.a,
+                            static_cast<int>(g.n_w) - s.b)
+            : 1.0;
+  r.F = informative && r.p < kPOne ? exp(-2.0 * r.p) : 0.0;
+  r.IG = informative ? information_gain(s.a, s.b, g) : 0.0;
+  r.x = direction(s, g, args);
+  const double key = (args.alpha * r.F + args.beta * r.IG) * r.x / (args.alpha + args.beta);
+  const double bound = nextafter(args.top, 0.0);
+  r.score = scorable ? fmin(fmax(args.top * tanh(key / 2.0), -bound), bound) : 0.0;
+  return r;
+}
+
+__device__ void swap_slots(const Table& t, uint32_t i, uint32_t j, int words) {
+  const uint32_t k = t.keys[i];
+  t.keys[i] = t.keys[j];
+  t.keys[j] = k;
+  const unsigned long long c = t.counts[i];
+  t.counts[i] = t.counts[j];
+  t.counts[j] = c;
+  for (int w = 0; w < words; ++w) {
+    uint32_t* p = t.presence + static_cast<size_t>(w) * t.capacity;
+    const uint32_t v = p[i];
+    p[i] = p[j];
+    p[j] = v;
+  }
+}
+
+// Bitonic sort of the whole table by key, ascending: the occupied slots end up first, in token
+// order (kEmptyKey exceeds every id). Each step pairs slot lo (bit j clear) with lo | j.
+__device__ void sort_table(const Table& t, int words) {
+  const uint32_t n = t.capacity;
+  for (uint32_t k = 2u; k <= n; k <<= 1) {
+    for (uint32_t j = k >> 1; j > 0u; j >>= 1) {
+      for (uint32_t p = threadIdx.x; p < n / 2u; p += blockDim.x) {
+        const uint32_t lo = ((p & ~(j - 1u)) << 1) | (p & (j - 1u));
+        const uint32_t hi = lo | j;
+        const bool ascending = (lo & k) == 0u;
+        const uint32_t x = t.keys[lo], y = t.keys[hi];
+        if (ascending ? x > y : x < y) swap_slots(t, lo, hi, words);
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// The score of (group g, token) from the given sorted rows (fisher="upstream").
+__device__ double given_score(const KernelArgs& args, int64_t g, uint32_t token) {
+  int64_t lo = args.row_offset[g], hi = args.row_offset[g + 1];
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (args.given_token[mid] < static_cast<int64_t>(token)) lo = mid + 1; else hi = mid;
+  }
+  return lo < args.row_offset[g + 1] && args.given_token[lo] == static_cast<int64_t>(token)
+             ? args.given_score[lo]
+             : NAN;
+}
+
+__device__ void write_rows(const KernelArgs& args, const Table& t, int64_t g, uint32_t n_keys,
+                           const uint32_t* correct_bits, const GroupCounts& gc) {
+  const int64_t first_row = args.row_offset[g];
+  const int64_t n = args.n_rows;
+  for (uint32_t i = threadIdx.x; i < n_keys; i += blockDim.x) {
+    const uint32_t token = t.keys[i];
+    const SlotCounts s = slot_counts(t, i, correct_bits, args.words);
+    const RowStats r = row_stats(args, token, s, gc, true);
+    int64_t* ints = args.row_ints + first_row + i;  // column c of the row at ints[c * n]
+    ints[0] = g;
+    ints[n] = token;
+    ints[2 * n] = s.a;
+    ints[3 * n] = s.b;
+    ints[4 * n] = gc.n_c - s.a;
+    ints[5 * n] = gc.n_w - s.b;
+    ints[6 * n] = s.f_c;
+    ints[7 * n] = s.f_w;
+    double* reals = args.row_reals + first_row + i;
+    reals[0] = r.p;
+    reals[n] = r.F;
+    reals[2 * n] = r.IG;
+    reals[3 * n] = r.x;
+    reals[4 * n] = r.score;
+  }
+}
+
+// Replaces every occupied slot's counters by the bits of its float64 score. Each thread touches
+// only its own slots, so no barrier is needed until the gather reads them.
+__device__ void score_slots(const KernelArgs& args, const Table& t, int64_t g,
+                            const uint32_t* correct_bits, const GroupCounts& gc) {
+  for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
+    const uint32_t token = t.keys[s];
+    if (token == kEmptyKey) continue;
+    const double score = args.use_given
+                             ? given_score(args, g, token)
+                             : row_stats(args, token, slot_counts(t, s, correct_bits, args.words), gc, false).score;
+    t.counts[s] = static_cast<unsigned long long>(__double_as_longlong(score));
+  }
+}
+
+// (A_i + weight * score) * mask, rounded once to float32 (no FMA, as the float64 reference).
+__device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t first, int group_size) {
+  const int64_t length = args.length;
+  const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
+  for (int r = 0; r < group_size; ++r) {
+    const int64_t rollout = args.members[first + r];
+    const int64_t* tokens = args.responses + rollout * length;
+    const bool* mask = args.mask + rollout * length;
+    float* out = args.advantage + rollout * length;
+    const double base = args.base[rollout];
+    for (int64_t start = 0; start < length; start += step) {
+      int64_t token[kUnroll];
+      bool valid[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+        valid[u] = pos < length && mask[pos];
+        token[u] = pos < length ? tokens[pos] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+        if (pos >= length) continue;
+        float value = 0.0f;
+        if (valid[u]) {
+          const uint32_t slot = find(t, static_cast<uint32_t>(token[u]));
+          const double score = slot == kNoSlot ? NAN : __longlong_as_double(static_cast<long long>(t.counts[slot]));
+          value = __double2float_rn(__dadd_rn(base, __dmul_rn(args.weight, score)));
+        }
+        out[pos] = value;
+      }
+    }
+  }
+}
+
+template <bool kSharedTable>
+__device__ Table block_table(const KernelArgs& args, unsigned char* smem) {
+  if (kSharedTable) {
+    const uint32_t capacity = static_cast<uint32_t>(args.shared_capacity);
+    auto* counts = reinterpret_cast<unsigned long long*>(smem + header_bytes(args.words));
+    auto* keys = reinterpret_cast<uint32_t*>(counts + capacity);
+    return Table{keys, counts, keys + capacity, capacity};
+  }
+  const int64_t offset = args.ws_offset[blockIdx.x];
+  return Table{args.ws_keys + offset, args.ws_counts + offset,
+               args.ws_presence + offset * args.words, static_cast<uint32_t>(args.ws_capacity[blockIdx.x])};
+}
+
+template <int kMode, bool kSharedTable>
+__global__ void __launch_bounds__(kMaxThreads) group_kernel(const KernelArgs args) {
+  KTAE_DYNAMIC_SHARED(smem);
+  auto* state = reinterpret_cast<BlockState*>(smem);
+  auto* correct_bits = reinterpret_cast<uint32_t*>(smem + sizeof(BlockState));
+  const Table t = block_table<kSharedTable>(args, smem);
+  const int64_t g = args.block_group[blockIdx.x];
+  const int64_t first = args.starts[g];
+  const int group_size = static_cast<int>(args.starts[g + 1] - first);
+
+  clear_table(t, args.words);
+  for (int w = threadIdx.x; w < args.words; w += blockDim.x) {
+    uint32_t bits = 0u;
+    for (int j = 0; j < 32 && 32 * w + j < group_size; ++j) {
+      if (args.correct[args.members[first + 32 * w + j]]) bits |= 1u << j;
+    }
+    correct_bits[w] = bits;
+  }
+  if (threadIdx.x == 0) *state = BlockState{0u, 0u};
+  __syncthreads();
+
+  build_table<kMode == kCount>(args, t, first, group_size, state);
+  __syncthreads();
+  const bool overflowed = state->overflow != 0u;
+  const uint32_t n_keys = state->used;
+  if (threadIdx.x == 0) args.status[g] = overflowed ? -1 : static_cast<int64_t>(n_keys);
+  if (kMode == kCount || overflowed) return;
+
+  const int64_t n = args.n_groups;
+  const GroupCounts gc{args.group_counts[g], args.group_counts[n + g], args.group_counts[2 * n + g],
+                       args.group_counts[3 * n + g]};
+  if (kMode == kRows) {
+    sort_table(t, args.words);
+    write_rows(args, t, g, n_keys, correct_bits, gc);
+  } else {
+    score_slots(args, t, g, correct_bits, gc);
+    __syncthreads();
+    gather_advantage(args, t, first, group_size);
+  }
+}
+
+}  // namespace
+
+bool runs_on_cpu() {
+#ifdef KTAE_CPU_EMULATION
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifndef KTAE_CPU_EMULATION
+
+namespace {
+
+template <int kMode, bool kSharedTable>
+cudaError_t launch(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
+                   cudaStream_t stream) {
+  const auto kernel = group_kernel<kMode, kSharedTable>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(shared_bytes));
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
+  return cudaGetLastError();
+}
+
+template <int kMode>
+cudaError_t launch_mode(const KernelArgs& args, bool shared_table, int64_t n_blocks, int threads,
+                        int64_t shared_bytes, cudaStream_t stream) {
+  return shared_table ? launch<kMode, true>(args, n_blocks, threads, shared_bytes, stream)
+                      : launch<kMode, false>(args, n_blocks, threads, shared_bytes, stream);
+}
+
+}  // namespace
+
+int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
+                        int threads, int64_t shared_bytes, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (mode) {
+    case kCount: return launch_mode<kCount>(args, shared_table, n_blocks, threads, shared_bytes, s);
+    case kRows: return launch_mode<kRows>(args, shared_table, n_blocks, threads, shared_bytes, s);
+    case kAdvantage: return launch_mode<kAdvantage>(args, shared_table, n_blocks, threads, shared_bytes, s);
+  }
+  return static_cast<int>(cudaErrorInvalidValue);
+}
+
+const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+int64_t max_shared_bytes(int device) {
+  int bytes = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  return err == cudaSuccess ? bytes : -static_cast<int64_t>(err);
+}
+
+#endif  // KTAE_CPU_EMULATION
+
+}  // namespace ktae

@@ -1,0 +1,105 @@
+// KTAE group kernels: the interface between the torch binding (ktae.cpp) and the kernels
+// (ktae_kernels.cu). Plain C++ on purpose: no torch and no CUDA headers, so the binding compiles
+// with any host compiler and the same kernels also build for the CPU emulator (csrc/emulation/).
+#pragma once
+
+#include <cstdint>
+
+// The few helpers the host and the kernels share are callable on both sides.
+#ifdef __CUDACC__
+#define KTAE_HOST_DEVICE __host__ __device__
+#else
+#define KTAE_HOST_DEVICE
+#endif
+
+namespace ktae {
+
+// What one launch of the group kernel computes, one thread block per group.
+enum Mode : int {
+  kCount = 0,      // distinct token ids of each group -> status
+  kRows = 1,       // the group's rows, sorted by token, at row_offset[g] (key_token_scores)
+  kAdvantage = 2,  // float32 [B, L] token advantages of the group's rollouts
+};
+
+// A hash-table slot key no token id can take (ids are < 2^31).
+constexpr uint32_t kEmptyKey = 0xFFFFFFFFu;
+// Upper bound of threads per block (the kernels' __launch_bounds__).
+constexpr int kMaxThreads = 512;
+// Tokens each thread loads per step of the table build and of the gather.
+constexpr int kUnroll = 4;
+
+// Most distinct ids a table of `capacity` slots takes before it counts as overflowed (3/4 load).
+KTAE_HOST_DEVICE inline constexpr int64_t max_keys(int64_t capacity) { return capacity - capacity / 4; }
+
+// Bytes of the per-block header in dynamic shared memory: used + overflow counters, then one
+// bitmask word per 32 rollouts of the group's correct rollouts; rounded up to 8 bytes.
+KTAE_HOST_DEVICE inline constexpr int64_t header_bytes(int64_t words) { return (8 + 4 * words + 7) / 8 * 8; }
+
+// Dynamic shared memory of a block whose table lives in shared memory: the header, then per slot
+// an 8-byte counter pair, a 4-byte key and `words` 4-byte presence words.
+KTAE_HOST_DEVICE inline constexpr int64_t shared_table_bytes(int64_t capacity, int64_t words) {
+  return header_bytes(words) + capacity * (12 + 4 * words);
+}
+
+// Row columns written in kRows mode (the KeyTokenScores row fields, in this order).
+constexpr int kRowInts = 8;   // group, token, a, b, c, d, f_c, f_w
+constexpr int kRowReals = 5;  // p_value, F, IG, x, score
+
+// Everything a launch reads and writes. All pointers are device pointers (host pointers for the
+// CPU emulator); int64 everywhere an index can exceed 2^31 (B * L can).
+struct KernelArgs {
+  // the batch
+  const int64_t* responses;  // [B, L] token ids, read only where mask is set
+  const bool* mask;          // [B, L]
+  int64_t length;            // L
+  const int64_t* members;    // [B] rollout ids ordered by group (stable)
+  const int64_t* starts;     // [n_groups + 1] group g's rollouts are members[starts[g] : starts[g + 1]]
+  const bool* correct;       // [B] reward > threshold
+  const int64_t* group_counts;  // [4, n_groups] rows n_c, n_w, T_c, T_w
+  int64_t n_groups;
+  const double* log_fact;    // [G_max + 1] log(k!)
+  const int64_t* ignore_ids;  // [n_ignore] sorted token ids whose score is 0
+  int64_t n_ignore;
+  // the launch
+  const int64_t* block_group;  // [n_blocks] group of each block
+  int32_t words;               // presence words per slot = ceil(G_max / 32)
+  // tables: in shared memory (capacity `shared_capacity`) or in a global workspace, where block i
+  // owns slots [ws_offset[i], ws_offset[i] + ws_capacity[i]) of ws_keys / ws_counts and
+  // [words * ws_offset[i], words * (ws_offset[i] + ws_capacity[i])) of ws_presence.
+  int64_t shared_capacity;
+  uint32_t* ws_keys;
+  unsigned long long* ws_counts;
+  uint32_t* ws_presence;
+  const int64_t* ws_offset;    // [n_blocks]
+  const int64_t* ws_capacity;  // [n_blocks], powers of two
+  // the method's hyper-parameters
+  double alpha, beta, k1, bm25_b, top, weight;
+  bool use_tf;
+  // outputs
+  int64_t* status;             // [n_groups] distinct ids of the group, -1 when its table overflowed
+  const int64_t* row_offset;   // [n_groups + 1] (kRows; kAdvantage with given scores)
+  int64_t* row_ints;           // [kRowInts, n_rows] (kRows)
+  double* row_reals;           // [kRowReals, n_rows] (kRows)
+  int64_t n_rows;
+  const double* base;          // [B] rollout advantage A_i (kAdvantage)
+  float* advantage;            // [B, L] (kAdvantage)
+  bool use_given;              // kAdvantage: take each token's score from the given rows (sorted
+  const int64_t* given_token;  // by (group, token), [n_rows]) instead of computing it
+  const double* given_score;
+};
+
+// Launches one group-kernel pass over `n_blocks` blocks of `threads` threads with `shared_bytes`
+// of dynamic shared memory on `stream` (a cudaStream_t). Returns 0 or a CUDA error code.
+int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
+                        int threads, int64_t shared_bytes, void* stream);
+
+// The name of an error code returned by launch_group_kernel.
+const char* error_string(int code);
+
+// Opt-in dynamic shared memory per block of `device`, in bytes; negative on error.
+int64_t max_shared_bytes(int device);
+
+// True for the CPU emulator build (tensors then live on the CPU).
+bool runs_on_cpu();
+
+}  // namespace ktae

@@ -1,0 +1,139 @@
+"""backend="cuda" against the reference on a GPU (skipped without CUDA and the built extension
+ktae_kernels._C), and the error it raises when the extension is missing (runs anywhere).
+
+Without a GPU the same code paths run under the CPU emulator: tests/test_cuda_emulation.py.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from ktae_kernels import BackendUnavailableError, KTAEConfig, cuda, key_token_scores, token_advantage
+from ktae_kernels.api import normalise_batch
+from ktae_kernels.backends import get_backend
+from cases import adversarial_cases, assert_scores_match, random_cases
+
+
+def _extension_built() -> bool:
+    try:
+        importlib.import_module("ktae_kernels._C")
+    except ImportError:
+        return False
+    return True
+
+
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and _extension_built()),
+                               reason="needs a CUDA GPU and the built extension ktae_kernels._C")
+
+CASES = random_cases() + adversarial_cases()
+
+
+def _on_gpu(*tensors):
+    return [t.cuda() for t in tensors]
+
+
+class Recorder:
+    """The extension, with every launch's (mode, shared_table) recorded."""
+
+    def __init__(self, ext) -> None:
+        self.ext, self.launches = ext, []
+
+    def __getattr__(self, name: str):
+        return getattr(self.ext, name)
+
+    def launch(self, **kwargs) -> None:
+        self.launches.append((kwargs["mode"], kwargs["shared_table"]))
+        self.ext.launch(**kwargs)
+
+
+@needs_gpu
+@pytest.mark.parametrize("fisher", ["exact", "upstream"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_matches_reference(case, fisher):
+    _, responses, mask, rewards, index = case
+    config = KTAEConfig(fisher=fisher)
+    expected = key_token_scores(responses, mask, rewards, index, config=config, backend="reference")
+    actual = key_token_scores(*_on_gpu(responses, mask, rewards, index), config=config, backend="cuda")
+    assert actual.score.device.type == "cuda"
+    assert_scores_match(expected, actual)
+    want = token_advantage(responses, mask, rewards, index, config=config, backend="reference")
+    got = token_advantage(*_on_gpu(responses, mask, rewards, index), config=config, backend="cuda")
+    assert got.dtype == torch.float32 and got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.parametrize("fisher", ["exact", "upstream"])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_overflow_fallback_matches_reference(case, fisher):
+    # 32 slots take 24 ids: most groups spill to the global-memory table, the smallest stay shared
+    _, responses, mask, rewards, index = case
+    config = KTAEConfig(fisher=fisher)
+    batch = normalise_batch(*_on_gpu(responses, mask, rewards, index))
+    expected = key_token_scores(responses, mask, rewards, index, config=config, backend="reference")
+    assert_scores_match(expected, cuda.key_token_scores(batch, config, table_slots=32))
+    want = token_advantage(responses, mask, rewards, index, config=config, backend="reference")
+    got = cuda.token_advantage(batch, config, None, table_slots=32)
+    torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
+
+
+@needs_gpu
+def test_groups_too_diverse_for_shared_memory_spill_by_themselves():
+    # 16 x 4096 uniform ids out of 10^6: ~65k distinct ids, more than any shared table holds
+    rng = np.random.default_rng(5)
+    responses = torch.as_tensor(rng.integers(0, 10**6, size=(32, 4096)))
+    responses[16:] %= 50  # the second group fits
+    mask = torch.ones_like(responses, dtype=torch.bool)
+    rewards = torch.as_tensor(rng.random(32) < 0.5, dtype=torch.float32)
+    index = torch.arange(32) // 16
+    batch = normalise_batch(*_on_gpu(responses, mask, rewards, index))
+    ext = Recorder(cuda.load_extension())
+    got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
+    assert ext.launches == [(cuda.ADVANTAGE, True), (cuda.ADVANTAGE, False)]
+    want = token_advantage(responses, mask, rewards, index, backend="torch")
+    torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
+    expected = key_token_scores(responses, mask, rewards, index, backend="torch")
+    assert_scores_match(expected, cuda.key_token_scores(batch, KTAEConfig()))
+
+
+@needs_gpu
+@pytest.mark.slow
+def test_positions_beyond_2_to_the_31():
+    # B * L = 2^31 + 2^17: only the last group (its rows end past flat index 2^31) holds tokens
+    if torch.cuda.get_device_properties(0).total_memory < 40 * 2**30:
+        pytest.skip("needs 40 GiB of GPU memory")
+    B, L = 32770, 2**16
+    responses = torch.randint(0, 50, (B, L), device="cuda")
+    mask = torch.zeros(B, L, dtype=torch.bool, device="cuda")
+    mask[-2:, :300] = True
+    mask[-2:, -300:] = True
+    rewards = torch.zeros(B, device="cuda")
+    rewards[-1] = 1.0
+    index = torch.arange(B, device="cuda") // 2
+    got = token_advantage(responses, mask, rewards, index, backend="cuda")
+    small = [t[-2:].cpu() for t in (responses, mask, rewards)] + [torch.zeros(2, dtype=torch.int64)]
+    want = token_advantage(*small, backend="reference")
+    torch.testing.assert_close(got[-2:].cpu(), want, rtol=0.0, atol=1e-6)
+    assert not bool(got[:-2].any())
+    del got
+    rows = key_token_scores(responses, mask, rewards, index, backend="cuda")
+    last = rows.group == B // 2 - 1
+    expected = key_token_scores(*small, backend="reference")
+    assert torch.equal(rows.token[last].cpu(), expected.token)
+    torch.testing.assert_close(rows.score[last].cpu(), expected.score, rtol=1e-9, atol=1e-9)
+
+
+def test_cuda_backend_without_the_extension_says_how_to_build_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ktae_kernels._C", None)  # as if never built
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(BackendUnavailableError, match=r"ktae_kernels\._C.*pip install -e \. --no-build-isolation"):
+        get_backend("cuda", "cuda")
+    with pytest.raises(BackendUnavailableError, match="TORCH_CUDA_ARCH_LIST"):
+        cuda.load_extension()
+    _, responses, mask, rewards, index = CASES[0]
+    with pytest.raises(BackendUnavailableError, match="KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation"):
+        cuda.token_advantage(normalise_batch(responses, mask, rewards, index), KTAEConfig(), None)
