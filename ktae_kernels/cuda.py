@@ -15,9 +15,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import itertools
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -206,9 +207,7 @@ def _launch(plan: _Plan, mode: int, groups: list[int] | None, status: Tensor, *,
         shared_bytes = shared_table_bytes(plan.capacity, plan.words)
     else:
         slots = sum(capacities)
-        offsets = [0]
-        for c in capacities[:-1]:
-            offsets.append(offsets[-1] + c)
+        offsets = list(itertools.accumulate(capacities, initial=0))[:-1]
         workspace = dict(
             ws_keys=torch.empty(slots, dtype=torch.int32, device=device),
             ws_counts=torch.empty(slots, dtype=torch.int64, device=device),
@@ -223,7 +222,7 @@ def _launch(plan: _Plan, mode: int, groups: list[int] | None, status: Tensor, *,
                     shared_bytes=shared_bytes, **plan.common, **workspace, **args)
 
 
-def _table_pass(plan: _Plan, mode: int, spill_capacity, shared_groups: list[int] | None = None,
+def _table_pass(plan: _Plan, mode: int, spill_capacity: Callable[[int], int], shared_groups: list[int] | None = None,
                 **outputs: Tensor | None) -> tuple[Tensor, list[int]]:
     """Run ``mode`` on every group: ``shared_groups`` (None: all) with shared-memory tables first,
     then the rest and those that overflowed with global tables of ``spill_capacity(g)`` slots.

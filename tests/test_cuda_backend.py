@@ -30,6 +30,17 @@ needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and _extension_bui
                                reason="needs a CUDA GPU and the built extension ktae_kernels._C")
 
 CASES = random_cases() + adversarial_cases()
+_expected: dict = {}
+
+
+def expected(case, config: KTAEConfig):
+    """The reference's scores and advantages of a case, computed once per (case, config)."""
+    key = (case[0], config)
+    if key not in _expected:
+        args = case[1:]
+        _expected[key] = (key_token_scores(*args, config=config, backend="reference"),
+                          token_advantage(*args, config=config, backend="reference"))
+    return _expected[key]
 
 
 def _on_gpu(*tensors):
@@ -54,14 +65,12 @@ class Recorder:
 @pytest.mark.parametrize("fisher", ["exact", "upstream"])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_matches_reference(case, fisher):
-    _, responses, mask, rewards, index = case
     config = KTAEConfig(fisher=fisher)
-    expected = key_token_scores(responses, mask, rewards, index, config=config, backend="reference")
-    actual = key_token_scores(*_on_gpu(responses, mask, rewards, index), config=config, backend="cuda")
+    scores, want = expected(case, config)
+    actual = key_token_scores(*_on_gpu(*case[1:]), config=config, backend="cuda")
     assert actual.score.device.type == "cuda"
-    assert_scores_match(expected, actual)
-    want = token_advantage(responses, mask, rewards, index, config=config, backend="reference")
-    got = token_advantage(*_on_gpu(responses, mask, rewards, index), config=config, backend="cuda")
+    assert_scores_match(scores, actual)
+    got = token_advantage(*_on_gpu(*case[1:]), config=config, backend="cuda")
     assert got.dtype == torch.float32 and got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
 
@@ -71,12 +80,10 @@ def test_matches_reference(case, fisher):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_overflow_fallback_matches_reference(case, fisher):
     # 32 slots take 24 ids: most groups spill to the global-memory table, the smallest stay shared
-    _, responses, mask, rewards, index = case
     config = KTAEConfig(fisher=fisher)
-    batch = normalise_batch(*_on_gpu(responses, mask, rewards, index))
-    expected = key_token_scores(responses, mask, rewards, index, config=config, backend="reference")
-    assert_scores_match(expected, cuda.key_token_scores(batch, config, table_slots=32))
-    want = token_advantage(responses, mask, rewards, index, config=config, backend="reference")
+    scores, want = expected(case, config)
+    batch = normalise_batch(*_on_gpu(*case[1:]))
+    assert_scores_match(scores, cuda.key_token_scores(batch, config, table_slots=32))
     got = cuda.token_advantage(batch, config, None, table_slots=32)
     torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
 
