@@ -100,7 +100,7 @@ def _cuda_unavailable(kind: str) -> str | None:
         importlib.import_module("ktae_kernels._C")
     except ImportError as err:
         return (f"the compiled extension ktae_kernels._C is not built ({err}); build it on a CUDA machine "
-                "with `KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation`")
+                "with `TORCH_CUDA_ARCH_LIST=9.0 KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation`")
     return None
 
 
