@@ -79,6 +79,18 @@ def default_backends(device: torch.device) -> list[str]:
     return [n for n in ALL_NAMES if n in names]
 
 
+def settings(args: argparse.Namespace, grid_name: str, shapes, device: torch.device, names: list[str], budget) -> dict:
+    """The run's settings for the JSON."""
+    return {
+        "preset": grid_name, "shapes": [str(sh) for sh in shapes], "device": str(device), "backends": names,
+        "repeats": args.repeats, "threads": torch.get_num_threads(), "seed": args.seed, "budget": asdict(budget),
+        "vocab": data.QWEN_VOCAB, "config": repr(BENCH_CONFIG), "upstream_config": "the same with fisher='upstream'",
+        "data": data.__doc__.strip(),
+        "timing": "wall clock around a synchronised token_advantage call; inputs already on the device; "
+                  "seconds = median of the timed runs (times prompts / groups_measured when extrapolated)",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
@@ -95,44 +107,36 @@ def main(argv: list[str] | None = None) -> int:
     budget = budget_for(device.type, args.preset)
     shapes = tuple(args.shape) if args.shape else PRESETS[args.preset]
     grid_name = "custom" if args.shape else args.preset
-    stem = f"{machine_slug(device)}-{today()}" + ("" if grid_name == "default" else f"-{grid_name}") + \
-        (f"-{args.tag}" if args.tag else "")
-    print(f"ktae_kernels bench: {len(shapes)} shapes x {names} on {device} ({grid_name} grid); results -> {args.out}/{stem}.*")
+    stem = args.out / (f"{machine_slug(device)}-{today()}" + ("" if grid_name == "default" else f"-{grid_name}")
+                       + (f"-{args.tag}" if args.tag else ""))
+    print(f"ktae_kernels bench: {len(shapes)} shapes x {names} on {device} ({grid_name} grid) -> {stem}.json")
 
     start = time.perf_counter()
-    results = run_grid(shapes, names, device, budget, args.repeats, args.seed, progress=not args.no_progress)
-    copy_gb_s = copy_bandwidth_gb_s(device, gbytes=4.0 if device.type == "cuda" else 1.0)
-    wall = time.perf_counter() - start
-    paper = paper_summary(results, copy_gb_s)
+    head = {"schema": "ktae_kernels.bench/1",
+            "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "machine": machine_info(device), "settings": settings(args, grid_name, shapes, device, names, budget)}
 
+    def save(results, copy_gb_s=None, complete=False):  # after every shape, so a killed run leaves its results
+        write_json(stem.with_suffix(".json"), {
+            **head, "complete": complete, "results": result_json(results),
+            "paper_batch": paper_summary(results, copy_gb_s), "copy_gb_s": copy_gb_s,
+            "wall_time_s": time.perf_counter() - start,
+        })
+
+    results = run_grid(shapes, names, device, budget, args.repeats, args.seed, progress=not args.no_progress,
+                       on_shape_done=save)
+    copy_gb_s = copy_bandwidth_gb_s(device, gbytes=4.0 if device.type == "cuda" else 1.0)
     print()
     print(format_table(results))
     print()
-    print(format_paper_summary(paper))
-    print(f"\nwall time {wall:.0f} s")
-
-    payload = {
-        "schema": "ktae_kernels.bench/1",
-        "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
-        "machine": machine_info(device),
-        "settings": {
-            "preset": grid_name, "shapes": [str(sh) for sh in shapes], "device": str(device), "backends": names, "repeats": args.repeats,
-            "seed": args.seed, "budget": asdict(budget), "vocab": data.QWEN_VOCAB,
-            "config": repr(BENCH_CONFIG), "upstream_config": "same, fisher='upstream'",
-            "data": data.__doc__.strip(),
-            "timing": "wall clock around a synchronised token_advantage call; inputs already on the device; "
-                      "seconds = median of the timed runs (scaled by prompts / groups_measured when extrapolated)",
-        },
-        "results": result_json(results),
-        "paper_batch": paper,
-        "copy_gb_s": copy_gb_s,
-        "wall_time_s": wall,
-    }
-    write_json(args.out / f"{stem}.json", payload)
+    print(format_paper_summary(paper_summary(results, copy_gb_s)))
+    print(f"\nwall time {time.perf_counter() - start:.0f} s")
+    save(results, copy_gb_s, complete=True)
     if not args.no_plot:
-        plot(results, args.out / f"{stem}.png", f"ktae_kernels on {payload['machine']['gpu']['name'] if device.type == 'cuda' else payload['machine']['cpu_model']}"
-             f" ({payload['machine']['cpu_cores']} cores), {today()}, {grid_name} grid")
-    print(f"wrote {args.out / stem}.json" + ("" if args.no_plot else f" and {args.out / stem}.png"))
+        info = head["machine"]
+        where = info["gpu"]["name"] if info["gpu"] else f"{info['cpu_model']} ({info['cpu_cores']} cores)"
+        plot(results, stem.with_suffix(".png"), f"ktae_kernels on {where}, {today()}, {grid_name} grid")
+    print(f"wrote {stem}.json" + ("" if args.no_plot else " and .png"))
     return 0
 
 

@@ -9,8 +9,10 @@ responses of ragged length right-padded to ``L`` with the pad id, a mask that is
   responses to one problem do. Ranks map to ids through a fixed random permutation of the vocabulary.
 - Lengths are log-normal around ``0.35 L`` (about 7% reach ``L`` and are truncated); a finished
   response ends with the end-of-turn id, and positions after it hold the pad id (masked out).
-- Rewards are 1 (correct) or 0; each prompt draws its own accuracy from Beta(0.6, 0.6), so some
-  groups are all-correct or all-wrong (scored 0 by KTAE) as in real batches.
+- Rewards are 1 (correct) or 0; each prompt draws its own accuracy from Beta(0.6, 0.6), and a
+  group that came out all-correct or all-wrong gets one rollout flipped: every group is mixed, as in
+  a DAPO batch after its dynamic-sampling filter (uniform groups score 0 and cost every
+  implementation almost nothing, so they would only flatter the loops on small batches).
 
 Token ids are drawn with torch on the target device, in chunks of 64 prompts each from its own
 seed (the first groups do not depend on how many are drawn); lengths and rewards are drawn on the
@@ -154,12 +156,16 @@ def _chunk_tokens(prompts: int, G: int, L: int, rank_to_id: Tensor, vocab: int, 
 
 def _lengths_and_rewards(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """int64 lengths in ``[1, L]`` (log-normal, median ``0.35 L``, sigma 0.7) and float32 0/1 rewards
-    (each prompt's accuracy ~ Beta(0.6, 0.6)), ``[B]`` each, drawn on the host."""
+    (each prompt's accuracy ~ Beta(0.6, 0.6), every group of G > 1 mixed), ``[B]`` each, on the host."""
     rng = np.random.default_rng([seed, shape.G, shape.prompts, shape.L])
     lengths = np.clip(np.round(np.exp(np.log(0.35 * shape.L) + 0.7 * rng.standard_normal(shape.B))), 1, shape.L)
     accuracy = np.repeat(rng.beta(0.6, 0.6, shape.prompts), shape.G)
-    rewards = (rng.random(shape.B) < accuracy).astype(np.float32)
-    return lengths.astype(np.int64), rewards
+    rewards = (rng.random(shape.B) < accuracy).reshape(shape.prompts, shape.G)
+    if shape.G > 1:  # DAPO's filter keeps mixed groups only: flip one rollout of each uniform group
+        uniform = rewards.all(axis=1) | ~rewards.any(axis=1)
+        flip = rng.integers(0, shape.G, shape.prompts)
+        rewards[uniform, flip[uniform]] ^= True
+    return lengths.astype(np.int64), rewards.reshape(-1).astype(np.float32)
 
 
 def _zipf_ranks(size: tuple[int, int], n: int, s: float, gen: torch.Generator, device: torch.device) -> Tensor:

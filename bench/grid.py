@@ -55,4 +55,4 @@ def budget_for(device_type: str, preset: str) -> Budget:
         return Budget(math.inf, math.inf, 10.0, 30.0)
     if device_type == "cuda":
         return Budget(math.inf, 200_000, 1.0, 2.0)
-    return Budget(PAPER_SHAPE.positions, 200_000, 1.0, 4.0)
+    return Budget(PAPER_SHAPE.positions, 200_000, 1.0, 2.0)

@@ -7,7 +7,7 @@ speed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -47,8 +47,10 @@ class Result:
 
 
 def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, budget: Budget, repeats: int,
-             seed: int = 0, progress: bool = True) -> list[Result]:
-    """Every contender in ``names`` on every shape; never raises for one contender's failure."""
+             seed: int = 0, progress: bool = True,
+             on_shape_done: Callable[[list[Result]], None] | None = None) -> list[Result]:
+    """Every contender in ``names`` on every shape; never raises for one contender's failure.
+    ``on_shape_done(results so far)`` is called after each shape (to save partial results)."""
     shapes = list(shapes)
     results: list[Result] = []
     warm_up([n for n in names if unavailable_reason(n, device) is None], device)
@@ -76,6 +78,8 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
             bar.update()
         del batch
         _free(device)
+        if on_shape_done is not None:
+            on_shape_done(results)
     bar.close()
     return results
 
