@@ -18,7 +18,7 @@ from torch import Tensor
 from ..fisher import _LOG_ERR, SCIPY_RTOL, log_factorial_table
 
 #: float64 constants a kernel loads (a Python float argument would reach the kernel as float32).
-LOG_RTOL, LOG_ERR = 0, 1
+LOG_RTOL, LOG_ERR = tl.constexpr(0), tl.constexpr(1)
 _BLOCK = 128
 
 
@@ -80,14 +80,20 @@ def _fisher_kernel(a_ptr, b_ptr, c_ptr, d_ptr, p_ptr, n, lf_ptr, const_ptr, BLOC
 def fisher_exact_pvalues(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor:
     """Two-sided Fisher p-values (float64 ``[T]``) of flat non-negative integer ``[T]`` cells.
 
-    Runs on the cells' device (CUDA, or CPU under ``TRITON_INTERPRET=1``). ``a + b + c + d`` must
-    stay below ``2**31``.
+    Runs on the cells' device (CUDA, or CPU under ``TRITON_INTERPRET=1``); ``a + b + c + d`` must
+    stay below ``2**31``. Tables are processed in order of support width, so that each block's
+    loop over the support is about as long as each of its tables needs.
     """
-    cells = [t.to(torch.int32).contiguous() for t in (a, b, c, d)]
-    n = cells[0].shape[0]
+    n = a.shape[0]
     p = torch.empty(n, dtype=torch.float64, device=a.device)
     if n == 0:
         return p
-    lf = log_factorial_table(int((a + b + c + d).max()), a.device)
-    _fisher_kernel[(triton.cdiv(n, _BLOCK),)](*cells, p, n, lf, fisher_constants(a.device), BLOCK=_BLOCK)
+    n1, col = a + b, a + c
+    width = torch.minimum(n1, col) - torch.clamp(col - c - d, min=0)
+    order = torch.argsort(width)
+    cells = [t[order].to(torch.int32) for t in (a, b, c, d)]
+    lf = log_factorial_table(int((n1 + c + d).max()), a.device)
+    out = torch.empty_like(p)
+    _fisher_kernel[(triton.cdiv(n, _BLOCK),)](*cells, out, n, lf, fisher_constants(a.device), BLOCK=_BLOCK)
+    p[order] = out
     return p

@@ -29,7 +29,7 @@ from .fisher import LOG_ERR, LOG_RTOL, fisher_constants, fisher_pvalue
 from .tables import HashTables, RowCounts, Rows, load_row_counts
 
 #: indices into the float64 constant vector of the score kernel (after the two Fisher constants).
-_ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, _P_ONE = range(2, 10)
+_ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, _P_ONE = (tl.constexpr(i) for i in range(2, 10))
 _BLOCK = 128
 
 

@@ -11,7 +11,7 @@ global-memory arrays (``S`` slots in all), keyed by token id with linear probing
 - ``order`` int32 ``[S]``: inside each slice, the group-local slots in claim order; the first
   ``fill[g]`` entries list the group's occupied slots, so no pass ever scans the empty ones.
 
-One program reads one tile of one rollout; each masked token probes its group's table with plain
+One program reads a tile of 1024 positions (of one or several rollouts); each masked token probes its group's table with plain
 loads, claims an empty slot with a compare-and-swap (predicated inline PTX on CUDA, as
 ``tl.atomic_cas`` has no mask), then adds to the slot's counters with one 64-bit atomic and sets
 its rollout's presence bit unless a load already shows it set. Nothing is vocabulary-sized: a
@@ -41,10 +41,12 @@ _MIN_LOG_CAP = 4
 #: probe budget per lane on the first try; the rebuild probes without limit (its load is <= 1/2).
 _FIRST_PROBE_LIMIT = 256
 _UNLIMITED = 2**31 - 1
-#: groups are limited so that f_c, f_w (< 2**31) pack into one int64 and a slice index fits int32.
-MAX_GROUP_TOKENS = 2**29
+#: masked tokens per group: f_c, f_w pack into one int64 and the flat-rows grid stays within
+#: CUDA's 65535 blocks on its second axis (2**26 / _FLAT_BLOCK).
+MAX_GROUP_TOKENS = 2**26
 _TILE = 1024
-_ROW_BLOCK = 1024
+_FLAT_BLOCK = 2048
+_COUNT_BLOCK = 256
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ def find_slots(keys_ptr, base, log_cap, token, active):
     slot = _home_slot(token, log_cap)
     todo = active
     probes = 0
-    while (tl.max(todo.to(tl.int32), 0) > 0) & (probes <= cap_mask):
+    while (tl.max(todo.to(tl.int32)) > 0) & (probes <= tl.max(cap_mask)):
         cur = tl.load(keys_ptr + base + slot, mask=todo, other=-1)
         todo = todo & (cur != token)
         slot = tl.where(todo, (slot + 1) & cap_mask, slot)
@@ -182,47 +184,54 @@ def load_row_counts(keys_ptr, occ_ptr, bits_ptr, correct_bits_ptr, words, slot, 
 
 
 @triton.jit
-def _insert_kernel(resp_ptr, mask_ptr, L, group_ptr, rank_ptr, inc_ptr,
+def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, rank_ptr, inc_ptr,
                    keys_ptr, occ_ptr, bits_ptr, words, order_ptr,
                    offset_ptr, log_cap_ptr, fill_ptr, overflow_ptr, probe_limit,
-                   BLOCK: tl.constexpr, PREDICATED: tl.constexpr):
-    """One tile of one rollout (grid ``(B, cdiv(L, BLOCK))``) into its group's table."""
-    row = tl.program_id(0)
-    lane = tl.arange(0, BLOCK)
-    cols = tl.program_id(1) * BLOCK + lane
-    pos = row.to(tl.int64) * L + cols
-    present = tl.load(mask_ptr + pos, mask=cols < L, other=0) != 0
+                   ROWS: tl.constexpr, COLS: tl.constexpr, PREDICATED: tl.constexpr):
+    """A ``[ROWS, COLS]`` tile of rollouts x positions (grid ``(cdiv(B, ROWS), cdiv(L, COLS))``) into
+    the rollouts' group tables.
+
+    ``overflow[g]`` is set, and the group's rows stop probing, once its table is over 3/4 full or a
+    lane used up ``probe_limit`` probes; the host then rebuilds it larger.
+    """
+    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    col = tl.program_id(1) * COLS + tl.arange(0, COLS)[None, :]
+    lane = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+    pos = row.to(tl.int64) * L + col
+    present = tl.load(mask_ptr + pos, mask=(row < B) & (col < L), other=0) != 0
     tok = tl.load(resp_ptr + pos, mask=present, other=0).to(tl.int32)
-    g = tl.load(group_ptr + row)
-    base = tl.load(offset_ptr + g)
-    log_cap = tl.load(log_cap_ptr + g)
+    real = row < B
+    g = tl.load(group_ptr + row, mask=real, other=0)
+    base = tl.load(offset_ptr + g, mask=real, other=0)
+    log_cap = tl.load(log_cap_ptr + g, mask=real, other=4)
     cap_mask = (1 << log_cap) - 1
+    full = (3 << log_cap) >> 2
     spare = lane & cap_mask
     slot = _home_slot(tok, log_cap)
     todo = present
     probes = 0
-    while (tl.max(todo.to(tl.int32), 0) > 0) & (probes < probe_limit):
+    while (tl.max(todo.to(tl.int32)) > 0) & (probes < probe_limit):
         cur = tl.load(keys_ptr + base + slot, mask=todo, other=-1)
         done = todo & (cur == tok)
         need = todo & (cur == -1)
-        if tl.max(need.to(tl.int32), 0) > 0:
+        if tl.max(need.to(tl.int32)) > 0:
             old = _claim(keys_ptr, base, slot, spare, tok, need, PREDICATED)
-            new = need & (old == -1)
-            n_new = tl.sum(new.to(tl.int32), 0)
-            if n_new > 0:
-                first = tl.atomic_add(fill_ptr + g, n_new, sem="relaxed")
-                tl.store(order_ptr + base + first + tl.cumsum(new.to(tl.int32), 0) - 1, slot, mask=new)
-            done = done | new | (need & (old == tok))
-        todo = todo & ~done
+            new = (need & (old == -1)).to(tl.int32)
+            n_new = tl.sum(new, 1)[:, None]
+            first = tl.atomic_add(fill_ptr + g, n_new, mask=real & (n_new > 0), sem="relaxed")
+            tl.store(order_ptr + base + first + tl.cumsum(new, 1) - 1, slot, mask=new != 0)
+            tl.store(overflow_ptr + g, 1, mask=real & (n_new > 0) & (first + n_new > full))
+            done = done | (new != 0) | (need & (old == tok))
+        ok = tl.load(overflow_ptr + g, mask=real, other=0, volatile=True) == 0
+        todo = todo & ~done & ok
         slot = tl.where(todo, (slot + 1) & cap_mask, slot)
         probes += 1
-    if tl.max(todo.to(tl.int32), 0) > 0:
-        tl.store(overflow_ptr + g, 1)
+    tl.store(overflow_ptr + g, 1, mask=real & (tl.max(todo.to(tl.int32), 1)[:, None] > 0))
 
     found = present & ~todo
     gslot = base + slot
-    tl.atomic_add(occ_ptr + gslot, tl.load(inc_ptr + row), mask=found, sem="relaxed")
-    rank = tl.load(rank_ptr + row)
+    tl.atomic_add(occ_ptr + gslot, tl.load(inc_ptr + row, mask=real, other=0), mask=found, sem="relaxed")
+    rank = tl.load(rank_ptr + row, mask=real, other=0)
     bit = 1 << (rank & 31)
     word_ptr = bits_ptr + gslot * words + (rank >> 5)
     have = tl.load(word_ptr, mask=found, other=0)
@@ -273,12 +282,21 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
     words = max(triton.cdiv(largest, 32), 1)
     rank, inc, correct_bits = _rollout_layout(batch, stats, words)
     tables, overflow = _insert(batch, guess, words, rank, inc, correct_bits, _FIRST_PROBE_LIMIT)
-    grow = (overflow != 0) | (4 * tables.fill.long() > 3 << guess.long())
+    grow = overflow != 0
     grown, *fill = torch.cat([grow.any().reshape(1), tables.fill]).tolist()
     if grown:
-        tables, _ = _insert(batch, torch.where(grow, safe, guess), words, rank, inc, correct_bits, _UNLIMITED)
-        fill = tables.fill.tolist()
+        tables, overflow = _insert(batch, torch.where(grow, safe, guess), words, rank, inc, correct_bits, _UNLIMITED)
+        lost, *fill = torch.cat([overflow.max().reshape(1), tables.fill]).tolist()
+        if lost:  # cannot happen: a slice of twice the group's tokens stays at most half full
+            raise RuntimeError("triton backend: a rebuilt hash table overflowed")
     return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0))
+
+
+def tile_shape(L: int) -> tuple[int, int]:
+    """``(rows, cols)`` of the ``_TILE``-token tiles over ``[B, L]``: whole short rollouts, or one
+    rollout's ``_TILE`` positions."""
+    cols = min(_TILE, triton.next_power_of_2(L))
+    return _TILE // cols, cols
 
 
 def _log2_ceil(n: Tensor) -> Tensor:
@@ -308,7 +326,7 @@ def _rollout_layout(batch: Batch, stats: GroupStats, words: int) -> tuple[Tensor
 def _insert(batch: Batch, log_cap: Tensor, words: int, rank: Tensor, inc: Tensor, correct_bits: Tensor,
             probe_limit: int) -> tuple[HashTables, Tensor]:
     """Fresh tables of ``2**log_cap`` slots per group, filled with every masked token; and the
-    per-group flag (int32 ``[n]``) of lanes that ran out of probes."""
+    per-group overflow flag (int32 ``[n]``): that group's table is incomplete."""
     device = batch.device
     cap = 1 << log_cap.long()
     offset = torch.cumsum(cap, 0) - cap
@@ -321,11 +339,11 @@ def _insert(batch: Batch, log_cap: Tensor, words: int, rank: Tensor, inc: Tensor
     overflow = torch.zeros_like(fill)
     B, L = batch.responses.shape
     if B and L:
-        block = min(_TILE, triton.next_power_of_2(L))
-        _insert_kernel[(B, triton.cdiv(L, block))](
-            batch.responses.contiguous(), batch.mask.contiguous().view(torch.uint8), L, batch.group, rank, inc,
+        rows, cols = tile_shape(L)
+        _insert_kernel[(triton.cdiv(B, rows), triton.cdiv(L, cols))](
+            batch.responses.contiguous(), batch.mask.contiguous().view(torch.uint8), B, L, batch.group, rank, inc,
             keys, occ, bits, words, order, offset, log_cap, fill, overflow, probe_limit,
-            BLOCK=block, PREDICATED=not interpreting())
+            ROWS=rows, COLS=cols, PREDICATED=not interpreting())
     tables = HashTables(keys, occ, bits, order, correct_bits, offset, log_cap, fill, words, 0, 0, 0)
     return tables, overflow
 
@@ -338,8 +356,8 @@ def occupied_rows(tables: HashTables, sort: bool) -> Rows:
     group = torch.empty(n, dtype=torch.int32, device=device)
     if n:
         row_start = torch.cumsum(tables.fill.long(), 0) - tables.fill.long()
-        grid = (tables.fill.shape[0], triton.cdiv(tables.max_fill, _ROW_BLOCK))
-        _flatten_kernel[grid](tables.order, tables.offset, tables.fill, row_start, slot, group, BLOCK=_ROW_BLOCK)
+        grid = (tables.fill.shape[0], triton.cdiv(tables.max_fill, _FLAT_BLOCK))
+        _flatten_kernel[grid](tables.order, tables.offset, tables.fill, row_start, slot, group, BLOCK=_FLAT_BLOCK)
     if sort and n:
         order = torch.sort((group.long() << 31) | tables.keys[slot].long()).indices
         slot, group = slot[order], group[order]
@@ -351,7 +369,7 @@ def row_counts(tables: HashTables, rows: Rows) -> RowCounts:
     n = rows.slot.shape[0]
     out = [torch.empty(n, dtype=torch.int64, device=rows.slot.device) for _ in range(5)]
     if n:
-        _row_counts_kernel[(triton.cdiv(n, _ROW_BLOCK),)](
+        _row_counts_kernel[(triton.cdiv(n, _COUNT_BLOCK),)](
             rows.slot, rows.group, n, tables.keys, tables.occ, tables.bits, tables.correct_bits, tables.words,
-            *out, BLOCK=_ROW_BLOCK)
+            *out, BLOCK=_COUNT_BLOCK)
     return RowCounts(*out)

@@ -1,0 +1,112 @@
+"""The Triton backend against the scipy reference: on CUDA, or on CPU in Triton's interpreter.
+
+Without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported, and these run the
+same kernels on CPU tensors (small shapes only: the interpreter is slow).
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
+from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
+
+pytest.importorskip("triton")
+if torch.cuda.is_available():
+    DEVICES = ["cuda"]
+elif os.environ.get("TRITON_INTERPRET") == "1":
+    DEVICES = ["cpu"]
+else:
+    pytest.skip("the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+from ktae_kernels.api import normalise_batch  # noqa: E402
+from ktae_kernels.torch_backend import group_stats  # noqa: E402
+from ktae_kernels.triton import profile, tables  # noqa: E402
+
+CASES = random_cases(seed=0, small=True) + adversarial_cases(small=True)
+CONFIGS = {
+    "default": KTAEConfig(),
+    "upstream": KTAEConfig(fisher="upstream"),
+    "no-tf-ignore": KTAEConfig(use_tf=False, ignore_token_ids=(3, 5, 151643, 2**31 - 1, 2**40)),
+    "weights": KTAEConfig(alpha=0.5, beta=2.0, top=0.3, k1=1.2, b=0.75, weight=0.5, baseline="mean",
+                          correct_threshold=0.5),
+}
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
+
+def on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+def check_against_reference(responses, mask, rewards, index, config, device, given=None):
+    expected = key_token_scores(responses, mask, rewards, index, config=config, backend="reference")
+    adv_ref = token_advantage(responses, mask, rewards, index, config=config, backend="reference",
+                              rollout_advantage=given)
+    r, m, w, i = on(device, responses, mask, rewards, index)
+    actual = key_token_scores(r, m, w, i, config=config, backend="triton")
+    assert actual.score.device.type == device
+    assert_scores_match(expected, actual)
+    adv = token_advantage(r, m, w, i, config=config, backend="triton",
+                          rollout_advantage=None if given is None else given.to(device))
+    assert adv.dtype == torch.float32 and adv.device.type == device
+    torch.testing.assert_close(adv.cpu(), adv_ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_matches_reference(case, config, device):
+    _, responses, mask, rewards, index = case
+    check_against_reference(responses, mask, rewards, index, config, device)
+
+
+@pytest.mark.parametrize("baseline", ["grpo", "mean", "none", "given"])
+def test_rollout_baselines(baseline, device):
+    _, responses, mask, rewards, index = random_cases(seed=1, small=True)[1]
+    given = torch.linspace(-1.0, 2.0, responses.shape[0], dtype=torch.float64) if baseline == "given" else None
+    config = KTAEConfig(baseline="grpo" if baseline == "given" else baseline, weight=2.0)
+    check_against_reference(responses, mask, rewards, index, config, device, given)
+
+
+def test_groups_wider_than_one_presence_word(device):
+    """Groups of 70 and 33 rollouts need three and two 32-bit presence words."""
+    responses, mask, rewards, index = make_batch(np.random.default_rng(5), [70, 33, 5], 10, 24, shuffle=True)
+    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
+
+
+def test_undersized_tables_are_rebuilt(device, monkeypatch):
+    """A first guess far too small (and a probe budget of one) must trigger the rebuild, not a wrong table."""
+    monkeypatch.setattr(tables, "_FIRST_GUESS", 0.01)
+    monkeypatch.setattr(tables, "_FIRST_PROBE_LIMIT", 1)
+    calls = []
+    insert = tables._insert
+    monkeypatch.setattr(tables, "_insert", lambda *args: calls.append(args[-1]) or insert(*args))
+    _, responses, mask, rewards, index = random_cases(seed=2, small=True)[2]
+    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
+    assert calls[:2] == [1, tables._UNLIMITED]
+
+
+def test_tables_are_sparse(device):
+    """Slots scale with the masked tokens (Qwen-sized vocabulary, ids up to 151,935), not the vocabulary."""
+    _, responses, mask, rewards, index = random_cases(seed=3, small=True)[2]
+    batch = normalise_batch(*on(device, responses, mask, rewards, index))
+    stats = group_stats(batch, KTAEConfig())
+    built = tables.build_hash_tables(batch, stats)
+    masked = int(mask.sum())
+    assert built.keys.shape[0] <= 4 * masked + 16 * batch.n_groups < batch.n_groups * 151_936
+    assert built.n_rows == len({(int(g), int(t)) for g, t in zip(index[:, None].expand_as(responses)[mask],
+                                                                 responses[mask])})
+    occupied = (built.keys != tables.EMPTY).sum().item()
+    assert occupied == built.n_rows
+
+
+def test_profile_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("the CPU error path only")
+    _, responses, mask, rewards, index = random_cases(small=True)[0]
+    with pytest.raises(ValueError, match="CUDA"):
+        profile(normalise_batch(responses, mask, rewards, index))
