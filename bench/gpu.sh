@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-shot GPU session for a machine lent for a short time (one H200, ~15 min budget):
-#   nvidia-smi -> build the CUDA extension -> GPU tests -> paper batch + scaling sweep
-#   (torch, triton, cuda; device copy bandwidth) -> default grid with the baselines -> torch profile.
+#   nvidia-smi -> build the CUDA extension (as /work/notes/cuda-readme.md documents) -> the GPU
+#   backends' tests -> paper batch + scaling sweep (torch, triton, cuda; device copy bandwidth) ->
+#   default grid with the baselines -> torch profile -> the whole test suite with the time left.
 # Every stage has its own timeout and failures do not stop the script; the whole run ends within
 # KTAE_GPU_BUDGET_S seconds (default 450, under 8 minutes). Everything lands in bench/results/ as
 # <device>-<date>-*.{log,json,png}; when $OUT is set (the lending tool's output folder) a tarball of
@@ -64,9 +65,10 @@ export -f build
 export PY
 run_stage build 150 bash -c build
 
-# 2. the test suite with CUDA visible (in parallel when pytest-xdist is there)
+# 2. the GPU backends' tests first (the whole suite runs last, with the time left)
 XDIST=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8" || echo "")
-run_stage tests 150 "$PY" -m pytest -q tests $XDIST -p no:cacheprovider
+GPU_TESTS=$(ls tests/test_cuda_backend.py tests/test_triton_*.py tests/test_*gpu*.py 2>/dev/null | tr '\n' ' ')
+run_stage gpu-tests 120 "$PY" -m pytest -q $GPU_TESTS $XDIST -p no:cacheprovider
 
 # 3. the paper batch and the scaling sweep (G=16, B=256..65536, L=512..8192), with the copy bandwidth
 run_stage sweep 100 "$PY" -m bench --device cuda --sweep --backends torch,triton,cuda --repeats 10 \
@@ -77,6 +79,9 @@ run_stage grid 130 "$PY" -m bench --device cuda --repeats 10 --no-progress --out
 
 # 5. where the torch backend's GPU time goes on the paper batch
 run_stage profile 40 "$PY" -m bench.profile_torch --device cuda --prompts 1024 --L 3072 --repeats 5 --ops
+
+# 6. the whole test suite with CUDA visible
+run_stage tests 300 "$PY" -m pytest -q tests $XDIST -p no:cacheprovider
 
 say "done in $(($(date +%s) - START))s; files:"
 ls -l "$PREFIX"* | tee -a "$LOG"
