@@ -4,7 +4,8 @@ Same definition as ``ktae_kernels.fisher._pvalue_grid`` (scipy's ``fisher_exact`
 hypergeometric mass of every table of the support whose probability does not exceed the observed
 one, with scipy's relative tolerance, normalised by the support's own sum. Log-factorials come from
 a float64 table gathered with ``tl.load`` (no lgamma: the interpreter has no libdevice), and the
-support is walked once with a running log-sum-exp shifted by the log-pmf at the mode.
+support is walked once, summing ``exp(log pmf - log pmf at the mode)`` (a log-sum-exp whose shift,
+the mode, is known in advance).
 """
 from __future__ import annotations
 

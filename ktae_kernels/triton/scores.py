@@ -6,10 +6,13 @@ Same formulas as ``torch_backend.score_tables`` (and the reference), in float64:
 per-group ``asin(sqrt(k / n))`` table (the interpreter has no libdevice ``asin``), and
 ``score = top * tanh(key / 2)``, kept strictly inside ``(-top, top)``. ``F`` and ``IG`` are 0 where
 the table is not informative (one class only, or the token in every rollout); the score is 0 there
-and for ``ignore_token_ids``. With ``fisher="exact"`` the
-p-value is computed in the kernel (``fisher.fisher_pvalue``); with ``fisher="upstream"`` it is the
-published float32 computation, which runs on the CPU (``torch_backend.table_statistics`` ->
-``ktae_kernels.fisher.upstream_pvalue``, bit-faithful to the published code) and is passed in.
+and for ``ignore_token_ids``. Every float64 constant reaches the kernel in a tensor (a Python float
+argument or literal would be float32).
+
+With ``fisher="exact"`` the p-value is computed in the kernel (``fisher.fisher_pvalue``). With
+``fisher="upstream"`` it is the published float32 computation, which runs on the CPU
+(``torch_backend.table_statistics`` -> ``ktae_kernels.fisher.upstream_pvalue``, bit-faithful to the
+published code) over the distinct tables, and is passed in with its ``F``.
 """
 from __future__ import annotations
 
@@ -58,10 +61,12 @@ def _information_gain(a, b, n_c, n_w):
     n = tl.maximum(n_c + n_w, 1).to(tl.float64)
     present = a + b
     absent = n_c + n_w - present
-    h_present = present.to(tl.float64) / n * _entropy_bits(a.to(tl.float64) / tl.maximum(present, 1).to(tl.float64))
-    h_absent = absent.to(tl.float64) / n * _entropy_bits((n_c - a).to(tl.float64) / tl.maximum(absent, 1).to(tl.float64))
-    ig = _entropy_bits(n_c.to(tl.float64) / n) - tl.where(present > 0, h_present, 0.0) - tl.where(absent > 0, h_absent, 0.0)
-    return tl.maximum(ig, 0.0)
+    p_present = present.to(tl.float64)
+    p_absent = absent.to(tl.float64)
+    h_present = p_present / n * _entropy_bits(a.to(tl.float64) / tl.maximum(p_present, 1.0))
+    h_absent = p_absent / n * _entropy_bits((n_c - a).to(tl.float64) / tl.maximum(p_absent, 1.0))
+    h_y = _entropy_bits(n_c.to(tl.float64) / n)
+    return tl.maximum(h_y - tl.where(present > 0, h_present, 0.0) - tl.where(absent > 0, h_absent, 0.0), 0.0)
 
 
 @triton.jit
@@ -160,9 +165,8 @@ def cohen_table(stats: GroupStats) -> tuple[Tensor, Tensor, Tensor]:
 
 def score_constants(config: KTAEConfig, device: torch.device) -> Tensor:
     """The float64 constants of the score kernel (Fisher tolerances first)."""
-    rest = torch.tensor([config.alpha, config.beta, config.top, math.nextafter(config.top, 0.0), config.k1, config.b,
-                         TF_EPS, P_ONE],
-                        dtype=torch.float64, device=device)
+    values = [config.alpha, config.beta, config.top, math.nextafter(config.top, 0.0), config.k1, config.b, TF_EPS, P_ONE]
+    rest = torch.tensor(values, dtype=torch.float64, device=device)
     return torch.cat([fisher_constants(device), rest])
 
 

@@ -11,13 +11,15 @@ global-memory arrays (``S`` slots in all), keyed by token id with linear probing
 - ``order`` int32 ``[S]``: inside each slice, the group-local slots in claim order; the first
   ``fill[g]`` entries list the group's occupied slots, so no pass ever scans the empty ones.
 
-One program reads a tile of 1024 positions (of one or several rollouts); each masked token probes its group's table with plain
-loads, claims an empty slot with a compare-and-swap (predicated inline PTX on CUDA, as
-``tl.atomic_cas`` has no mask), then adds to the slot's counters with one 64-bit atomic and sets
-its rollout's presence bit unless a load already shows it set. Nothing is vocabulary-sized: a
-slice holds about twice the group's distinct tokens. Tables start from a guess (``_FIRST_GUESS`` of the group's
-masked tokens); a group that fills more than 3/4 of its slice, or whose probes run past a limit, is
-rebuilt once with a slice of twice its masked token count, which always suffices.
+One program reads a tile of 1024 positions (``[1, 1024]`` of one rollout, or ``[R, L]`` of R short
+rollouts). Each masked token probes its group's table with plain loads, claims an empty slot with
+a compare-and-swap (predicated inline PTX on CUDA, as ``tl.atomic_cas`` has no mask; each tile row
+reserves its new slots' places in ``order`` with one atomic on ``fill``), adds to the slot's
+counters with one 64-bit atomic, and sets its rollout's presence bit unless a load shows it set.
+
+Nothing is vocabulary-sized. Slices start from a guess of ``2 * _FIRST_GUESS`` times the group's
+masked tokens; a group whose slice gets more than 3/4 full, or whose probes run past a limit, stops
+early and is rebuilt once with a slice of at least twice its masked tokens, which always suffices.
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ from ..torch_backend import GroupStats
 from ..types import Batch
 
 EMPTY = -1
+_EMPTY = tl.constexpr(EMPTY)
 #: a compare value no slot ever holds (keys are >= EMPTY): a compare-and-swap with it never writes.
-_NEVER = -2
+_NEVER = tl.constexpr(-2)
 #: first guess of a group's distinct tokens, as a fraction of its masked tokens (slice = 2x this).
 _FIRST_GUESS = 0.25
 _MIN_LOG_CAP = 4
@@ -119,7 +122,7 @@ def _cas_predicated(ptr, token, need):
         @p atom.global.relaxed.gpu.cas.b32 $0, [$1], $2, $3;
         }""",
         constraints="=r,l,r,r,r",
-        args=[ptr, tl.full(token.shape, -1, tl.int32), token, need.to(tl.int32)],
+        args=[ptr, tl.full(token.shape, _EMPTY, tl.int32), token, need.to(tl.int32)],
         dtype=tl.int32, is_pure=False, pack=1)
 
 
@@ -134,7 +137,7 @@ def _claim(keys_ptr, base, slot, spare, token, need, PREDICATED: tl.constexpr):
         old = _cas_predicated(keys_ptr + base + slot, token, need)
     else:
         target = keys_ptr + base + tl.where(need, slot, spare)
-        old = tl.atomic_cas(target, tl.where(need, -1, -2), token, sem="relaxed")
+        old = tl.atomic_cas(target, tl.where(need, _EMPTY, _NEVER), token, sem="relaxed")
     return old
 
 
@@ -146,7 +149,7 @@ def find_slots(keys_ptr, base, log_cap, token, active):
     todo = active
     probes = 0
     while (tl.max(todo.to(tl.int32)) > 0) & (probes <= tl.max(cap_mask)):
-        cur = tl.load(keys_ptr + base + slot, mask=todo, other=-1)
+        cur = tl.load(keys_ptr + base + slot, mask=todo, other=_EMPTY)
         todo = todo & (cur != token)
         slot = tl.where(todo, (slot + 1) & cap_mask, slot)
         probes += 1
@@ -198,9 +201,9 @@ def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, rank_ptr, inc_ptr,
     col = tl.program_id(1) * COLS + tl.arange(0, COLS)[None, :]
     lane = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
     pos = row.to(tl.int64) * L + col
-    present = tl.load(mask_ptr + pos, mask=(row < B) & (col < L), other=0) != 0
-    tok = tl.load(resp_ptr + pos, mask=present, other=0).to(tl.int32)
     real = row < B
+    present = tl.load(mask_ptr + pos, mask=real & (col < L), other=0) != 0
+    tok = tl.load(resp_ptr + pos, mask=present, other=0).to(tl.int32)
     g = tl.load(group_ptr + row, mask=real, other=0)
     base = tl.load(offset_ptr + g, mask=real, other=0)
     log_cap = tl.load(log_cap_ptr + g, mask=real, other=4)
@@ -211,12 +214,12 @@ def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, rank_ptr, inc_ptr,
     todo = present
     probes = 0
     while (tl.max(todo.to(tl.int32)) > 0) & (probes < probe_limit):
-        cur = tl.load(keys_ptr + base + slot, mask=todo, other=-1)
+        cur = tl.load(keys_ptr + base + slot, mask=todo, other=_EMPTY)
         done = todo & (cur == tok)
-        need = todo & (cur == -1)
+        need = todo & (cur == _EMPTY)
         if tl.max(need.to(tl.int32)) > 0:
             old = _claim(keys_ptr, base, slot, spare, tok, need, PREDICATED)
-            new = (need & (old == -1)).to(tl.int32)
+            new = (need & (old == _EMPTY)).to(tl.int32)
             n_new = tl.sum(new, 1)[:, None]
             first = tl.atomic_add(fill_ptr + g, n_new, mask=real & (n_new > 0), sem="relaxed")
             tl.store(order_ptr + base + first + tl.cumsum(new, 1) - 1, slot, mask=new != 0)
@@ -344,7 +347,8 @@ def _insert(batch: Batch, log_cap: Tensor, words: int, rank: Tensor, inc: Tensor
             batch.responses.contiguous(), batch.mask.contiguous().view(torch.uint8), B, L, batch.group, rank, inc,
             keys, occ, bits, words, order, offset, log_cap, fill, overflow, probe_limit,
             ROWS=rows, COLS=cols, PREDICATED=not interpreting())
-    tables = HashTables(keys, occ, bits, order, correct_bits, offset, log_cap, fill, words, 0, 0, 0)
+    tables = HashTables(keys=keys, occ=occ, bits=bits, order=order, correct_bits=correct_bits, offset=offset,
+                        log_cap=log_cap, fill=fill, words=words, largest=0, n_rows=0, max_fill=0)
     return tables, overflow
 
 
