@@ -110,3 +110,12 @@ def test_profile_needs_cuda():
     _, responses, mask, rewards, index = random_cases(small=True)[0]
     with pytest.raises(ValueError, match="CUDA"):
         profile(normalise_batch(responses, mask, rewards, index))
+
+
+@pytest.mark.parametrize("B, L", [(0, 5), (3, 0)])
+def test_empty_batches(B, L, device):
+    r, m = torch.zeros(B, L, dtype=torch.int64, device=device), torch.zeros(B, L, dtype=torch.bool, device=device)
+    w, i = torch.ones(B, device=device), torch.zeros(B, dtype=torch.int64, device=device)
+    assert token_advantage(r, m, w, i, backend="triton").shape == (B, L)
+    scores = key_token_scores(r, m, w, i, backend="triton")
+    assert len(scores) == 0 and scores.n_c.shape == (min(B, 1),)

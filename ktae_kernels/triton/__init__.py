@@ -19,7 +19,7 @@ from ..torch_backend import group_stats, rollout_advantage
 from ..types import Batch, KeyTokenScores
 from .advantage import token_advantages
 from .fisher import fisher_exact_pvalues
-from .scores import score_rows
+from .scores import kernel_constants, score_rows
 from .tables import build_hash_tables, interpreting, occupied_rows, row_counts
 
 __all__ = ["key_token_scores", "token_advantage", "fisher_exact_pvalues", "profile", "interpreting"]
@@ -30,7 +30,7 @@ def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
     tables = build_hash_tables(batch, stats)
     rows = occupied_rows(tables, sort=True)
     counts = row_counts(tables, rows)
-    _, out = score_rows(tables, rows, stats, config, counts, write_rows=True)
+    _, out = score_rows(tables, rows, stats, config, kernel_constants(config, batch.device), counts, write_rows=True)
     g = rows.group.long()
     return KeyTokenScores(
         group=g, token=counts.token, a=counts.a, b=counts.b, c=stats.n_c[g] - counts.a, d=stats.n_w[g] - counts.b,
@@ -40,13 +40,14 @@ def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None) -> Tensor:
+    consts = kernel_constants(config, batch.device)
     stats = group_stats(batch, config)
     tables = build_hash_tables(batch, stats)
     rows = occupied_rows(tables, sort=False)
     counts = row_counts(tables, rows) if config.fisher == "upstream" else None
-    slot_score, _ = score_rows(tables, rows, stats, config, counts, write_rows=False)
+    slot_score, _ = score_rows(tables, rows, stats, config, consts, counts, write_rows=False)
     base = rollout_advantage(batch, stats, config, given)
-    return token_advantages(batch, tables, slot_score, base, config.weight)
+    return token_advantages(batch, tables, slot_score, base, consts)
 
 
 def profile(batch: Batch, config: KTAEConfig | None = None, *, rep_ms: int = 100) -> dict[str, float]:
@@ -62,19 +63,20 @@ def profile(batch: Batch, config: KTAEConfig | None = None, *, rep_ms: int = 100
     if batch.device.type != "cuda" or interpreting():
         raise ValueError("profile: `batch` must be on a CUDA device, with the Triton interpreter off")
     config = config or KTAEConfig()
+    consts = kernel_constants(config, batch.device)
     stats = group_stats(batch, config)
     tables = build_hash_tables(batch, stats)
     rows = occupied_rows(tables, sort=False)
     counts = row_counts(tables, rows) if config.fisher == "upstream" else None
-    slot_score, _ = score_rows(tables, rows, stats, config, counts, write_rows=False)
+    slot_score, _ = score_rows(tables, rows, stats, config, consts, counts, write_rows=False)
     base = rollout_advantage(batch, stats, config, None)
     stages: dict[str, Callable[[], Any]] = {
         "groups": lambda: group_stats(batch, config),
         "tables": lambda: build_hash_tables(batch, stats),
         "rows": lambda: occupied_rows(tables, sort=False),
-        "scores": lambda: score_rows(tables, rows, stats, config, counts, write_rows=False),
+        "scores": lambda: score_rows(tables, rows, stats, config, consts, counts, write_rows=False),
         "rollout": lambda: rollout_advantage(batch, stats, config, None),
-        "advantage": lambda: token_advantages(batch, tables, slot_score, base, config.weight),
+        "advantage": lambda: token_advantages(batch, tables, slot_score, base, consts),
         "total": lambda: token_advantage(batch, config, None),
     }
     return {name: float(do_bench(fn, rep=rep_ms, return_mode="median")) for name, fn in stages.items()}

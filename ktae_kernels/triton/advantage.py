@@ -12,11 +12,12 @@ import triton.language as tl
 from torch import Tensor
 
 from ..types import Batch
+from .scores import WEIGHT
 from .tables import HashTables, find_slots, tile_shape
 
 
 @triton.jit
-def _advantage_kernel(resp_ptr, mask_ptr, B, L, group_ptr, base_ptr, weight_ptr,
+def _advantage_kernel(resp_ptr, mask_ptr, B, L, group_ptr, base_ptr, const_ptr,
                       keys_ptr, offset_ptr, log_cap_ptr, slot_score_ptr, out_ptr,
                       ROWS: tl.constexpr, COLS: tl.constexpr):
     """A ``[ROWS, COLS]`` tile of rollouts x positions; grid ``(cdiv(B, ROWS), cdiv(L, COLS))``."""
@@ -31,20 +32,19 @@ def _advantage_kernel(resp_ptr, mask_ptr, B, L, group_ptr, base_ptr, weight_ptr,
     base = tl.load(offset_ptr + g, mask=real, other=0)
     slot = find_slots(keys_ptr, base, tl.load(log_cap_ptr + g, mask=real, other=4), token, present)
     score = tl.load(slot_score_ptr + base + slot, mask=present, other=0.0)
-    value = tl.load(base_ptr + row, mask=real, other=0.0) + tl.load(weight_ptr) * score
+    value = tl.load(base_ptr + row, mask=real, other=0.0) + tl.load(const_ptr + WEIGHT) * score
     tl.store(out_ptr + pos, tl.where(present, value, 0.0).to(tl.float32), mask=inside)
 
 
-def token_advantages(batch: Batch, tables: HashTables, slot_score: Tensor, base: Tensor, weight: float) -> Tensor:
+def token_advantages(batch: Batch, tables: HashTables, slot_score: Tensor, base: Tensor, consts: Tensor) -> Tensor:
     """float32 ``[B, L]`` advantages from the per-slot scores (``scores.score_rows``) and the float64
     ``[B]`` rollout advantages ``base``."""
     B, L = batch.responses.shape
     out = torch.empty(B, L, dtype=torch.float32, device=batch.device)
     if B and L:
         rows, cols = tile_shape(L)
-        w = torch.tensor([weight], dtype=torch.float64, device=batch.device)
         _advantage_kernel[(triton.cdiv(B, rows), triton.cdiv(L, cols))](
             batch.responses.contiguous(), batch.mask.contiguous().view(torch.uint8), B, L, batch.group,
-            base.to(torch.float64).contiguous(), w, tables.keys, tables.offset, tables.log_cap, slot_score, out,
+            base.to(torch.float64).contiguous(), consts, tables.keys, tables.offset, tables.log_cap, slot_score, out,
             ROWS=rows, COLS=cols)
     return out

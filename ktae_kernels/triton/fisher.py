@@ -18,14 +18,16 @@ from torch import Tensor
 
 from ..fisher import _LOG_ERR, SCIPY_RTOL, log_factorial_table
 
-#: float64 constants a kernel loads (a Python float argument would reach the kernel as float32).
+#: float64 constants the kernel loads (a Python float argument would reach it as float32):
+#: ``log1p(scipy rtol)`` and the relative float64 error bound of a log-pmf, at these indices.
+FISHER_CONSTANTS = (math.log1p(SCIPY_RTOL), _LOG_ERR)
 LOG_RTOL, LOG_ERR = tl.constexpr(0), tl.constexpr(1)
 _BLOCK = 128
 
 
-def fisher_constants(device: torch.device | str) -> Tensor:
-    """float64 ``[2]``: ``log1p(scipy rtol)`` and the relative float64 error bound of a log-pmf."""
-    return torch.tensor([math.log1p(SCIPY_RTOL), _LOG_ERR], dtype=torch.float64, device=device)
+def device_constants(values: list[float], device: torch.device | str) -> Tensor:
+    """float64 ``values`` on ``device`` in one copy that does not wait for the device's queue."""
+    return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
 
 
 @triton.jit
@@ -95,6 +97,7 @@ def fisher_exact_pvalues(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor:
     cells = [t[order].to(torch.int32) for t in (a, b, c, d)]
     lf = log_factorial_table(int((n1 + c + d).max()), a.device)
     out = torch.empty_like(p)
-    _fisher_kernel[(triton.cdiv(n, _BLOCK),)](*cells, out, n, lf, fisher_constants(a.device), BLOCK=_BLOCK)
+    consts = device_constants(list(FISHER_CONSTANTS), a.device)
+    _fisher_kernel[(triton.cdiv(n, _BLOCK),)](*cells, out, n, lf, consts, BLOCK=_BLOCK)
     p[order] = out
     return p

@@ -6,8 +6,8 @@ Same formulas as ``torch_backend.score_tables`` (and the reference), in float64:
 per-group ``asin(sqrt(k / n))`` table (the interpreter has no libdevice ``asin``), and
 ``score = top * tanh(key / 2)``, kept strictly inside ``(-top, top)``. ``F`` and ``IG`` are 0 where
 the table is not informative (one class only, or the token in every rollout); the score is 0 there
-and for ``ignore_token_ids``. Every float64 constant reaches the kernel in a tensor (a Python float
-argument or literal would be float32).
+and for ``ignore_token_ids``. Every float64 constant, and the ignored ids, reach the kernels in one
+float64 tensor (a Python float argument or literal would be float32).
 
 With ``fisher="exact"`` the p-value is computed in the kernel (``fisher.fisher_pvalue``). With
 ``fisher="upstream"`` it is the published float32 computation, which runs on the CPU
@@ -28,11 +28,12 @@ from ..api import MAX_TOKEN_ID
 from ..config import KTAEConfig
 from ..fisher import P_ONE, log_factorial_table
 from ..torch_backend import TF_EPS, GroupStats, table_statistics
-from .fisher import LOG_ERR, LOG_RTOL, fisher_constants, fisher_pvalue
+from .fisher import FISHER_CONSTANTS, LOG_ERR, LOG_RTOL, device_constants, fisher_pvalue
 from .tables import HashTables, RowCounts, Rows, load_row_counts
 
-#: indices into the float64 constant vector of the score kernel (after the two Fisher constants).
-_ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, _P_ONE = (tl.constexpr(i) for i in range(2, 10))
+#: indices into the float64 constant vector of the score and advantage kernels (``kernel_constants``):
+#: the two Fisher constants, then these, then the ignored token ids.
+_ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, _P_ONE, WEIGHT, _IGNORE = (tl.constexpr(i) for i in range(2, 12))
 _BLOCK = 128
 
 
@@ -91,7 +92,7 @@ def _tanh_half(key):
 def _score_kernel(slot_ptr, group_ptr, n_rows,
                   keys_ptr, occ_ptr, bits_ptr, correct_bits_ptr, words,
                   n_c_ptr, n_w_ptr, T_c_ptr, T_w_ptr, asin_ptr, asin_c_ptr, asin_w_ptr,
-                  lf_ptr, const_ptr, ignore_ptr, n_ignore, p_in_ptr, F_in_ptr,
+                  lf_ptr, const_ptr, n_ignore, p_in_ptr, F_in_ptr,
                   slot_score_ptr, p_ptr, F_ptr, IG_ptr, x_ptr, score_ptr,
                   EXACT: tl.constexpr, USE_TF: tl.constexpr, WRITE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Statistics of ``BLOCK`` rows; the score goes to ``slot_score[slot]`` and, with ``WRITE_ROWS``,
@@ -130,7 +131,7 @@ def _score_kernel(slot_ptr, group_ptr, n_rows,
     IG = tl.where(informative, IG, 0.0)
     scorable = informative
     for k in range(n_ignore):
-        scorable = scorable & (token != tl.load(ignore_ptr + k))
+        scorable = scorable & (token != tl.load(const_ptr + _IGNORE + k).to(tl.int32))
     alpha = tl.load(const_ptr + _ALPHA)
     beta = tl.load(const_ptr + _BETA)
     key = (alpha * F + beta * IG) * x / (alpha + beta)
@@ -163,18 +164,23 @@ def cohen_table(stats: GroupStats) -> tuple[Tensor, Tensor, Tensor]:
     return values, start[0::2].contiguous(), start[1::2].contiguous()
 
 
-def score_constants(config: KTAEConfig, device: torch.device) -> Tensor:
-    """The float64 constants of the score kernel (Fisher tolerances first)."""
-    values = [config.alpha, config.beta, config.top, math.nextafter(config.top, 0.0), config.k1, config.b, TF_EPS, P_ONE]
-    rest = torch.tensor(values, dtype=torch.float64, device=device)
-    return torch.cat([fisher_constants(device), rest])
+def kernel_constants(config: KTAEConfig, device: torch.device) -> Tensor:
+    """float64 ``[12 + k]``: the Fisher constants, ``alpha, beta, top``, the largest float below
+    ``top``, ``k1, b``, the TF epsilon, ``P_ONE``, ``weight``, then the k ignored token ids that can
+    occur (ids are below ``2**31``, exact in float64)."""
+    top = config.top
+    ignore = [float(t) for t in config.ignore_token_ids if t <= MAX_TOKEN_ID]
+    values = [*FISHER_CONSTANTS, config.alpha, config.beta, top, math.nextafter(top, 0.0), config.k1, config.b,
+              TF_EPS, P_ONE, config.weight, *ignore]
+    return device_constants(values, device)
 
 
-def score_rows(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAEConfig,
+def score_rows(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAEConfig, consts: Tensor,
                counts: RowCounts | None, write_rows: bool) -> tuple[Tensor, RowStats]:
     """Scores of every occupied slot: float64 ``[S]`` indexed by global slot (only occupied slots are
-    written), and, with ``write_rows``, the per-row statistics. ``counts`` (``tables.row_counts``)
-    is needed with ``fisher="upstream"`` only: the CPU computes p from them.
+    written), and, with ``write_rows``, the per-row statistics. ``consts``: ``kernel_constants(config)``;
+    ``counts`` (``tables.row_counts``) is needed with ``fisher="upstream"`` only: the CPU computes p
+    from them.
     """
     device = tables.keys.device
     n = rows.slot.shape[0]
@@ -191,13 +197,11 @@ def score_rows(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAECo
         g = rows.group.long()
         p_in, F_in, _, _ = table_statistics(counts.a, counts.b, stats.n_c[g], stats.n_w[g], g, config)
     asin, asin_c, asin_w = cohen_table(stats)
-    ignore_ids = [t for t in config.ignore_token_ids if t <= MAX_TOKEN_ID]  # larger ids never occur
-    ignore = torch.tensor(ignore_ids or [0], dtype=torch.int32, device=device)
     lf = log_factorial_table(tables.largest, device)
     _score_kernel[(triton.cdiv(n, _BLOCK),)](
         rows.slot, rows.group, n, tables.keys, tables.occ, tables.bits, tables.correct_bits, tables.words,
         stats.n_c, stats.n_w, stats.T_c, stats.T_w, asin, asin_c, asin_w,
-        lf, score_constants(config, device), ignore, len(ignore_ids), p_in, F_in,
+        lf, consts, consts.shape[0] - _IGNORE.value, p_in, F_in,
         slot_score, *((out.p_value, out.F, out.IG, out.x, out.score) if write_rows else (slot_score,) * 5),
         EXACT=exact, USE_TF=config.use_tf, WRITE_ROWS=write_rows, BLOCK=_BLOCK)
     return slot_score, out

@@ -277,22 +277,27 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
     tokens = stats.T_c + stats.T_w
     guess = _log2_ceil(torch.ceil(tokens * (2 * _FIRST_GUESS)).long())
     safe = _log2_ceil(2 * tokens)
-    largest, biggest = (torch.stack([stats.size.max(), tokens.max()]).tolist()
-                        if batch.n_groups else (1, 0))
+    largest, biggest, slots = (torch.stack([stats.size.max(), tokens.max(), _slots(guess)]).tolist()
+                               if batch.n_groups else (1, 0, 0))
     if biggest > MAX_GROUP_TOKENS:
         raise ValueError(f"the triton backend takes at most {MAX_GROUP_TOKENS} masked tokens per group, "
                          f"got a group of {biggest}")
     words = max(triton.cdiv(largest, 32), 1)
     rank, inc, correct_bits = _rollout_layout(batch, stats, words)
-    tables, overflow = _insert(batch, guess, words, rank, inc, correct_bits, _FIRST_PROBE_LIMIT)
-    grow = overflow != 0
-    grown, *fill = torch.cat([grow.any().reshape(1), tables.fill]).tolist()
+    tables, overflow = _insert(batch, guess, slots, words, rank, inc, correct_bits, _FIRST_PROBE_LIMIT)
+    log_cap = torch.where(overflow != 0, safe, guess)
+    grown, slots, *fill = torch.cat([overflow.any().reshape(1), _slots(log_cap).reshape(1), tables.fill]).tolist()
     if grown:
-        tables, overflow = _insert(batch, torch.where(grow, safe, guess), words, rank, inc, correct_bits, _UNLIMITED)
-        lost, *fill = torch.cat([overflow.max().reshape(1), tables.fill]).tolist()
+        tables, overflow = _insert(batch, log_cap, slots, words, rank, inc, correct_bits, _UNLIMITED)
+        lost, *fill = torch.cat([overflow.any().reshape(1), tables.fill]).tolist()
         if lost:  # cannot happen: a slice of twice the group's tokens stays at most half full
             raise RuntimeError("triton backend: a rebuilt hash table overflowed")
     return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0))
+
+
+def _slots(log_cap: Tensor) -> Tensor:
+    """int64 scalar: the slots of tables of ``2**log_cap`` slots."""
+    return (1 << log_cap.long()).sum()
 
 
 def tile_shape(L: int) -> tuple[int, int]:
@@ -326,14 +331,13 @@ def _rollout_layout(batch: Batch, stats: GroupStats, words: int) -> tuple[Tensor
     return rank.to(torch.int32), inc, bits.to(torch.int32).view(batch.n_groups, words)
 
 
-def _insert(batch: Batch, log_cap: Tensor, words: int, rank: Tensor, inc: Tensor, correct_bits: Tensor,
+def _insert(batch: Batch, log_cap: Tensor, slots: int, words: int, rank: Tensor, inc: Tensor, correct_bits: Tensor,
             probe_limit: int) -> tuple[HashTables, Tensor]:
-    """Fresh tables of ``2**log_cap`` slots per group, filled with every masked token; and the
-    per-group overflow flag (int32 ``[n]``): that group's table is incomplete."""
+    """Fresh tables of ``2**log_cap`` slots per group (``slots`` in all), filled with every masked
+    token; and the per-group overflow flag (int32 ``[n]``): that group's table is incomplete."""
     device = batch.device
     cap = 1 << log_cap.long()
     offset = torch.cumsum(cap, 0) - cap
-    slots = int(cap.sum()) if cap.numel() else 0
     keys = torch.full((slots,), EMPTY, dtype=torch.int32, device=device)
     occ = torch.zeros(slots, dtype=torch.int64, device=device)
     bits = torch.zeros(slots * words, dtype=torch.int32, device=device)
