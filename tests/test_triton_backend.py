@@ -104,12 +104,15 @@ def test_tables_are_sparse(device):
     assert occupied == built.n_rows
 
 
-def test_profile_needs_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("the CPU error path only")
-    _, responses, mask, rewards, index = random_cases(small=True)[0]
-    with pytest.raises(ValueError, match="CUDA"):
-        profile(normalise_batch(responses, mask, rewards, index))
+def test_profile_stages():
+    _, responses, mask, rewards, index = random_cases(small=True)[2]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            profile(normalise_batch(responses, mask, rewards, index))
+        return
+    times = profile(normalise_batch(*on("cuda", responses, mask, rewards, index)), rep_ms=5)
+    assert set(times) == {"groups", "tables", "rows", "scores", "rollout", "advantage", "total"}
+    assert all(t > 0 for t in times.values())
 
 
 @pytest.mark.parametrize("B, L", [(0, 5), (3, 0)])
