@@ -11,6 +11,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -23,7 +24,7 @@ from bench import data
 from bench.contenders import ALL_NAMES, BENCH_CONFIG, UPSTREAM
 from bench.data import Shape
 from bench.grid import PRESETS, budget_for
-from bench.machine import machine_info, machine_slug, today
+from bench.machine import load_average, machine_info, machine_slug, today
 from bench.paper import copy_bandwidth_gb_s, format_paper_summary, paper_summary
 from bench.report import format_table, plot, result_json, write_json
 from bench.runner import run_grid
@@ -110,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     stem = args.out / (f"{machine_slug(device)}-{today()}" + ("" if grid_name == "default" else f"-{grid_name}")
                        + (f"-{args.tag}" if args.tag else ""))
     print(f"ktae_kernels bench: {len(shapes)} shapes x {names} on {device} ({grid_name} grid) -> {stem}.json")
+    load = load_average()
+    if device.type == "cpu" and load is not None and load > 0.5:
+        print(f"note: the 1-minute load average is {load} on {os.cpu_count()} cores: other processes share the "
+              "CPU and the timings will be noisy")
 
     start = time.perf_counter()
     head = {"schema": "ktae_kernels.bench/1",
@@ -120,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         write_json(stem.with_suffix(".json"), {
             **head, "complete": complete, "results": result_json(results),
             "paper_batch": paper_summary(results, copy_gb_s), "copy_gb_s": copy_gb_s,
+            "load_average_1min_at_save": load_average(),
             "wall_time_s": time.perf_counter() - start,
         })
 

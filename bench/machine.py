@@ -55,6 +55,7 @@ def machine_info(device: torch.device) -> dict:
         "scipy": _version("scipy"),
         "ktae_kernels": _version("ktae_kernels") or getattr(import_module("ktae_kernels"), "__version__", None),
         "device": str(device),
+        "load_average_1min": load_average(),
         "gpu": None,
     }
     if device.type == "cuda":
@@ -68,6 +69,14 @@ def machine_info(device: torch.device) -> dict:
             "driver": _nvidia_driver(),
         }
     return info
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (other processes competing for the cores), None where unknown."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 def machine_slug(device: torch.device) -> str:
