@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import torch
 from torch import Tensor
 
 from ..config import KTAEConfig
