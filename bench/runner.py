@@ -56,15 +56,14 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
     warm_up([n for n in names if unavailable_reason(n, device) is None], device)
     bar = tqdm(total=len(shapes) * len(names), disable=not progress, unit="run", dynamic_ncols=True)
     for shape in shapes:
-        plan = [(name, _skip_reason(name, shape, device, budget)) for name in names]
+        plan = [(name, _not_run(name, shape, device, budget)) for name in names]
         batch = _batch_for(shape, [n for n, r in plan if r is None], seed, device)
         tokens = batch_tokens(shape, seed)
         reference: tuple[int, Tensor] | None = None
-        for name, reason in plan:
+        for name, not_run in plan:
             bar.set_postfix_str(f"{shape} {name}")
-            if reason is not None:
-                status = "unavailable" if reason.startswith("unavailable") else "skipped"
-                results.append(Result(shape, name, status, reason.removeprefix("unavailable: ")))
+            if not_run is not None:
+                results.append(Result(shape, name, *not_run, tokens=tokens))
             else:
                 result, output = _run_one(make_contender(name), batch, shape, device, budget, repeats)
                 result.tokens = tokens
@@ -104,11 +103,13 @@ def _batch_for(shape: Shape, names: list[str], seed: int, device: torch.device) 
     return make_batch(shape, prompts=min(shape.prompts, LOOP_PROMPTS) if loops_only else None, seed=seed, device=device)
 
 
-def _skip_reason(name: str, shape: Shape, device: torch.device, budget: Budget) -> str | None:
+def _not_run(name: str, shape: Shape, device: torch.device, budget: Budget) -> tuple[str, str] | None:
+    """``(status, note)`` when contender ``name`` does not run on ``shape``, else None."""
     reason = unavailable_reason(name, device)
     if reason is not None:
-        return f"unavailable: {reason}"
-    return budget.skip_reason(shape, make_contender(name).per_group)
+        return "unavailable", reason
+    reason = budget.skip_reason(shape, make_contender(name).per_group)
+    return None if reason is None else ("skipped", reason)
 
 
 def _run_one(contender: Contender, batch: BenchBatch, shape: Shape, device: torch.device, budget: Budget,

@@ -52,11 +52,9 @@ def timed(fn: Callable[[], Tensor], device: torch.device) -> tuple[float, Tensor
     return time.perf_counter() - start, out
 
 
-def _samples(fn: Callable[[], Tensor], device: torch.device, repeats: int, budget_s: float,
-             first: tuple[float, Tensor] | None = None) -> tuple[list[float], Tensor]:
-    """Up to ``repeats`` timed calls (``first`` counts as one), at least one, stopping when
-    ``budget_s`` is spent."""
-    samples, out = ([first[0]], first[1]) if first else ([], None)
+def _samples(fn: Callable[[], Tensor], device: torch.device, repeats: int, budget_s: float) -> tuple[list[float], Tensor]:
+    """Up to ``repeats`` timed calls, at least one, stopping once ``budget_s`` is spent."""
+    samples: list[float] = []
     while not samples or (len(samples) < repeats and sum(samples) < budget_s):
         seconds, out = timed(fn, device)
         samples.append(seconds)
