@@ -88,7 +88,8 @@ def settings(args: argparse.Namespace, grid_name: str, shapes, device: torch.dev
         "vocab": data.QWEN_VOCAB, "config": repr(BENCH_CONFIG), "upstream_config": "the same with fisher='upstream'",
         "data": data.__doc__.strip(),
         "timing": "wall clock around a synchronised token_advantage call; inputs already on the device; "
-                  "seconds = median of the timed runs (times prompts / groups_measured when extrapolated)",
+                  "seconds = median of the timed runs (times prompts / groups_measured when extrapolated); "
+                  "a per-group loop is timed once per (G, L) on the first groups, which every P shares",
     }
 
 

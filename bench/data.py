@@ -14,9 +14,9 @@ responses of ragged length right-padded to ``L`` with the pad id, a mask that is
   a DAPO batch after its dynamic-sampling filter (uniform groups score 0 and cost every
   implementation almost nothing, so they would only flatter the loops on small batches).
 
-Token ids are drawn with torch on the target device, in chunks of 64 prompts each from its own
-seed (the first groups do not depend on how many are drawn); lengths and rewards are drawn on the
-host with numpy, so ``batch_tokens`` counts a batch's real tokens without drawing it.
+Each prompt's rollouts come from their own seed, so the first groups of a shape do not depend on how
+many prompts are drawn. Token ids are drawn with torch on the target device; lengths and rewards on
+the host with numpy, so ``batch_tokens`` counts a batch's real tokens without drawing it.
 """
 from __future__ import annotations
 
@@ -34,8 +34,6 @@ EOS_ID = 151_645
 #: size of each prompt's topic vocabulary and the share of tokens drawn from it.
 TOPIC_IDS = 512
 TOPIC_SHARE = 0.25
-#: prompts drawn per chunk (each chunk from its own seed).
-CHUNK_PROMPTS = 64
 
 
 @dataclass(frozen=True)
@@ -102,9 +100,9 @@ def make_batch(shape: Shape, *, prompts: int | None = None, vocab: int = QWEN_VO
                device: str | torch.device = "cpu", zipf_s: float = 1.2) -> BenchBatch:
     """A seeded synthetic batch of ``shape`` on ``device`` (see the module docstring).
 
-    ``prompts``: materialise only the first ``prompts`` groups of the shape (all by default). The
-    batch is drawn in chunks of ``CHUNK_PROMPTS`` prompts, each from its own seed, so the first
-    groups are the same whether the rest is drawn or not.
+    ``prompts``: materialise only the first ``prompts`` groups (all by default). Each prompt's
+    rollouts are drawn from their own seed ``(seed, G, L, prompt)``, so the first groups of a shape
+    are the same whatever ``prompts`` or ``shape.prompts`` is.
     """
     if shape.G < 1 or shape.prompts < 1 or shape.L < 1:
         raise ValueError(f"`shape` must have G, prompts, L >= 1, got {shape}")
@@ -114,23 +112,21 @@ def make_batch(shape: Shape, *, prompts: int | None = None, vocab: int = QWEN_VO
     if not 1 <= prompts <= shape.prompts:
         raise ValueError(f"`prompts` must be in [1, {shape.prompts}], got {prompts}")
     device = torch.device(device)
-    out = Shape(shape.G, prompts, shape.L)
+    G, L = shape.G, shape.L
+    out = Shape(G, prompts, L)
     rank_to_id = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)).to(device)
-    responses = torch.empty((out.B, out.L), dtype=torch.int64, device=device)
-    lengths, rewards = _lengths_and_rewards(shape, seed)
-    for first in range(0, prompts, CHUNK_PROMPTS):  # whole chunks of the shape, cut to `prompts`
-        gen = torch.Generator(device=device).manual_seed(_chunk_seed(seed, first // CHUNK_PROMPTS))
-        chunk = _chunk_tokens(min(CHUNK_PROMPTS, shape.prompts - first), shape.G, shape.L, rank_to_id, vocab,
-                              zipf_s, gen, device)
-        rows = min(first + CHUNK_PROMPTS, prompts) * shape.G - first * shape.G
-        responses[first * shape.G: first * shape.G + rows] = chunk[:rows]
-    lengths = torch.as_tensor(lengths[: out.B], device=device)
-    mask = torch.arange(out.L, device=device)[None, :] < lengths[:, None]
-    finished = lengths < out.L
+    responses = torch.empty((out.B, L), dtype=torch.int64, device=device)
+    for p in range(prompts):
+        gen = torch.Generator(device=device).manual_seed(_prompt_seed(seed, G, L, p))
+        responses[p * G:(p + 1) * G] = _prompt_tokens(G, L, rank_to_id, vocab, zipf_s, gen, device)
+    lengths, rewards = _lengths_and_rewards(out, seed)
+    lengths = torch.as_tensor(lengths, device=device)
+    mask = torch.arange(L, device=device)[None, :] < lengths[:, None]
+    finished = lengths < L
     responses[finished, lengths[finished] - 1] = EOS_ID
     responses.masked_fill_(~mask, PAD_ID)
-    index = torch.arange(out.B, device=device) // shape.G
-    return BenchBatch(out, responses, mask, torch.as_tensor(rewards[: out.B], device=device), index)
+    index = torch.arange(out.B, device=device) // G
+    return BenchBatch(out, responses, mask, torch.as_tensor(rewards, device=device), index)
 
 
 def batch_tokens(shape: Shape, seed: int = 0) -> int:
@@ -138,34 +134,32 @@ def batch_tokens(shape: Shape, seed: int = 0) -> int:
     return int(_lengths_and_rewards(shape, seed)[0].sum())
 
 
-def _chunk_seed(seed: int, chunk: int) -> int:
-    return int(np.random.SeedSequence([seed, chunk]).generate_state(1)[0])
+def _prompt_seed(seed: int, G: int, L: int, prompt: int) -> int:
+    return int(np.random.SeedSequence([seed, G, L, prompt]).generate_state(1)[0])
 
 
-def _chunk_tokens(prompts: int, G: int, L: int, rank_to_id: Tensor, vocab: int, zipf_s: float,
-                  gen: torch.Generator, device: torch.device) -> Tensor:
-    """int64 ``[prompts * G, L]`` token ids: global Zipf, a quarter from each prompt's topic ids."""
-    B = prompts * G
-    topic = torch.randint(0, vocab, (prompts, TOPIC_IDS), generator=gen, device=device)
-    tokens = rank_to_id[_zipf_ranks((B, L), vocab, zipf_s, gen, device)]
-    from_topic = torch.rand((B, L), generator=gen, device=device) < TOPIC_SHARE
-    prompt_of_row = torch.arange(B, device=device) // G
-    topic_ids = topic[prompt_of_row[:, None], _zipf_ranks((B, L), TOPIC_IDS, zipf_s, gen, device)]
-    return torch.where(from_topic, topic_ids, tokens)
+def _prompt_tokens(G: int, L: int, rank_to_id: Tensor, vocab: int, zipf_s: float, gen: torch.Generator,
+                   device: torch.device) -> Tensor:
+    """int64 ``[G, L]`` token ids of one prompt's rollouts: global Zipf, a quarter from its topic ids."""
+    topic = torch.randint(0, vocab, (TOPIC_IDS,), generator=gen, device=device)
+    tokens = rank_to_id[_zipf_ranks((G, L), vocab, zipf_s, gen, device)]
+    from_topic = torch.rand((G, L), generator=gen, device=device) < TOPIC_SHARE
+    return torch.where(from_topic, topic[_zipf_ranks((G, L), TOPIC_IDS, zipf_s, gen, device)], tokens)
 
 
 def _lengths_and_rewards(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """int64 lengths in ``[1, L]`` (log-normal, median ``0.35 L``, sigma 0.7) and float32 0/1 rewards
-    (each prompt's accuracy ~ Beta(0.6, 0.6), every group of G > 1 mixed), ``[B]`` each, on the host."""
-    rng = np.random.default_rng([seed, shape.G, shape.prompts, shape.L])
-    lengths = np.clip(np.round(np.exp(np.log(0.35 * shape.L) + 0.7 * rng.standard_normal(shape.B))), 1, shape.L)
-    accuracy = np.repeat(rng.beta(0.6, 0.6, shape.prompts), shape.G)
-    rewards = (rng.random(shape.B) < accuracy).reshape(shape.prompts, shape.G)
-    if shape.G > 1:  # DAPO's filter keeps mixed groups only: flip one rollout of each uniform group
-        uniform = rewards.all(axis=1) | ~rewards.any(axis=1)
-        flip = rng.integers(0, shape.G, shape.prompts)
-        rewards[uniform, flip[uniform]] ^= True
-    return lengths.astype(np.int64), rewards.reshape(-1).astype(np.float32)
+    (each prompt's accuracy ~ Beta(0.6, 0.6), every group of G > 1 mixed), ``[B]`` each, on the host,
+    each prompt from its own seed."""
+    G, L = shape.G, shape.L
+    lengths, rewards = np.empty((shape.prompts, G)), np.empty((shape.prompts, G), dtype=bool)
+    for p in range(shape.prompts):
+        rng = np.random.default_rng(_prompt_seed(seed, G, L, p))
+        lengths[p] = np.clip(np.round(np.exp(np.log(0.35 * L) + 0.7 * rng.standard_normal(G))), 1, L)
+        rewards[p] = rng.random(G) < rng.beta(0.6, 0.6)
+        if G > 1 and (rewards[p].all() or not rewards[p].any()):  # DAPO keeps mixed groups: flip one
+            rewards[p, rng.integers(G)] ^= True
+    return lengths.reshape(-1).astype(np.int64), rewards.reshape(-1).astype(np.float32)
 
 
 def _zipf_ranks(size: tuple[int, int], n: int, s: float, gen: torch.Generator, device: torch.device) -> Tensor:

@@ -18,17 +18,18 @@ from bench.runner import Result
 COLUMNS = ("G", "P", "L", "tokens", "backend", "time", "Mtok/s", "x ref", "x upstream", "max|d| ref", "note")
 
 
-def speedups(results: list[Result]) -> dict[tuple, dict[str, float | None]]:
-    """``(shape, backend) -> {"vs_reference", "vs_upstream", "extrapolated"}``, None where a side is missing."""
+def speedups(results: list[Result]) -> dict[tuple, dict]:
+    """``(shape, backend) -> {"vs_reference", "vs_upstream"}``: the speed-up (None where a side is
+    missing) and, under ``"<key>_extrapolated"``, whether either side is extrapolated."""
     by_key = {(r.shape, r.backend): r for r in results}
     out = {}
     for r in results:
-        row: dict = {"extrapolated": r.extrapolated}
+        row: dict = {}
         for key, base in (("vs_reference", "reference"), ("vs_upstream", UPSTREAM)):
             b = by_key.get((r.shape, base))
             ok = r.seconds is not None and b is not None and b.seconds is not None
             row[key] = b.seconds / r.seconds if ok else None
-            row["extrapolated"] |= bool(ok and b.extrapolated)
+            row[f"{key}_extrapolated"] = bool(ok and (b.extrapolated or r.extrapolated))
         out[(r.shape, r.backend)] = row
     return out
 
@@ -69,8 +70,8 @@ def format_table(results: list[Result]) -> str:
         rate = f"{r.tokens_per_s / 1e6:.3g}" if r.tokens_per_s else "-"
         diff = f"{r.max_abs_diff_vs_reference:.1e}" if r.max_abs_diff_vs_reference is not None else "-"
         rows.append((str(r.shape.G), str(r.shape.prompts), str(r.shape.L), f"{r.tokens:,}" if r.tokens else "-",
-                     r.backend, time, rate, _speedup(sp["vs_reference"], sp["extrapolated"]),
-                     _speedup(sp["vs_upstream"], sp["extrapolated"]), diff, note))
+                     r.backend, time, rate, _speedup(sp["vs_reference"], sp["vs_reference_extrapolated"]),
+                     _speedup(sp["vs_upstream"], sp["vs_upstream_extrapolated"]), diff, note))
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
     line = lambda cells: "  ".join(c.rjust(w) if i < 4 or 5 <= i <= 9 else c.ljust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
@@ -98,7 +99,8 @@ def result_json(results: list[Result]) -> list[dict]:
             "note": r.note, "seconds": r.seconds, "extrapolated": r.extrapolated, "groups_measured": r.groups,
             "samples_s": r.samples_s, "tokens_per_s": r.tokens_per_s,
             "speedup_vs_reference": sp["vs_reference"], "speedup_vs_upstream": sp["vs_upstream"],
-            "speedup_extrapolated": sp["extrapolated"],
+            "speedup_vs_reference_extrapolated": sp["vs_reference_extrapolated"],
+            "speedup_vs_upstream_extrapolated": sp["vs_upstream_extrapolated"],
             "max_abs_diff_vs_reference": r.max_abs_diff_vs_reference,
         })
     return rows
@@ -142,7 +144,8 @@ def plot(results: list[Result], path: Path, title: str) -> None:
         if name != UPSTREAM:
             pts = [(r.tokens, ups[(r.shape, name)]) for r in rows if ups[(r.shape, name)]["vs_upstream"]]
             for tok, sp in pts:
-                ax_s.plot(tok, sp["vs_upstream"], "o", color=color, mfc="none" if sp["extrapolated"] else color)
+                hollow = sp["vs_upstream_extrapolated"]
+                ax_s.plot(tok, sp["vs_upstream"], "o", color=color, mfc="none" if hollow else color)
             if pts:
                 ax_s.plot([], [], "o", color=color, label=name)
     ax_t.set(xscale="log", yscale="log", xlabel="real response tokens in the batch", ylabel="median time (s)",

@@ -2,10 +2,12 @@
 
 The reference runs first on each shape; every other contender's output on the groups the reference
 covered is compared with it (``max_abs_diff_vs_reference``), so the table shows exactness next to
-speed.
+speed. A per-group timing is measured once per (contender, G, L) and serves every number of prompts
+(the first groups are the same batches), scaled to each.
 """
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -16,7 +18,7 @@ from tqdm import tqdm
 from bench.contenders import Contender, make_contender, unavailable_reason
 from bench.data import BenchBatch, Shape, batch_tokens, make_batch
 from bench.grid import Budget
-from bench.timing import Timing, measure_per_group, measure_vectorised
+from bench.timing import MIN_GROUPS, Timing, measure_per_group, measure_vectorised
 
 #: the batch each contender runs once, untimed, before the grid.
 WARMUP_SHAPE = Shape(4, 2, 64)
@@ -54,26 +56,35 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
     shapes = list(shapes)
     results: list[Result] = []
     warm_up([n for n in names if unavailable_reason(n, device) is None], device)
+    loops: dict[tuple[str, int, int], Timing] = {}  # per-group timings by (name, G, L), see _cached
     bar = tqdm(total=len(shapes) * len(names), disable=not progress, unit="run", dynamic_ncols=True)
     for shape in shapes:
-        plan = [(name, _not_run(name, shape, device, budget)) for name in names]
-        batch = _batch_for(shape, [n for n, r in plan if r is None], seed, device)
+        plan = [(name, _not_run(name, shape, device, budget), _cached(loops, name, shape)) for name in names]
+        batch = _batch_for(shape, [n for n, skip, hit in plan if skip is None and hit is None], seed, device)
         tokens = batch_tokens(shape, seed)
         reference: tuple[int, Tensor] | None = None
-        for name, not_run in plan:
+        for name, not_run, hit in plan:
             bar.set_postfix_str(f"{shape} {name}")
             if not_run is not None:
                 results.append(Result(shape, name, *not_run, tokens=tokens))
+                bar.update()
+                continue
+            contender = make_contender(name)
+            if hit is not None:
+                timing = hit
             else:
-                result, output = _run_one(make_contender(name), batch, shape, device, budget, repeats)
-                result.tokens = tokens
-                if name == "reference" and output is not None:
-                    reference = (result.groups, output.cpu())
-                elif reference is not None and output is not None:
-                    result.max_abs_diff_vs_reference = _max_diff(reference, output, result.groups, shape.G)
-                results.append(result)
-                del output
-                _free(device)
+                timing = _measure(contender, batch, shape, device, budget, repeats)
+                if isinstance(timing, Timing) and contender.per_group:
+                    loops[(name, shape.G, shape.L)] = timing
+            result = _result(shape, name, timing, tokens)
+            output = timing.output if isinstance(timing, Timing) else None
+            if name == "reference" and output is not None:
+                reference = (result.groups, output.cpu())
+            elif reference is not None and output is not None:
+                result.max_abs_diff_vs_reference = _max_diff(reference, output, result.groups, shape.G)
+            results.append(result)
+            del output, timing
+            _free(device)
             bar.update()
         del batch
         _free(device)
@@ -81,6 +92,16 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
             on_shape_done(results)
     bar.close()
     return results
+
+
+def _cached(loops: dict, name: str, shape: Shape) -> Timing | None:
+    """A per-group timing of ``name`` measured on an earlier shape with the same G and L, when it ran
+    on enough groups: the first groups of such shapes are identical (bench.data seeds each prompt),
+    so it is a measurement of this batch's first groups too."""
+    hit = loops.get((name, shape.G, shape.L))
+    if hit is None or not min(shape.prompts, MIN_GROUPS) <= hit.groups <= shape.prompts:
+        return None
+    return hit
 
 
 def warm_up(names: list[str], device: torch.device) -> None:
@@ -112,20 +133,27 @@ def _not_run(name: str, shape: Shape, device: torch.device, budget: Budget) -> t
     return None if reason is None else ("skipped", reason)
 
 
-def _run_one(contender: Contender, batch: BenchBatch, shape: Shape, device: torch.device, budget: Budget,
-             repeats: int) -> tuple[Result, Tensor | None]:
+def _measure(contender: Contender, batch: BenchBatch, shape: Shape, device: torch.device, budget: Budget,
+             repeats: int) -> Timing | str:
+    """The contender's timing on the batch, or the note of its failure."""
     try:
         if contender.per_group:
-            t: Timing = measure_per_group(contender, batch, shape.prompts, device, repeats, budget.loop_budget_s)
-        else:
-            t = measure_vectorised(contender, batch, device, repeats, budget.sample_budget_s)
+            return measure_per_group(contender, batch, device, repeats, budget.loop_budget_s)
+        return measure_vectorised(contender, batch, device, repeats, budget.sample_budget_s)
     except Exception as err:  # a failing backend must not end the benchmark
         kind = "out of memory" if isinstance(err, torch.cuda.OutOfMemoryError) else type(err).__name__
-        return Result(shape, contender.name, "failed", f"failed: {kind}: {str(err)[:200]}"), None
-    note = f"extrapolated from {t.groups} of {shape.prompts} groups" if t.extrapolated else ""
-    result = Result(shape, contender.name, "ok", note, seconds=t.seconds, samples_s=t.samples_s,
-                    groups=t.groups, extrapolated=t.extrapolated)
-    return result, t.output
+        return f"failed: {kind}: {str(err)[:200]}"
+
+
+def _result(shape: Shape, name: str, timing: Timing | str, tokens: int) -> Result:
+    """The cell of a timing, scaled to the shape's ``prompts`` groups (a failure note as is)."""
+    if isinstance(timing, str):
+        return Result(shape, name, "failed", timing, tokens=tokens)
+    extrapolated = timing.groups < shape.prompts
+    note = f"extrapolated from {timing.groups} of {shape.prompts} groups" if extrapolated else ""
+    seconds = statistics.median(timing.samples_s) * shape.prompts / timing.groups
+    return Result(shape, name, "ok", note, tokens=tokens, seconds=seconds, samples_s=timing.samples_s,
+                  groups=timing.groups, extrapolated=extrapolated)
 
 
 def _max_diff(reference: tuple[int, Tensor], output: Tensor, groups: int, G: int) -> float:

@@ -3,12 +3,11 @@
 Vectorised contenders run on the whole batch: one untimed warm-up (on CUDA, or when the batch is
 small), then up to ``repeats`` timed runs, stopping early once ``sample_budget_s`` is spent.
 Per-group contenders (Python loops over groups) run on the first ``k`` groups (at least 4, more
-while the runs fit ``loop_budget_s``), and their time is scaled by ``prompts / k``: marked
+while the runs fit ``loop_budget_s``); the caller scales their time by ``prompts / k`` and marks it
 extrapolated when ``k < prompts``.
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -27,13 +26,11 @@ MIN_GROUPS = 4
 
 @dataclass(frozen=True)
 class Timing:
-    """samples_s: wall times of the measured runs (on ``groups`` of the batch's groups);
-    seconds: the median scaled to the whole batch; output: the last run's output (on ``groups``)."""
+    """samples_s: wall times of the measured runs, on the first ``groups`` groups of the batch;
+    output: the last run's output (those groups' rows)."""
 
     samples_s: list[float]
     groups: int
-    seconds: float
-    extrapolated: bool
     output: Tensor
 
 
@@ -69,13 +66,12 @@ def measure_vectorised(contender: Contender, batch: BenchBatch, device: torch.de
     if device.type == "cuda" or batch.shape.positions <= CPU_WARMUP_POSITIONS:
         timed(fn, device)
     samples, out = _samples(fn, device, repeats, sample_budget_s)
-    return Timing(samples, batch.shape.prompts, statistics.median(samples), False, out)
+    return Timing(samples, batch.shape.prompts, out)
 
 
-def measure_per_group(contender: Contender, batch: BenchBatch, prompts: int, device: torch.device, repeats: int,
+def measure_per_group(contender: Contender, batch: BenchBatch, device: torch.device, repeats: int,
                       loop_budget_s: float) -> Timing:
-    """Timing of a per-group contender on the first ``k`` groups of ``batch``, scaled to ``prompts``
-    groups (the whole shape; ``batch`` may hold only its first groups).
+    """Timing of a per-group contender on the first ``k`` groups of ``batch``.
 
     The first ``MIN_GROUPS`` groups run first; ``k`` then grows (at most 8x a step) while a run on
     ``k`` groups fits the budget left; runs on the final ``k`` groups repeat within the budget and
@@ -95,4 +91,4 @@ def measure_per_group(contender: Contender, batch: BenchBatch, prompts: int, dev
         seconds, out = timed(lambda: contender.run(sub), device)
         spent += seconds
         samples.append(seconds)
-    return Timing(samples, k, statistics.median(samples) * prompts / k, k < prompts, out)
+    return Timing(samples, k, out)
