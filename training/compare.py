@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .config import TrainConfig
 from .logs import read_csv, write_csv, write_json
-from .train import build_parser, summarise, train
+from .train import HelpFormatter, build_parser, summarise, train
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -85,9 +85,8 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m training.compare", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds, each run for every arm")
+    p = argparse.ArgumentParser(prog="python -m training.compare", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="seeds, each run for every arm")
     p.add_argument("--advs", nargs="+", choices=("grpo", "ktae"), default=["grpo", "ktae"], help="arms")
     p.add_argument("--tag", default="grpo", help="file-name prefix of this comparison")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where logs, summary and plot go")

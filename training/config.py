@@ -93,6 +93,8 @@ class TrainConfig:
         values = {k: v for k, v in PRESETS[self.preset].items() if getattr(self, k) is None}
         if self.warmup_steps is None:
             values["warmup_steps"] = TINY_WARMUP_STEPS if self.model == "tiny" else 0
+        if self.threads is None and self.model == "tiny":
+            values["threads"] = 1  # fastest for a 0.1M-parameter model; more threads thrash on a busy CPU
         if values.get("overlong_buffer") == -1:
             values["overlong_buffer"] = max(1, self.max_new_tokens // 3)
         if self.name is None:

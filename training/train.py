@@ -243,10 +243,18 @@ def summarise(cfg: TrainConfig, history: list[dict], warmup_losses: list[float])
     )
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends a flag's default unless it is None, a switch, or already stated in the help."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.nargs == 0 or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m training.train", description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("run")
     g.add_argument("--adv", choices=ADVANTAGES, default=d.adv, help="advantage estimator: plain GRPO or GRPO + KTAE")
     g.add_argument("--preset", choices=tuple(PRESETS), default=d.preset,
@@ -258,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps", type=int, default=d.steps, help="RL steps")
     g.add_argument("--device", default=d.device, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="policy dtype (bfloat16 for a real model on a GPU)")
-    g.add_argument("--threads", type=int, default=d.threads, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=d.threads,
+                   help="torch CPU threads (default: 1 for --model tiny, which 2 threads slowed down 7x on the "
+                        "shared 2-core machine; torch's choice otherwise)")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="hide the tqdm progress bar")
     g = p.add_argument_group("model, task and rollouts")
     g.add_argument("--model", default=d.model, help="'tiny' (random Qwen2 built in code + char tokenizer) or a "
