@@ -34,6 +34,7 @@ from .tokenizer import encode_prompt
 from .warmup import sft_warmup
 
 RUNS_DIR = Path(__file__).resolve().parent / "runs"
+Engine = HFRollout | VLLMRollout
 
 
 @dataclass
@@ -83,7 +84,8 @@ def train(config: TrainConfig) -> RunResult:
     last: dict = {}
     bar = tqdm(range(1, cfg.steps + 1), desc=cfg.name, disable=not cfg.progress, file=sys.stderr)
     for step in bar:
-        row, last = rl_step(cfg, engine, policy, ref, optimizer, tokenizer, task, rng)
+        row, step_tensors = rl_step(cfg, engine, policy, ref, optimizer, tokenizer, task, rng)
+        last = step_tensors or last
         row["step"] = step
         if step % cfg.eval_every == 0 or step == cfg.steps:
             row["eval_acc"] = evaluate(engine, policy, tokenizer, task)
@@ -96,7 +98,7 @@ def train(config: TrainConfig) -> RunResult:
     return RunResult(cfg, history, warmup_losses, out_dir, policy, last)
 
 
-def rl_step(cfg: TrainConfig, engine, policy: PreTrainedModel, ref: PreTrainedModel | None,
+def rl_step(cfg: TrainConfig, engine: Engine, policy: PreTrainedModel, ref: PreTrainedModel | None,
             optimizer: torch.optim.Optimizer, tokenizer: PreTrainedTokenizerBase, task: AdditionTask,
             rng: random.Random) -> tuple[dict, dict]:
     """One RL step: collect, advantages, update. Returns the log row and the step's tensors."""
@@ -118,7 +120,7 @@ def rl_step(cfg: TrainConfig, engine, policy: PreTrainedModel, ref: PreTrainedMo
     return row, last
 
 
-def collect(cfg: TrainConfig, engine, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
+def collect(cfg: TrainConfig, engine: Engine, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
             task: AdditionTask, rng: random.Random) -> Scored:
     """Sample and score G rollouts for each of P prompts.
 
@@ -212,7 +214,7 @@ def update_policy(cfg: TrainConfig, policy: PreTrainedModel, ref: PreTrainedMode
 
 
 @torch.no_grad()
-def evaluate(engine, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: AdditionTask) -> float:
+def evaluate(engine: Engine, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: AdditionTask) -> float:
     """Greedy accuracy on the task's held-out eval set (NaN when it is empty)."""
     if not task.eval_set:
         return float("nan")
@@ -222,7 +224,7 @@ def evaluate(engine, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
 
 
 def make_engine(cfg: TrainConfig, policy: PreTrainedModel,
-                tokenizer: PreTrainedTokenizerBase) -> HFRollout | VLLMRollout:
+                tokenizer: PreTrainedTokenizerBase) -> Engine:
     if cfg.rollout == "vllm":
         return VLLMRollout(policy, tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.seed)
     return HFRollout(tokenizer, cfg.max_new_tokens, cfg.temperature, cfg.top_p)
