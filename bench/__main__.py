@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     head = {"schema": "ktae_kernels.bench/1",
-            "command": "python -m bench " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": " ".join(["python -m bench", *(sys.argv[1:] if argv is None else argv)]),
             "machine": machine_info(device), "settings": settings(args, grid_name, shapes, device, names, budget)}
 
     def save(results, copy_gb_s=None, complete=False):  # after every shape, so a killed run leaves its results

@@ -12,6 +12,10 @@ import subprocess
 import torch
 
 
+#: environment variables that change the timings (allocator, threads, preloads), recorded in the JSON.
+ENV_PREFIXES = ("MALLOC_", "OMP_", "MKL_", "LD_PRELOAD", "PYTORCH_", "TORCH_", "TRITON_", "CUDA_VISIBLE", "KTAE_")
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else ``platform.processor()``."""
     try:
@@ -56,6 +60,7 @@ def machine_info(device: torch.device) -> dict:
         "ktae_kernels": _version("ktae_kernels") or getattr(import_module("ktae_kernels"), "__version__", None),
         "device": str(device),
         "load_average_1min": load_average(),
+        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
         "gpu": None,
     }
     if device.type == "cuda":

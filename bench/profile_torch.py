@@ -36,6 +36,10 @@ STAGES: dict[str, tuple[str, ...]] = {
 }
 
 
+#: the time outside every timed top-level stage (dispatch, result objects), as a pseudo-stage.
+OTHER = ("other (dispatch, glue)",)
+
+
 @contextmanager
 def stage_timers(device: torch.device):
     """Wrap the ``STAGES`` functions; yields a dict ``path tuple -> list of seconds`` filled per call."""
@@ -72,7 +76,7 @@ def stage_timers(device: torch.device):
 
 def profile_stages(shape: Shape, device: torch.device, repeats: int, seed: int = 0) -> tuple[float, dict]:
     """Median end-to-end seconds of ``token_advantage(backend="torch")`` and, per stage path, the
-    median over runs of its total seconds per run."""
+    median over runs of its total seconds per run (``OTHER``: the rest of each run)."""
     batch = make_batch(shape, seed=seed, device=device)
     run = lambda: ktae_kernels.token_advantage(*batch.args(), config=BENCH_CONFIG, backend="torch")  # noqa: E731
     run()  # warm-up
@@ -86,23 +90,22 @@ def profile_stages(shape: Shape, device: torch.device, repeats: int, seed: int =
             totals.append(time.perf_counter() - start)
         for path, secs in times.items():
             per_stage[path].append(sum(secs))
+        per_stage[OTHER].append(totals[-1] - sum(sum(v) for p, v in times.items() if len(p) == 1))
     return statistics.median(totals), {p: statistics.median(v) for p, v in per_stage.items()}
 
 
 def format_stages(total: float, stages: dict) -> str:
-    """The stage tree with ms and share of the end-to-end time; untimed glue as "other"."""
+    """The stage tree with ms and share of the end-to-end time."""
     lines = [f"{'stage':<36}{'ms':>10}{'share':>8}"]
-    top = sum(s for p, s in stages.items() if len(p) == 1)
     for path in sorted(stages, key=_order):
         label = "  " * (len(path) - 1) + path[-1]
         lines.append(f"{label:<36}{stages[path] * 1e3:>10.1f}{stages[path] / total:>8.1%}")
-    lines.append(f"{'other (dispatch, glue)':<36}{(total - top) * 1e3:>10.1f}{(total - top) / total:>8.1%}")
     lines.append(f"{'end to end (token_advantage)':<36}{total * 1e3:>10.1f}{1:>8.0%}")
     return "\n".join(lines)
 
 
 def _order(path: tuple[str, ...]) -> tuple:
-    flat = [n for names in STAGES.values() for n in names]
+    flat = [n for names in STAGES.values() for n in names] + [OTHER[0]]
     return tuple(flat.index(n) if n in flat else len(flat) for n in path)
 
 
@@ -127,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--L", type=int, default=3072)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--ops", action="store_true", help="also print torch.profiler's busiest operators")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     shape, device = Shape(args.G, args.prompts, args.L), torch.device(args.device)
     total, stages = profile_stages(shape, device, args.repeats)
     print(f"torch backend on {shape} ({device}, {torch.get_num_threads()} threads), median of {args.repeats}:")

@@ -161,3 +161,57 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def markdown(payload: dict) -> str:
+    """A README-ready markdown table of a results JSON, one row per shape: each backend's time, then
+    each fast backend's speed-up over the reference and the upstream-style loop
+    (``python -m bench.report FILE.json``)."""
+    m = payload["machine"]
+    where = m["gpu"]["name"] if m.get("gpu") else f"{m['cpu_model']}, {m['cpu_cores']} cores, {m['torch_threads']} threads"
+    rows: dict[tuple, dict] = {}
+    for r in payload["results"]:
+        rows.setdefault((r["G"], r["prompts"], r["L"]), {})[r["backend"]] = r
+    names = list(dict.fromkeys(r["backend"] for r in payload["results"]))
+    fast = [n for n in names if n not in ("reference", UPSTREAM)]
+    head = ["G", "P", "L", "tokens", *names, *(f"{n} x ref" for n in fast), *(f"{n} x upstream" for n in fast),
+            "max abs diff vs ref"]
+    lines = [f"{where}; torch {m['torch']}; {m['date'][:10]}; `{payload['command']}`; load average "
+             f"{m.get('load_average_1min')} at the start, {payload.get('load_average_1min_at_save')} at the end; "
+             f"wall time {payload['wall_time_s']:.0f} s.", "",
+             "| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for (G, P, L), cells in rows.items():
+        tokens = next(iter(cells.values()))["tokens"]
+        times = [_cell_time(cells.get(n)) for n in names]
+        x_ref = [_speedup(cells[n]["speedup_vs_reference"], cells[n]["speedup_vs_reference_extrapolated"])
+                 if n in cells else "-" for n in fast]
+        x_up = [_speedup(cells[n]["speedup_vs_upstream"], cells[n]["speedup_vs_upstream_extrapolated"])
+                if n in cells else "-" for n in fast]
+        diffs = [cells[n]["max_abs_diff_vs_reference"] for n in fast if n in cells]
+        diffs = [d for d in diffs if d is not None]
+        diff = f"{max(diffs):.1e}" if diffs else "-"
+        lines.append("| " + " | ".join([str(G), str(P), str(L), f"{tokens:,}", *times, *x_ref, *x_up, diff]) + " |")
+    lines += ["", "`~`: extrapolated linearly from the first groups (per-group Python loops; the JSON says how "
+              "many); `skipped`: over the run's caps (the JSON gives the reason); max abs diff vs ref: the "
+              f"largest difference of {', '.join(fast)} from the reference's advantages on the groups both ran."]
+    return "\n".join(lines)
+
+
+def _cell_time(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    return ("~" if r["extrapolated"] else "") + format_time(r["seconds"]) if r["status"] == "ok" else r["status"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bench.report", description="Print a results JSON as markdown.")
+    p.add_argument("json", type=Path)
+    args = p.parse_args(argv)
+    print(markdown(json.loads(args.json.read_text(encoding="utf-8"))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
