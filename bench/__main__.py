@@ -4,7 +4,7 @@ upstream-style loop on a grid of realistic batches; print a table, write JSON an
 Examples::
 
     python -m bench                       # default grid on this machine (CUDA if present)
-    python -m bench --quick               # a 1-minute smoke run
+    python -m bench --quick               # a smoke run, under a minute
     python -m bench --device cuda --sweep --backends torch,triton,cuda
     python -m bench --full --repeats 10   # no caps (hours on a CPU)
 """
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(ALL_NAMES)} (default: every one available here)")
     grid = p.add_mutually_exclusive_group()
     grid.add_argument("--preset", choices=sorted(PRESETS), default="default", help="shape grid (default: default)")
-    grid.add_argument("--quick", dest="preset", action="store_const", const="quick", help="small grid, about a minute")
+    grid.add_argument("--quick", dest="preset", action="store_const", const="quick", help="small grid (8 shapes: under a minute on 2 cores)")
     grid.add_argument("--full", dest="preset", action="store_const", const="full", help="default grid, no caps")
     grid.add_argument("--sweep", dest="preset", action="store_const", const="sweep",
                       help="G=16, B=256..65536, L=512..8192 (for GPUs)")
@@ -97,7 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as err:
+        print(f"--device: expected cpu or cuda[:N], got {args.device!r} ({err})", file=sys.stderr)
+        return 2
+    if device.type not in ("cpu", "cuda"):
+        print(f"--device: expected cpu or cuda[:N], got {args.device!r}", file=sys.stderr)
+        return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available here", file=sys.stderr)
         return 2
