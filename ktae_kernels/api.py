@@ -155,10 +155,10 @@ def _check_rewards(rewards: Tensor, shape: tuple[int, ...]) -> Tensor:
     if rewards.dim() == 2:
         if tuple(rewards.shape) != shape:
             raise ValueError(f"`rewards` as token-level rewards must have shape {shape}, got {tuple(rewards.shape)}")
-        rewards = rewards.to(torch.float64).sum(dim=1)
+        rewards = rewards.detach().to(torch.float64).sum(dim=1)
     elif rewards.dim() != 1 or rewards.shape[0] != shape[0]:
         raise ValueError(f"`rewards` must have shape [B] = [{shape[0]}] or [B, L] = {list(shape)}, got {tuple(rewards.shape)}")
-    rewards = rewards.to(torch.float64)
+    rewards = rewards.detach().to(torch.float64)
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("`rewards` must be finite (found NaN or inf)")
     return rewards
@@ -195,7 +195,7 @@ def _check_rollout_advantage(value: Tensor | None, batch: Batch) -> Tensor | Non
     t = _as_tensor("rollout_advantage", value, batch.device)
     if t.dtype.is_complex or tuple(t.shape) != (batch.responses.shape[0],):
         raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], got {tuple(t.shape)}")
-    t = t.to(torch.float64)
+    t = t.detach().to(torch.float64)
     if not bool(torch.isfinite(t).all()):
         raise ValueError("`rollout_advantage` must be finite (found NaN or inf)")
     return t

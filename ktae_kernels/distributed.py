@@ -18,6 +18,7 @@ either every rank or none a ``rollout_advantage`` (the collectives must match).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,7 +115,7 @@ def _union(arrays: list[np.ndarray]) -> np.ndarray:
 def _merge_tables(local: tb.Tables, split: Tensor, process_group: Any) -> tb.Tables:
     """Tables of this rank's groups, counts summed over every rank holding part of a group.
 
-    ``row_of`` maps this rank's masked positions (``flat_pos`` order) to the merged rows.
+    ``runs.row`` maps this rank's runs of sorted masked positions to the merged rows.
     """
     rows = torch.stack([local.group, local.token, local.a, local.b, local.f_c, local.f_w], dim=1)
     shared = split[local.group]
@@ -126,7 +127,7 @@ def _merge_tables(local: tb.Tables, split: Tensor, process_group: Any) -> tb.Tab
     local_row = torch.searchsorted(uniq, _pack(local.group, local.token))
     a, b, f_c, f_w = summed.unbind(1)
     return tb.Tables(group=uniq >> TOKEN_BITS, token=uniq & ((1 << TOKEN_BITS) - 1), a=a, b=b, f_c=f_c, f_w=f_w,
-                     row_of=local_row[local.row_of], flat_pos=local.flat_pos)
+                     runs=dataclasses.replace(local.runs, row=local_row))
 
 
 def _pack(group: Tensor, token: Tensor) -> Tensor:

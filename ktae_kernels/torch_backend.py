@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .config import KTAEConfig
 from .fisher import exact_pvalue_flat, fisher_weight, upstream_fisher_weight, upstream_pvalue
+from .primitives import flat_nonzero, gather, masked_values, prefix_sums, repeat_counts, row_counts, scatter_masked
 from .types import Batch, KeyTokenScores
 
 #: the constant the published code adds to both TF denominators.
@@ -33,9 +34,24 @@ class GroupStats:
 
 
 @dataclass(frozen=True)
+class Runs:
+    """The masked positions sorted by (group, token): one run of positions per row.
+
+    order: int64 ``[N]``, the row-major (``masked_select``) index of each sorted position;
+    rollout: int32 ``[N]``, its rollout; length: int64 ``[R]``, the run lengths;
+    row: int64 ``[R]``, the table row of each run, or None when run ``r`` is row ``r``.
+    """
+
+    order: Tensor
+    rollout: Tensor
+    length: Tensor
+    row: Tensor | None = None
+
+
+@dataclass(frozen=True)
 class Tables:
-    """Sparse contingency tables, one row per (group, token) present: int64 ``[U]`` tensors, and
-    ``row_of`` (int64 ``[N]``): the row of each masked position, positions in ``flat_pos`` order."""
+    """Sparse contingency tables, one row per (group, token) present: int64 ``[U]`` tensors, and the
+    sorted masked positions that built them."""
 
     group: Tensor
     token: Tensor
@@ -43,14 +59,13 @@ class Tables:
     b: Tensor
     f_c: Tensor
     f_w: Tensor
-    row_of: Tensor
-    flat_pos: Tensor
+    runs: Runs
 
 
 def group_stats(batch: Batch, config: KTAEConfig) -> GroupStats:
     """Correct flags and ``n_c, n_w, T_c, T_w`` per group."""
     correct = batch.rewards > config.correct_threshold
-    lengths = batch.mask.sum(dim=1)
+    lengths = row_counts(batch.mask)
     g, n = batch.group, batch.n_groups
     size = torch.bincount(g, minlength=n)
     n_c = torch.zeros(n, dtype=torch.int64, device=g.device).index_add_(0, g, correct.long())
@@ -64,44 +79,39 @@ def build_tables(batch: Batch, correct: Tensor) -> Tables:
 
     The sort is stable and positions start in row-major order, so inside a (group, token) run the
     positions of one rollout are adjacent: a new rollout starts wherever the rollout id changes.
+    Counts are differences of int32 prefix sums at the run starts (N < 2**31 masked positions).
     """
-    B, L = batch.responses.shape
-    flat_pos = torch.nonzero(batch.mask.reshape(-1)).squeeze(1)
-    tokens = batch.responses.reshape(-1)[flat_pos]
-    rollout = flat_pos // max(L, 1)
-    group = batch.group[rollout]
+    lengths = row_counts(batch.mask)
+    tokens = masked_values(batch.responses, batch.mask)
     token_bits = max(int(tokens.max()).bit_length(), 1) if tokens.numel() else 1
     group_bits = max(batch.n_groups - 1, 1).bit_length()
     key_dtype = torch.int32 if token_bits + group_bits <= 31 else torch.int64
-    keys = (group << token_bits) | tokens
-    _, order = torch.sort(keys.to(key_dtype), stable=True)
-    keys, rollout = keys[order], rollout[order]
+    keys = repeat_counts(batch.group.to(key_dtype) << token_bits, lengths) | tokens.to(key_dtype)
+    keys, order = torch.sort(keys, stable=True)
+    rollout = gather(repeat_counts(torch.arange(lengths.shape[0], dtype=torch.int32, device=batch.device), lengths), order)
     n = keys.shape[0]
     new_row = torch.ones(n, dtype=torch.bool, device=keys.device)
-    new_row[1:] = keys[1:] != keys[:-1]
+    torch.ne(keys[1:], keys[:-1], out=new_row[1:])
     new_rollout = new_row.clone()
     new_rollout[1:] |= rollout[1:] != rollout[:-1]
-    is_c = correct[rollout]
-    starts = torch.nonzero(new_row).squeeze(1)
-    f_c, f_all = _segment_sums(is_c, starts, n), _segment_sums(torch.ones_like(is_c), starts, n)
-    a = _segment_sums(is_c & new_rollout, starts, n)
-    b = _segment_sums(~is_c & new_rollout, starts, n)
-    row_keys = keys[starts]
-    row_of = torch.empty_like(order)
-    row_of[order] = torch.cumsum(new_row.long(), 0) - 1
+    is_c = gather(correct, rollout)
+    starts = flat_nonzero(new_row)
+    ends = torch.cat([starts[1:], starts.new_tensor([n])])
+    f_c = _run_sums(is_c, starts, ends)
+    a = _run_sums(is_c & new_rollout, starts, ends)
+    row_keys = keys[starts].long()
     return Tables(
         group=row_keys >> token_bits,
         token=row_keys & ((1 << token_bits) - 1),
-        a=a, b=b, f_c=f_c, f_w=f_all - f_c, row_of=row_of, flat_pos=flat_pos,
+        a=a, b=_run_sums(new_rollout, starts, ends) - a, f_c=f_c, f_w=(ends - starts) - f_c,
+        runs=Runs(order=order, rollout=rollout, length=ends - starts),
     )
 
 
-def _segment_sums(flags: Tensor, starts: Tensor, n: int) -> Tensor:
-    """int64 sums of bool ``flags [n]`` over the runs that begin at ``starts``."""
-    csum = torch.zeros(n + 1, dtype=torch.int64, device=flags.device)
-    torch.cumsum(flags.long(), 0, out=csum[1:])
-    ends = torch.cat([starts[1:], starts.new_tensor([n])])
-    return csum[ends] - csum[starts]
+def _run_sums(flags: Tensor, starts: Tensor, ends: Tensor) -> Tensor:
+    """int64 sums of bool ``flags [n]`` over the runs ``[starts, ends)``."""
+    csum = prefix_sums(flags)
+    return (gather(csum, ends) - gather(csum, starts)).long()
 
 
 def table_statistics(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor, group: Tensor,
@@ -124,7 +134,7 @@ def table_statistics(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor, group: Tens
         p32 = upstream_pvalue(ua, ub, unc - ua, unw - ub, uniq[:, 4])
         p, F = p32.double(), upstream_fisher_weight(p32)
     IG = information_gain(ua, ub, unc, unw)
-    return p[inv], F[inv], IG[inv], cohen_h(ua, ub, unc, unw)[inv]
+    return gather(p, inv), gather(F, inv), gather(IG, inv), gather(cohen_h(ua, ub, unc, unw), inv)
 
 
 def upstream_width(a: Tensor, b: Tensor, n_c: Tensor, group: Tensor) -> Tensor:
@@ -135,20 +145,27 @@ def upstream_width(a: Tensor, b: Tensor, n_c: Tensor, group: Tensor) -> Tensor:
 
 
 def unique_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """Distinct rows of a non-negative int64 ``[T, k]`` tensor and the inverse map ``[T]``.
+    """Distinct rows of a non-negative int64 ``[T, k]`` tensor (in sorted order) and the inverse map ``[T]``.
 
-    Rows are packed into one int64 key (mixed radix) when that fits, which sorts far faster than
-    ``torch.unique(dim=0)``.
+    Rows are packed into one int64 key (mixed radix) when that fits; a small key space (KTAE's
+    tables: at most (G + 1)^4 keys) is then deduplicated with a presence table, no sort at all.
     """
     if rows.shape[0] == 0:
         return rows, torch.zeros(0, dtype=torch.int64, device=rows.device)
-    radix = rows.max(dim=0).values + 1
-    if sum(int(r).bit_length() for r in radix.tolist()) > 62:
+    radix = (rows.max(dim=0).values + 1).tolist()
+    if sum(int(r).bit_length() for r in radix) > 62:
         return torch.unique(rows, dim=0, return_inverse=True)
     key = torch.zeros(rows.shape[0], dtype=torch.int64, device=rows.device)
-    for j in range(rows.shape[1]):
-        key = key * radix[j] + rows[:, j]
-    uniq_key, inv = torch.unique(key, return_inverse=True)
+    for j, r in enumerate(radix):
+        key = key * r + rows[:, j]
+    space = math.prod(radix)
+    if space <= max(1 << 22, rows.shape[0]):
+        present = torch.zeros(space, dtype=torch.bool, device=rows.device)
+        present[key] = True
+        uniq_key = torch.nonzero(present).squeeze(1)
+        inv = gather(prefix_sums(present), key + 1).long() - 1
+    else:
+        uniq_key, inv = torch.unique(key, return_inverse=True)
     uniq = torch.empty(uniq_key.shape[0], rows.shape[1], dtype=torch.int64, device=rows.device)
     for j in reversed(range(rows.shape[1])):
         uniq[:, j] = uniq_key % radix[j]
@@ -174,11 +191,16 @@ def information_gain(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor) -> Tensor:
     return (h_y - h_present - h_absent).clamp(min=0.0)
 
 
-def bm25_tf(f: Tensor, T: Tensor, avg: Tensor, config: KTAEConfig) -> Tensor:
-    """BM25 saturated frequency of one pooled document of ``T`` tokens holding ``f`` occurrences."""
+def bm25_tf(f: Tensor, T: Tensor, K: Tensor, config: KTAEConfig) -> Tensor:
+    """BM25 saturated frequency ``q (k1 + 1) / (q + K)``, ``q = f / T``, of a pooled document of ``T``
+    tokens holding ``f`` occurrences (0 where ``f = 0``); float64."""
     q = f.double() / T.double().clamp(min=1)
-    K = config.k1 * (1.0 - config.b + config.b * T.double() / avg.clamp(min=1e-300))
     return torch.where(f > 0, q * (config.k1 + 1.0) / (q + K), 0.0)
+
+
+def bm25_norm(T: Tensor, avg: Tensor, config: KTAEConfig) -> Tensor:
+    """BM25 length normalisation ``K = k1 (1 - b + b T / avg)``; float64."""
+    return config.k1 * (1.0 - config.b + config.b * T.double() / avg.clamp(min=1e-300))
 
 
 def cohen_h(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor) -> Tensor:
@@ -186,11 +208,12 @@ def cohen_h(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor) -> Tensor:
     return torch.asin(torch.sqrt(a.double() / n_c.clamp(min=1))) - torch.asin(torch.sqrt(b.double() / n_w.clamp(min=1)))
 
 
-def tf_ratio(f_c: Tensor, f_w: Tensor, T_c: Tensor, T_w: Tensor, config: KTAEConfig) -> Tensor:
-    """``tf_c / (tf_w + 1e-5) - tf_w / (tf_c + 1e-5)`` with BM25 ``tf`` of the pooled correct / wrong
-    rollouts; float64."""
+def tf_ratio(f_c: Tensor, f_w: Tensor, group: Tensor, T_c: Tensor, T_w: Tensor, config: KTAEConfig) -> Tensor:
+    """``tf_c / (tf_w + 1e-5) - tf_w / (tf_c + 1e-5)`` per row, with BM25 ``tf`` of the pooled correct /
+    wrong rollouts of the row's group (``T_c, T_w``: per group); float64."""
     avg = (T_c + T_w).double() / 2.0
-    tf_c, tf_w = bm25_tf(f_c, T_c, avg, config), bm25_tf(f_w, T_w, avg, config)
+    K_c, K_w = gather(bm25_norm(T_c, avg, config), group), gather(bm25_norm(T_w, avg, config), group)
+    tf_c, tf_w = bm25_tf(f_c, gather(T_c, group), K_c, config), bm25_tf(f_w, gather(T_w, group), K_w, config)
     return tf_c / (tf_w + TF_EPS) - tf_w / (tf_c + TF_EPS)
 
 
@@ -218,10 +241,10 @@ def score_tables(tables: Tables, stats: GroupStats, config: KTAEConfig, labels) 
     """Statistics stage over all rows at once."""
     g = tables.group
     a, b, f_c, f_w = tables.a, tables.b, tables.f_c, tables.f_w
-    n_c, n_w = stats.n_c[g], stats.n_w[g]
+    n_c, n_w = gather(stats.n_c, g), gather(stats.n_w, g)
     p, F, IG, x = table_statistics(a, b, n_c, n_w, g, config)
     if config.use_tf:
-        x = x + tf_ratio(f_c, f_w, stats.T_c[g], stats.T_w[g], config)
+        x = x + tf_ratio(f_c, f_w, g, stats.T_c, stats.T_w, config)
     informative = informative_rows(a, b, n_c, n_w)
     F, IG = torch.where(informative, F, 0.0), torch.where(informative, IG, 0.0)
     scorable = informative & ~ignored_rows(tables.token, config)
@@ -255,12 +278,15 @@ def rollout_advantage(batch: Batch, stats: GroupStats, config: KTAEConfig, given
 
 
 def combine(batch: Batch, base: Tensor, row_score: Tensor, tables: Tables, weight: float) -> Tensor:
-    """float32 ``[B, L]``: ``A_i + weight * score`` at masked positions (float64 sum, rounded once), 0 elsewhere."""
-    B, L = batch.responses.shape
-    out = torch.zeros(B * L, dtype=torch.float32, device=base.device)
-    rollout = tables.flat_pos // max(L, 1)
-    out[tables.flat_pos] = (base[rollout] + weight * row_score[tables.row_of]).to(torch.float32)
-    return out.view(B, L)
+    """float32 ``[B, L]``: ``A_i + weight * score`` at masked positions (float64 sum, rounded once), 0 elsewhere.
+
+    Computed in the sorted order, where each row's score is one contiguous run, then put back.
+    """
+    runs = tables.runs
+    run_score = row_score if runs.row is None else row_score[runs.row]
+    sorted_values = repeat_counts(run_score, runs.length).mul_(weight).add_(gather(base, runs.rollout)).to(torch.float32)
+    values = torch.empty_like(sorted_values).index_copy_(0, runs.order, sorted_values)
+    return scatter_masked(batch.mask, values)
 
 
 def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:

@@ -105,6 +105,16 @@ def test_single_rollout_group_follows_verl(batch):
     torch.testing.assert_close(adv, (rewards * 3 / (1 + 1e-6)).view(8, 1) * mask)
 
 
+def test_rewards_with_grad_are_read_as_values(batch):
+    responses, mask, rewards, index = batch
+    scored = rewards.clone().requires_grad_(True)
+    given = torch.linspace(-1, 1, 8, requires_grad=True)
+    torch.testing.assert_close(token_advantage(responses, mask, scored, index),
+                               token_advantage(responses, mask, rewards, index))
+    out = token_advantage(responses, mask, scored, index, rollout_advantage=given)
+    assert not out.requires_grad
+
+
 def test_empty_batch_and_empty_length():
     out = token_advantage(torch.zeros(0, 5, dtype=torch.long), torch.zeros(0, 5), torch.zeros(0), torch.zeros(0, dtype=torch.long))
     assert out.shape == (0, 5)

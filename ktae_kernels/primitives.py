@@ -1,0 +1,70 @@
+"""Data-movement primitives of the torch backend over ``[B, L]``-sized data.
+
+On the CPU they run through numpy views of the same memory: numpy's boolean selection, repeat,
+take, prefix sum and count are 3-20x faster there than torch's CPU kernels (measured on the 2-core
+CPU machine, 2026-12-02, for 5-50M elements), and their results are identical. Elsewhere they are
+the plain torch ops.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+
+def _on_cpu(t: Tensor) -> bool:
+    return t.device.type == "cpu"
+
+
+def row_counts(mask: Tensor) -> Tensor:
+    """Number of True entries per row of a bool ``[B, L]`` mask; int64 ``[B]``."""
+    if _on_cpu(mask):
+        return torch.from_numpy(np.count_nonzero(mask.numpy(), axis=1).astype(np.int64))
+    return mask.sum(dim=1)
+
+
+def masked_values(x: Tensor, mask: Tensor) -> Tensor:
+    """``x[mask]`` in row-major order, ``[N]``."""
+    if _on_cpu(x):
+        return torch.from_numpy(x.numpy()[mask.numpy()])
+    return x.masked_select(mask)
+
+
+def repeat_counts(values: Tensor, counts: Tensor) -> Tensor:
+    """``values[i]`` repeated ``counts[i]`` times, concatenated."""
+    if _on_cpu(values):
+        return torch.from_numpy(values.numpy().repeat(counts.numpy()))
+    return values.repeat_interleave(counts)
+
+
+def gather(values: Tensor, index: Tensor) -> Tensor:
+    """``values[index]`` for a 1-D ``values``."""
+    if _on_cpu(values):
+        return torch.from_numpy(values.numpy().take(index.numpy()))
+    return values[index]
+
+
+def flat_nonzero(flags: Tensor) -> Tensor:
+    """Indices of the True entries of a 1-D bool tensor; int64."""
+    if _on_cpu(flags):
+        return torch.from_numpy(np.flatnonzero(flags.numpy()))
+    return torch.nonzero(flags).squeeze(1)
+
+
+def prefix_sums(flags: Tensor) -> Tensor:
+    """int32 ``[n + 1]``: 0 then the running count of a 1-D bool ``[n]`` (n < 2**31)."""
+    out = torch.zeros(flags.shape[0] + 1, dtype=torch.int32, device=flags.device)
+    if _on_cpu(flags):
+        np.cumsum(flags.numpy(), dtype=np.int32, out=out.numpy()[1:])
+    else:
+        torch.cumsum(flags, 0, dtype=torch.int32, out=out[1:])
+    return out
+
+
+def scatter_masked(mask: Tensor, values: Tensor) -> Tensor:
+    """A zero tensor of ``mask``'s shape with ``values [N]`` at the masked positions, row-major."""
+    if _on_cpu(values):
+        out = torch.zeros(mask.shape, dtype=values.dtype)
+        out.numpy()[mask.numpy()] = values.numpy()
+        return out
+    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter_(mask, values)
