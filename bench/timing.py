@@ -1,7 +1,8 @@
 """Timing of one contender on one batch: wall clock around a synchronised call, median of runs.
 
-Vectorised contenders run on the whole batch: one untimed warm-up (on CUDA, or when the batch is
-small), then up to ``repeats`` timed runs, stopping early once ``sample_budget_s`` is spent.
+Vectorised contenders run on the whole batch: one untimed warm-up (first-call costs such as
+imports, lazy tables and first-touch of memory are not the steady state a trainer sees), then
+``MIN_SAMPLES`` to ``repeats`` timed runs, stopping early once ``sample_budget_s`` is spent.
 Per-group contenders (Python loops over groups) run on the first ``k`` groups (at least 4, more
 while the runs fit ``loop_budget_s``); the caller scales their time by ``prompts / k`` and marks it
 extrapolated when ``k < prompts``.
@@ -18,8 +19,8 @@ from torch import Tensor
 from bench.contenders import Contender
 from bench.data import BenchBatch
 
-#: CPU batches up to this many positions get an untimed warm-up run.
-CPU_WARMUP_POSITIONS = 4_000_000
+#: vectorised contenders are timed at least this many times (when ``repeats`` allows), whatever the budget.
+MIN_SAMPLES = 3
 #: per-group contenders always run on at least this many groups (when the batch has them).
 MIN_GROUPS = 4
 
@@ -50,9 +51,9 @@ def timed(fn: Callable[[], Tensor], device: torch.device) -> tuple[float, Tensor
 
 
 def _samples(fn: Callable[[], Tensor], device: torch.device, repeats: int, budget_s: float) -> tuple[list[float], Tensor]:
-    """Up to ``repeats`` timed calls, at least one, stopping once ``budget_s`` is spent."""
+    """Up to ``repeats`` timed calls, at least ``min(MIN_SAMPLES, repeats)``, stopping once ``budget_s`` is spent."""
     samples: list[float] = []
-    while not samples or (len(samples) < repeats and sum(samples) < budget_s):
+    while len(samples) < min(MIN_SAMPLES, max(repeats, 1)) or (len(samples) < repeats and sum(samples) < budget_s):
         seconds, out = timed(fn, device)
         samples.append(seconds)
     return samples, out
@@ -63,8 +64,7 @@ def measure_vectorised(contender: Contender, batch: BenchBatch, device: torch.de
     """Whole-batch timing of a vectorised contender."""
     contender.prepare(batch)
     fn = lambda: contender.run(batch)  # noqa: E731
-    if device.type == "cuda" or batch.shape.positions <= CPU_WARMUP_POSITIONS:
-        timed(fn, device)
+    timed(fn, device)
     samples, out = _samples(fn, device, repeats, sample_budget_s)
     return Timing(samples, batch.shape.prompts, out)
 
