@@ -9,6 +9,7 @@ code); everything else stays on the device.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from torch import Tensor
@@ -39,14 +40,31 @@ def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None) -> Tensor:
+    p = _pipeline(batch, config)
+    base = rollout_advantage(batch, p.stats, config, given)
+    return token_advantages(batch, p.tables, p.slot_score, base, p.consts)
+
+
+@dataclass(frozen=True)
+class _Pipeline:
+    """The stages of ``token_advantage`` before the rollout advantage, kept for ``profile``."""
+
+    consts: Tensor
+    stats: Any
+    tables: Any
+    rows: Any
+    counts: Any
+    slot_score: Tensor
+
+
+def _pipeline(batch: Batch, config: KTAEConfig) -> _Pipeline:
     consts = kernel_constants(config, batch.device)
     stats = group_stats(batch, config)
     tables = build_hash_tables(batch, stats)
     rows = occupied_rows(tables, sort=False)
     counts = row_counts(tables, rows) if config.fisher == "upstream" else None
     slot_score, _ = score_rows(tables, rows, stats, config, consts, counts, write_rows=False)
-    base = rollout_advantage(batch, stats, config, given)
-    return token_advantages(batch, tables, slot_score, base, consts)
+    return _Pipeline(consts, stats, tables, rows, counts, slot_score)
 
 
 def profile(batch: Batch, config: KTAEConfig | None = None, *, rep_ms: int = 100) -> dict[str, float]:
@@ -62,12 +80,8 @@ def profile(batch: Batch, config: KTAEConfig | None = None, *, rep_ms: int = 100
     if batch.device.type != "cuda" or interpreting():
         raise ValueError("profile: `batch` must be on a CUDA device, with the Triton interpreter off")
     config = config or KTAEConfig()
-    consts = kernel_constants(config, batch.device)
-    stats = group_stats(batch, config)
-    tables = build_hash_tables(batch, stats)
-    rows = occupied_rows(tables, sort=False)
-    counts = row_counts(tables, rows) if config.fisher == "upstream" else None
-    slot_score, _ = score_rows(tables, rows, stats, config, consts, counts, write_rows=False)
+    p = _pipeline(batch, config)
+    consts, stats, tables, rows, counts = p.consts, p.stats, p.tables, p.rows, p.counts
     base = rollout_advantage(batch, stats, config, None)
     stages: dict[str, Callable[[], Any]] = {
         "groups": lambda: group_stats(batch, config),
@@ -75,7 +89,7 @@ def profile(batch: Batch, config: KTAEConfig | None = None, *, rep_ms: int = 100
         "rows": lambda: occupied_rows(tables, sort=False),
         "scores": lambda: score_rows(tables, rows, stats, config, consts, counts, write_rows=False),
         "rollout": lambda: rollout_advantage(batch, stats, config, None),
-        "advantage": lambda: token_advantages(batch, tables, slot_score, base, consts),
+        "advantage": lambda: token_advantages(batch, tables, p.slot_score, base, consts),
         "total": lambda: token_advantage(batch, config, None),
     }
     return {name: float(do_bench(fn, rep=rep_ms, return_mode="median")) for name, fn in stages.items()}
