@@ -159,3 +159,17 @@ def test_backend_registry_errors(batch):
     assert get_backend("auto", "cpu").__name__ == "ktae_kernels.torch_backend"
     with pytest.raises((ValueError, BackendUnavailableError), match="cuda"):
         token_advantage(*batch, backend="cuda")
+
+
+def test_auto_prefers_triton_then_cuda_then_torch_on_cuda(monkeypatch):
+    """The "auto" order for CUDA tensors, with CUDA faked available (no GPU is needed to check it)."""
+    import ktae_kernels.backends as backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert get_backend("auto", "cuda").__name__ == "ktae_kernels.triton"
+    specs = {name: spec for name, spec in backends._REGISTRY.items()}
+    monkeypatch.setitem(backends._REGISTRY, "triton",
+                        backends.BackendSpec("triton", specs["triton"].module, specs["triton"].devices,
+                                             specs["triton"].auto_rank, lambda kind: "no triton"))
+    expected = "ktae_kernels.cuda" if backends._cuda_unavailable("cuda") is None else "ktae_kernels.torch_backend"
+    assert get_backend("auto", "cuda").__name__ == expected
