@@ -6,8 +6,11 @@ defines specially. ``small=True`` keeps shapes fit for the Triton CPU interprete
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
+from scipy.stats import fisher_exact
 
 from ktae_kernels.types import KeyTokenScores
 
@@ -130,3 +133,31 @@ def assert_scores_match(expected: KeyTokenScores, actual: KeyTokenScores, *, p_r
     for name in ("F", "IG", "x", "score"):
         torch.testing.assert_close(getattr(actual, name).cpu().double(), getattr(expected, name).cpu().double(),
                                    rtol=1e-9, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def triton_devices() -> list[str]:
+    """Devices the Triton kernels can be tested on: CUDA, else the CPU under TRITON_INTERPRET=1, else none."""
+    if torch.cuda.is_available():
+        return ["cuda"]
+    return ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []
+
+
+def scipy_pvalues(tables: np.ndarray) -> np.ndarray:
+    """``scipy.stats.fisher_exact`` two-sided p-values of ``[T, 4]`` tables ``(a, b, c, d)``."""
+    return np.array([fisher_exact([[a, b], [c, d]], alternative="two-sided").pvalue for a, b, c, d in tables])
+
+
+def ktae_tables(max_rollouts: int = 16) -> np.ndarray:
+    """Every table a group of up to ``max_rollouts`` rollouts can produce: ``[T, 4]``."""
+    return np.array([(a, b, nc - a, n - nc - b) for n in range(1, max_rollouts + 1) for nc in range(n + 1)
+                     for a in range(nc + 1) for b in range(n - nc + 1)])
+
+
+def symmetric_tie_tables(rng: np.random.Generator, count: int, max_margin: int) -> np.ndarray:
+    """``3 * count`` tables whose support holds exact mirror images of the observed table (ties)."""
+    tables = []
+    for _ in range(count):
+        n, m = rng.integers(1, max_margin, size=2)
+        k = rng.integers(0, n + 1)
+        tables += [(k, n - k, n - k, k), (k, m, m, k), (k, n - k, k, n - k)]
+    return np.array(tables)

@@ -4,14 +4,10 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from scipy.stats import fisher_exact
 
+from cases import ktae_tables, scipy_pvalues, symmetric_tie_tables
 from ktae_kernels import fisher_exact_pvalue
 from ktae_kernels.fisher import fisher_weight, upstream_pvalue
-
-
-def scipy_p(tables: np.ndarray) -> np.ndarray:
-    return np.array([fisher_exact([[a, b], [c, d]], alternative="two-sided").pvalue for a, b, c, d in tables])
 
 
 def ours(tables: np.ndarray) -> np.ndarray:
@@ -20,13 +16,11 @@ def ours(tables: np.ndarray) -> np.ndarray:
 
 
 def assert_matches_scipy(tables: np.ndarray, rtol: float = 1e-9) -> None:
-    np.testing.assert_allclose(ours(tables), scipy_p(tables), rtol=rtol, atol=0)
+    np.testing.assert_allclose(ours(tables), scipy_pvalues(tables), rtol=rtol, atol=0)
 
 
 def test_every_ktae_table_up_to_16_rollouts():
-    tables = [(a, b, nc - a, n - nc - b) for n in range(1, 17) for nc in range(n + 1)
-              for a in range(nc + 1) for b in range(n - nc + 1)]
-    assert_matches_scipy(np.array(tables))
+    assert_matches_scipy(ktae_tables(16))
 
 
 def test_random_small_tables():
@@ -34,13 +28,7 @@ def test_random_small_tables():
 
 
 def test_symmetric_ties():
-    rng = np.random.default_rng(1)
-    tables = []
-    for _ in range(700):
-        n, m = rng.integers(1, 300, size=2)
-        k = rng.integers(0, n + 1)
-        tables += [(k, n - k, n - k, k), (k, m, m, k), (k, n - k, k, n - k)]
-    assert_matches_scipy(np.array(tables))
+    assert_matches_scipy(symmetric_tie_tables(np.random.default_rng(1), 700, 300))
 
 
 def test_large_counts():
@@ -48,7 +36,7 @@ def test_large_counts():
     n = rng.integers(1000, 100_000, size=300)
     a, b = rng.binomial(n, 0.5), rng.binomial(n, 0.5)
     tables = np.concatenate([np.stack([a, n - a, b, n - b], 1), rng.integers(0, 100_001, size=(200, 4))])
-    p, ref = ours(tables), scipy_p(tables)
+    p, ref = ours(tables), scipy_pvalues(tables)
     normal = ref > 1e-290  # scipy's own values lose precision in the subnormal range
     np.testing.assert_allclose(p[normal], ref[normal], rtol=1e-9, atol=0)
     assert np.all(p[~normal] < 1e-280)
@@ -62,7 +50,7 @@ def test_degenerate_margins_are_one():
 def test_broadcasting_and_device_of_inputs():
     p = fisher_exact_pvalue(torch.tensor([[1], [2]]), 3, torch.tensor([4, 5, 6]), 0)
     assert p.shape == (2, 3) and p.dtype == torch.float64
-    np.testing.assert_allclose(p.numpy().ravel(), scipy_p(np.array(
+    np.testing.assert_allclose(p.numpy().ravel(), scipy_pvalues(np.array(
         [(a, 3, c, 0) for a, c in itertools.product([1, 2], [4, 5, 6])])), rtol=1e-12)
 
 
@@ -84,6 +72,6 @@ def test_upstream_mode_is_float32_without_tolerance():
     width = torch.full((len(tables),), 9)
     p32 = upstream_pvalue(t[:, 0], t[:, 1], t[:, 2], t[:, 3], width)
     assert p32.dtype == torch.float32
-    exact = scipy_p(tables)
+    exact = scipy_pvalues(tables)
     np.testing.assert_allclose(p32.double().numpy(), exact, atol=0.5)  # close, but not exact
     assert np.sum(exact == 1.0) > np.sum(p32.numpy() == 1.0)

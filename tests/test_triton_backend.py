@@ -3,21 +3,16 @@
 Without a GPU, tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported, and these run the
 same kernels on CPU tensors (small shapes only: the interpreter is slow).
 """
-import os
-
 import numpy as np
 import pytest
 import torch
 
-from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
+from cases import adversarial_cases, assert_scores_match, make_batch, random_cases, triton_devices
 from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
 
 pytest.importorskip("triton")
-if torch.cuda.is_available():
-    DEVICES = ["cuda"]
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICES = ["cpu"]
-else:
+DEVICES = triton_devices()
+if not DEVICES:
     pytest.skip("the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 from ktae_kernels.api import normalise_batch  # noqa: E402

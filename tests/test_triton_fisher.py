@@ -1,17 +1,13 @@
 """The Triton Fisher kernel against scipy.stats.fisher_exact (two-sided), on CUDA or in the interpreter."""
-import os
-
 import numpy as np
 import pytest
 import torch
-from scipy.stats import fisher_exact
+
+from cases import ktae_tables, scipy_pvalues, symmetric_tie_tables, triton_devices
 
 pytest.importorskip("triton")
-if torch.cuda.is_available():
-    DEVICES = ["cuda"]
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICES = ["cpu"]
-else:
+DEVICES = triton_devices()
+if not DEVICES:
     pytest.skip("the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 from ktae_kernels.triton import fisher_exact_pvalues  # noqa: E402
@@ -22,10 +18,6 @@ def device(request):
     return request.param
 
 
-def scipy_p(tables: np.ndarray) -> np.ndarray:
-    return np.array([fisher_exact([[a, b], [c, d]], alternative="two-sided").pvalue for a, b, c, d in tables])
-
-
 def kernel_p(tables: np.ndarray, device: str) -> np.ndarray:
     t = torch.as_tensor(np.asarray(tables), dtype=torch.int64, device=device)
     p = fisher_exact_pvalues(t[:, 0], t[:, 1], t[:, 2], t[:, 3])
@@ -34,26 +26,19 @@ def kernel_p(tables: np.ndarray, device: str) -> np.ndarray:
 
 
 def test_every_ktae_table_up_to_16_rollouts(device):
-    tables = np.array([(a, b, nc - a, n - nc - b) for n in range(1, 17) for nc in range(n + 1)
-                       for a in range(nc + 1) for b in range(n - nc + 1)])
-    np.testing.assert_allclose(kernel_p(tables, device), scipy_p(tables), rtol=1e-9, atol=0)
+    tables = ktae_tables(16)
+    np.testing.assert_allclose(kernel_p(tables, device), scipy_pvalues(tables), rtol=1e-9, atol=0)
 
 
 def test_random_small_tables(device):
     tables = np.random.default_rng(0).integers(0, 15, size=(3000, 4))
-    np.testing.assert_allclose(kernel_p(tables, device), scipy_p(tables), rtol=1e-9, atol=0)
+    np.testing.assert_allclose(kernel_p(tables, device), scipy_pvalues(tables), rtol=1e-9, atol=0)
 
 
 def test_symmetric_ties(device):
     """Tables whose support holds exact mirror images of the observed one: the tolerance decides."""
-    rng = np.random.default_rng(1)
-    tables = []
-    for _ in range(500):
-        n, m = rng.integers(1, 120, size=2)
-        k = rng.integers(0, n + 1)
-        tables += [(k, n - k, n - k, k), (k, m, m, k), (k, n - k, k, n - k)]
-    tables = np.array(tables)
-    np.testing.assert_allclose(kernel_p(tables, device), scipy_p(tables), rtol=1e-9, atol=0)
+    tables = symmetric_tie_tables(np.random.default_rng(1), 500, 120)
+    np.testing.assert_allclose(kernel_p(tables, device), scipy_pvalues(tables), rtol=1e-9, atol=0)
 
 
 def test_large_counts(device):
@@ -66,7 +51,7 @@ def test_large_counts(device):
     m = rng.integers(1000, 2000, size=8)
     wide = np.stack([m // 2, m // 2 + 7, m // 3, m // 2], 1)
     tables = np.concatenate([skewed, wide])
-    p, ref = kernel_p(tables, device), scipy_p(tables)
+    p, ref = kernel_p(tables, device), scipy_pvalues(tables)
     normal = ref > 1e-290  # scipy's own values lose precision in the subnormal range
     np.testing.assert_allclose(p[normal], ref[normal], rtol=1e-9, atol=0)
     assert np.all(p[~normal] < 1e-280)
