@@ -118,6 +118,18 @@ __device__ void clear_table(const Table& t, int words) {
   }
 }
 
+// One pass over a rollout: this thread's kUnroll positions start + u * blockDim.x + threadIdx.x,
+// all loads issued before any is used. Positions past the end read nothing and are not valid.
+__device__ __forceinline__ void load_tile(const int64_t* tokens, const bool* mask, int64_t length,
+                                          int64_t start, int64_t (&token)[kUnroll], bool (&valid)[kUnroll]) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+    valid[u] = pos < length && mask[pos];
+    token[u] = pos < length ? tokens[pos] : 0;
+  }
+}
+
 // Phase 1. Each pass of the inner loop covers blockDim.x * kUnroll positions of one rollout, so a
 // warp's lanes always share the rollout and agree on correctness and the presence bit. Every lane
 // runs every warp collective (masked positions carry kEmptyKey and are skipped afterwards).
@@ -138,12 +150,7 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
       if (__shfl_sync(kFullWarp, load_volatile(&state->overflow), 0) != 0u) return;
       int64_t token[kUnroll];
       bool valid[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
-        valid[u] = pos < length && mask[pos];
-        token[u] = pos < length ? tokens[pos] : 0;
-      }
+      load_tile(tokens, mask, length, start, token, valid);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const uint32_t key = valid[u] ? static_cast<uint32_t>(token[u]) : kEmptyKey;
@@ -366,12 +373,7 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
     for (int64_t start = 0; start < length; start += step) {
       int64_t token[kUnroll];
       bool valid[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
-        valid[u] = pos < length && mask[pos];
-        token[u] = pos < length ? tokens[pos] : 0;
-      }
+      load_tile(tokens, mask, length, start, token, valid);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
