@@ -47,7 +47,7 @@ def test_build_tables(benchmark, medium):
     device = medium.responses.device
     batch = normalise_batch(*medium.args())
     stats = torch_backend.group_stats(batch, BENCH_CONFIG)
-    tables = benchmark(synced(lambda: torch_backend.build_tables(batch, stats.correct), device))
+    tables = benchmark(synced(lambda: torch_backend.build_tables(batch, stats), device))
     assert int((tables.f_c + tables.f_w).sum()) == medium.tokens
     assert bool(((tables.a + tables.b) >= 1).all())
     assert bool((tables.a + tables.b <= MEDIUM.G).all())

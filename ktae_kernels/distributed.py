@@ -70,9 +70,9 @@ def _merge(batch: Batch, config: KTAEConfig, process_group: Any, backend: str) -
     counts = torch.stack([local.size, local.n_c, local.T_c, local.T_w])
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
     size, n_c, T_c, T_w = counts.unbind(0)
-    stats = tb.GroupStats(correct=local.correct, size=size, n_c=n_c, n_w=size - n_c, T_c=T_c, T_w=T_w)
+    stats = tb.GroupStats(correct=local.correct, lengths=local.lengths, size=size, n_c=n_c, n_w=size - n_c, T_c=T_c, T_w=T_w)
     split = (local.size > 0) & (local.size < size)
-    tables = _merge_tables(tb.build_tables(batch, local.correct), split, process_group)
+    tables = _merge_tables(tb.build_tables(batch, local), split, process_group)
     return _Merged(batch=batch, stats=stats, tables=tables)
 
 

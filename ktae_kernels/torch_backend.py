@@ -23,9 +23,11 @@ TF_EPS = 1e-5
 
 @dataclass(frozen=True)
 class GroupStats:
-    """Per-rollout ``correct`` (bool ``[B]``) and per-group counts (int64 ``[n_groups]``)."""
+    """Per rollout: ``correct`` (bool ``[B]``) and ``lengths`` (masked tokens, int64 ``[B]``); per group:
+    counts (int64 ``[n_groups]``)."""
 
     correct: Tensor
+    lengths: Tensor
     size: Tensor
     n_c: Tensor
     n_w: Tensor
@@ -71,17 +73,17 @@ def group_stats(batch: Batch, config: KTAEConfig) -> GroupStats:
     n_c = torch.zeros(n, dtype=torch.int64, device=g.device).index_add_(0, g, correct.long())
     T_c = torch.zeros_like(n_c).index_add_(0, g, lengths * correct)
     T_all = torch.zeros_like(n_c).index_add_(0, g, lengths)
-    return GroupStats(correct, size, n_c, size - n_c, T_c, T_all - T_c)
+    return GroupStats(correct, lengths, size, n_c, size - n_c, T_c, T_all - T_c)
 
 
-def build_tables(batch: Batch, correct: Tensor) -> Tables:
+def build_tables(batch: Batch, stats: GroupStats) -> Tables:
     """(group, token) tables from one stable sort of packed ``group << bits | token`` keys.
 
     The sort is stable and positions start in row-major order, so inside a (group, token) run the
     positions of one rollout are adjacent: a new rollout starts wherever the rollout id changes.
     Counts are differences of int32 prefix sums at the run starts (N < 2**31 masked positions).
     """
-    lengths = row_counts(batch.mask)
+    lengths = stats.lengths
     tokens = masked_values(batch.responses, batch.mask)
     token_bits = max(int(tokens.max()).bit_length(), 1) if tokens.numel() else 1
     group_bits = max(batch.n_groups - 1, 1).bit_length()
@@ -94,7 +96,7 @@ def build_tables(batch: Batch, correct: Tensor) -> Tables:
     torch.ne(keys[1:], keys[:-1], out=new_row[1:])
     new_rollout = new_row.clone()
     new_rollout[1:] |= rollout[1:] != rollout[:-1]
-    is_c = gather(correct, rollout)
+    is_c = gather(stats.correct, rollout)
     starts = flat_nonzero(new_row)
     ends = torch.cat([starts[1:], starts.new_tensor([n])])
     f_c = _run_sums(is_c, starts, ends)
@@ -291,12 +293,12 @@ def combine(batch: Batch, base: Tensor, row_score: Tensor, tables: Tables, weigh
 
 def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
     stats = group_stats(batch, config)
-    return score_tables(build_tables(batch, stats.correct), stats, config, batch.group_labels)
+    return score_tables(build_tables(batch, stats), stats, config, batch.group_labels)
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None) -> Tensor:
     stats = group_stats(batch, config)
-    tables = build_tables(batch, stats.correct)
+    tables = build_tables(batch, stats)
     scores = score_tables(tables, stats, config, batch.group_labels)
     base = rollout_advantage(batch, stats, config, given)
     return combine(batch, base, scores.score, tables, config.weight)
