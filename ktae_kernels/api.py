@@ -24,7 +24,9 @@ def token_advantage(
     config: KTAEConfig | None = None,
     backend: str = "auto",
     rollout_advantage: Tensor | None = None,
+    correct: Tensor | None = None,
     process_group: Any = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """KTAE token-level advantages.
 
@@ -35,26 +37,33 @@ def token_advantage(
         index: ``[B]`` group ids: an int tensor, a numpy int array, a numpy object array of uid
             strings (as verl passes it) or a list.
         config: hyper-parameters; ``KTAEConfig()`` when None.
-        backend: "auto", "reference", "torch", "triton" or "cuda" (see ``available_backends()``).
+        backend: "auto", "reference", "torch", "cpu", "triton" or "cuda" (see ``available_backends()``).
         rollout_advantage: optional ``[B]`` caller-given rollout advantage ``A_i``, used instead of
             ``config.baseline``.
+        correct: optional ``[B]`` bool (or 0/1) labels splitting each group into correct and wrong
+            rollouts, used instead of ``rewards > config.correct_threshold`` (e.g. the task score when
+            ``rewards`` carry a KL penalty). ``rewards`` still give the baseline ``A_i``.
         process_group: a ``torch.distributed`` group whose ranks each hold part of the batch (a
             group's rollouts may be spread over ranks): every rank passes its own rows and gets, for
             them, exactly the one-process result on all ranks' rows concatenated in rank order.
             Collective: every rank of the group must call. Runs the torch path (``backend`` "auto"
             or "torch"); see ``ktae_kernels.distributed``. None (default): this batch alone.
+        out: optional preallocated contiguous float32 ``[B, L]`` tensor on the device of
+            ``responses``, overwritten with the result (a trainer can reuse it every step).
     Returns:
-        float32 ``[B, L]`` on the device of ``responses``:
+        float32 ``[B, L]`` on the device of ``responses`` (``out`` when given):
         ``(A_i + weight * score[group(i), responses[i, t]]) * response_mask[i, t]``.
     """
     config = _check_config(config)
-    batch = normalise_batch(responses, response_mask, rewards, index)
+    impl = None if process_group is not None else get_backend(backend, _device_of(responses))
+    batch = normalise_batch(responses, response_mask, rewards, index, correct=correct,
+                            check_ids=not getattr(impl, "CHECKS_TOKEN_IDS", False))
     base = _check_rollout_advantage(rollout_advantage, batch)
-    if process_group is not None:
+    out = _check_out(out, batch)
+    if impl is None:
         from . import distributed
-        return distributed.token_advantage(batch, config, base, process_group, backend)
-    impl = get_backend(backend, batch.device)
-    return impl.token_advantage(batch, config, base)
+        return distributed.token_advantage(batch, config, base, process_group, backend, out)
+    return impl.token_advantage(batch, config, base, out)
 
 
 def key_token_scores(
@@ -65,6 +74,7 @@ def key_token_scores(
     *,
     config: KTAEConfig | None = None,
     backend: str = "auto",
+    correct: Tensor | None = None,
     process_group: Any = None,
 ) -> KeyTokenScores:
     """Per (group, token id) KTAE statistics (tables, p-values, F, IG, direction, score).
@@ -75,11 +85,17 @@ def key_token_scores(
     ranks' labels (``ktae_kernels.distributed.key_token_scores``).
     """
     config = _check_config(config)
-    batch = normalise_batch(responses, response_mask, rewards, index)
-    if process_group is not None:
+    impl = None if process_group is not None else get_backend(backend, _device_of(responses))
+    batch = normalise_batch(responses, response_mask, rewards, index, correct=correct,
+                            check_ids=not getattr(impl, "CHECKS_TOKEN_IDS", False))
+    if impl is None:
         from . import distributed
         return distributed.key_token_scores(batch, config, process_group, backend)
-    return get_backend(backend, batch.device).key_token_scores(batch, config)
+    return impl.key_token_scores(batch, config)
+
+
+def _device_of(responses: Any) -> torch.device:
+    return responses.device if isinstance(responses, Tensor) else torch.device("cpu")
 
 
 def _check_config(config: KTAEConfig | None) -> KTAEConfig:
@@ -90,9 +106,11 @@ def _check_config(config: KTAEConfig | None) -> KTAEConfig:
     return config
 
 
-def normalise_batch(responses: Any, response_mask: Any, rewards: Any, index: Any) -> Batch:
+def normalise_batch(responses: Any, response_mask: Any, rewards: Any, index: Any, *, correct: Any = None,
+                    check_ids: bool = True) -> Batch:
     """Validate the caller's inputs and bring them to the canonical ``Batch`` form.
 
+    ``check_ids=False`` leaves the token-id range check to a backend that does it while counting.
     Raises ValueError naming the argument on any shape, dtype or value problem.
     """
     responses = _as_tensor("responses", responses)
@@ -104,13 +122,43 @@ def normalise_batch(responses: Any, response_mask: Any, rewards: Any, index: Any
     shape = tuple(responses.shape)
     mask = _check_mask(_as_tensor("response_mask", response_mask, device), shape)
     responses = responses.to(torch.int64)
-    _check_token_ids(responses, mask)
+    if check_ids:
+        check_token_ids(responses, mask)
     reward = _check_rewards(_as_tensor("rewards", rewards, device), shape)
     group, labels = _normalise_index(index, shape[0], device)
-    return Batch(responses=responses, mask=mask, rewards=reward, group=group, group_labels=labels)
+    flags = None if correct is None else _check_correct(_as_tensor("correct", correct, device), shape[0])
+    return Batch(responses=responses, mask=mask, rewards=reward, group=group, group_labels=labels, correct=flags)
 
 
-def _check_token_ids(responses: Tensor, mask: Tensor) -> None:
+def _check_correct(correct: Tensor, batch_size: int) -> Tensor:
+    """bool ``[B]`` from bool or 0/1 labels."""
+    if tuple(correct.shape) != (batch_size,):
+        raise ValueError(f"`correct` must have shape [B] = [{batch_size}], got {tuple(correct.shape)}")
+    if correct.dtype == torch.bool:
+        return correct
+    if correct.dtype.is_complex or not bool(((correct == 0) | (correct == 1)).all()):
+        raise ValueError("`correct` must be bool or hold only 0 and 1")
+    return correct != 0
+
+
+def _check_out(out: Tensor | None, batch: Batch) -> Tensor | None:
+    """The caller's output tensor, checked: contiguous float32 ``[B, L]`` on the batch's device."""
+    if out is None:
+        return None
+    shape = tuple(batch.responses.shape)
+    if not isinstance(out, Tensor):
+        raise ValueError(f"`out` must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or out.device != batch.device:
+        raise ValueError(f"`out` must be a float32 tensor of shape {shape} on {batch.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("`out` must be contiguous")
+    if out.requires_grad:
+        raise ValueError("`out` must not require grad")
+    return out
+
+
+def check_token_ids(responses: Tensor, mask: Tensor) -> None:
     """Ids under the mask must lie in ``[0, 2**31)``; padding under mask 0 may be anything."""
     if responses.numel() == 0:
         return

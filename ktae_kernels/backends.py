@@ -2,8 +2,15 @@
 
 A backend module exposes two functions over a validated ``Batch``:
 ``key_token_scores(batch, config) -> KeyTokenScores`` and
-``token_advantage(batch, config, rollout_advantage) -> float32 [B, L]``.
+``token_advantage(batch, config, rollout_advantage, out) -> float32 [B, L]`` (written into ``out``
+when it is not None), and may set ``CHECKS_TOKEN_IDS = True`` when it checks the token-id range
+itself while counting (the API then skips its own pass over the ids).
 Modules are imported lazily, so a missing optional dependency only matters when it is asked for.
+
+"auto" order: on CPU tensors the native ``cpu`` kernel, else ``torch``. On CUDA tensors ``torch``
+only, until the Triton and CUDA kernels have passed their tests on real GPU hardware (they have
+only run in the Triton interpreter and a CPU emulator of CUDA so far); ``backend="triton"`` /
+``"cuda"`` select them explicitly.
 """
 from __future__ import annotations
 
@@ -81,7 +88,13 @@ def _always(_: str) -> None:
     return None
 
 
+def _rocm() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
 def _triton_unavailable(kind: str) -> str | None:
+    if kind == "cuda" and _rocm():
+        return "ROCm is not supported: the Triton kernels use NVIDIA inline PTX"
     try:
         importlib.import_module("triton")
     except ImportError:
@@ -94,6 +107,8 @@ def _triton_unavailable(kind: str) -> str | None:
 
 
 def _cuda_unavailable(kind: str) -> str | None:
+    if _rocm():
+        return "ROCm is not supported: the extension is written for NVIDIA GPUs"
     if not torch.cuda.is_available():
         return "CUDA is not available"
     try:
@@ -104,7 +119,14 @@ def _cuda_unavailable(kind: str) -> str | None:
     return None
 
 
+def _cpu_unavailable(_: str) -> str | None:
+    from . import cpu
+
+    return cpu.unavailable_reason()
+
+
 register_backend(BackendSpec("reference", "ktae_kernels.reference", ("cpu", "cuda"), {}, _always))
-register_backend(BackendSpec("torch", "ktae_kernels.torch_backend", ("cpu", "cuda"), {"cpu": 0, "cuda": 2}, _always))
-register_backend(BackendSpec("triton", "ktae_kernels.triton", ("cpu", "cuda"), {"cuda": 0}, _triton_unavailable))
-register_backend(BackendSpec("cuda", "ktae_kernels.cuda", ("cuda",), {"cuda": 1}, _cuda_unavailable))
+register_backend(BackendSpec("cpu", "ktae_kernels.cpu", ("cpu",), {"cpu": 0}, _cpu_unavailable))
+register_backend(BackendSpec("torch", "ktae_kernels.torch_backend", ("cpu", "cuda"), {"cpu": 1, "cuda": 0}, _always))
+register_backend(BackendSpec("triton", "ktae_kernels.triton", ("cpu", "cuda"), {}, _triton_unavailable))
+register_backend(BackendSpec("cuda", "ktae_kernels.cuda", ("cuda",), {}, _cuda_unavailable))

@@ -13,7 +13,6 @@ The compiled module ``ktae_kernels._C`` is imported on first use, so this module
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import itertools
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor
 
+from . import method
 from . import torch_backend as tb
 from .api import MAX_TOKEN_ID
 from .backends import BackendUnavailableError
@@ -106,13 +106,14 @@ def key_token_scores(batch: Batch, config: KTAEConfig, *, table_slots: int | Non
         return _scores(plan, batch, config)[0]
 
 
-def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, *,
+def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None, *,
                     table_slots: int | None = None, extension: ModuleType | None = None) -> Tensor:
     """float32 ``[B, L]``: ``(A_i + weight * score[group(i), token]) * mask`` (arguments as above;
-    ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``)."""
+    ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``), in ``out`` when given."""
     with _device_context(batch.device):
         plan = _prepare(extension or load_extension(), batch, config, table_slots)
-        return _advantage(plan, batch, config, given)
+        result = _advantage(plan, batch, config, given)
+    return result if out is None else out.copy_(result)
 
 
 def load_extension() -> ModuleType:
@@ -265,13 +266,9 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
 
 
 def _with_upstream_fisher(s: KeyTokenScores, config: KTAEConfig) -> KeyTokenScores:
-    """The rows with the published float32 p-values, their F and the score that follows."""
-    n_c, n_w = s.n_c[s.group], s.n_w[s.group]
-    p, F, _, _ = tb.table_statistics(s.a, s.b, n_c, n_w, s.group, config)
-    informative = tb.informative_rows(s.a, s.b, n_c, n_w)
-    F = torch.where(informative, F, 0.0)
-    scorable = informative & ~tb.ignored_rows(s.token, config)
-    return dataclasses.replace(s, p_value=p, F=F, score=tb.squash(F, s.IG, s.x, scorable, config))
+    """The rows' statistics with the published float32 p-values (``method.score_rows``)."""
+    rows = method.Rows(group=s.group, token=s.token, a=s.a, b=s.b, f_c=s.f_c, f_w=s.f_w)
+    return method.score_rows(rows, s.n_c, s.n_w, s.T_c, s.T_w, config, s.group_labels)
 
 
 def _advantage(plan: _Plan, batch: Batch, config: KTAEConfig, given: Tensor | None) -> Tensor:

@@ -48,12 +48,12 @@ class _Merged:
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, process_group: Any,
-                    backend: str = "auto") -> Tensor:
-    """float32 ``[B, L]`` advantages of this rank's rows (see ``api.token_advantage``)."""
+                    backend: str = "auto", out: Tensor | None = None) -> Tensor:
+    """float32 ``[B, L]`` advantages of this rank's rows (see ``api.token_advantage``), in ``out`` when given."""
     merged = _merge(batch, config, process_group, backend)
     scores = tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
     base = given if given is not None else _rollout_advantage(merged, config, process_group)
-    return tb.combine(merged.batch, base, scores.score, merged.tables, config.weight)
+    return tb.combine(merged.batch, base, scores.score, merged.tables, config.weight, out)
 
 
 def key_token_scores(batch: Batch, config: KTAEConfig, process_group: Any, backend: str = "auto") -> KeyTokenScores:
@@ -93,8 +93,7 @@ def _relabel(batch: Batch, process_group: Any) -> Batch:
     labels = _union(gathered)
     position = np.searchsorted(labels, batch.group_labels) if len(batch.group_labels) else np.zeros(0, np.int64)
     remap = torch.as_tensor(np.asarray(position, dtype=np.int64), device=batch.device)
-    return Batch(responses=batch.responses, mask=batch.mask, rewards=batch.rewards,
-                 group=remap[batch.group], group_labels=labels)
+    return dataclasses.replace(batch, group=remap[batch.group], group_labels=labels)
 
 
 def _union(arrays: list[np.ndarray]) -> np.ndarray:

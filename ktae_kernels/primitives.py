@@ -61,10 +61,14 @@ def prefix_sums(flags: Tensor) -> Tensor:
     return out
 
 
-def scatter_masked(mask: Tensor, values: Tensor) -> Tensor:
-    """A zero tensor of ``mask``'s shape with ``values [N]`` at the masked positions, row-major."""
+def scatter_masked(mask: Tensor, values: Tensor, out: Tensor | None = None) -> Tensor:
+    """``values [N]`` at the masked positions (row-major) of a zero tensor of ``mask``'s shape: a new one,
+    or ``out`` (contiguous, ``values``' dtype) overwritten."""
+    if out is None:
+        out = torch.zeros(mask.shape, dtype=values.dtype, device=values.device)
+    else:
+        out.zero_()
     if _on_cpu(values):
-        out = torch.zeros(mask.shape, dtype=values.dtype)
         out.numpy()[mask.numpy()] = values.numpy()
         return out
-    return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).masked_scatter_(mask, values)
+    return out.masked_scatter_(mask, values)

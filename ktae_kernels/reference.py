@@ -25,11 +25,12 @@ _COLUMNS = ("group", "token", "a", "b", "c", "d", "f_c", "f_w", "p_value", "F", 
 
 def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
     responses, mask, rewards, group = _numpy(batch)
+    correct = batch.correct.cpu().numpy() if batch.correct is not None else rewards > config.correct_threshold
     rows: list[tuple] = []
     per_group = []
     for g in range(batch.n_groups):
         members = np.flatnonzero(group == g)
-        group_rows, counts = _score_group(g, responses[members], mask[members], rewards[members], config)
+        group_rows, counts = _score_group(g, responses[members], mask[members], correct[members], config)
         rows.extend(group_rows)
         per_group.append(counts)
     columns = list(zip(*rows)) if rows else [()] * len(_COLUMNS)
@@ -42,16 +43,17 @@ def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
     return KeyTokenScores(**out, n_c=n_c, n_w=n_w, T_c=T_c, T_w=T_w, group_labels=batch.group_labels)
 
 
-def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None) -> Tensor:
+def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
     responses, mask, rewards, group = _numpy(batch)
     scores = key_token_scores(batch, config)
     lookup = {(int(g), int(t)): s for g, t, s in zip(scores.group.tolist(), scores.token.tolist(), scores.score.tolist())}
     base = given.cpu().numpy() if given is not None else rollout_advantage(rewards, group, config)
-    out = np.zeros(responses.shape, dtype=np.float64)
+    values = np.zeros(responses.shape, dtype=np.float64)
     for i in range(responses.shape[0]):
         for t in np.flatnonzero(mask[i]):
-            out[i, t] = base[i] + config.weight * lookup[(int(group[i]), int(responses[i, t]))]
-    return torch.from_numpy(out.astype(np.float32)).to(batch.device)
+            values[i, t] = base[i] + config.weight * lookup[(int(group[i]), int(responses[i, t]))]
+    result = torch.from_numpy(values.astype(np.float32)).to(batch.device)
+    return result if out is None else out.copy_(result)
 
 
 def rollout_advantage(rewards: np.ndarray, group: np.ndarray, config: KTAEConfig) -> np.ndarray:
@@ -73,10 +75,9 @@ def _numpy(batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray
             batch.rewards.cpu().numpy(), batch.group.cpu().numpy())
 
 
-def _score_group(g: int, responses: np.ndarray, mask: np.ndarray, rewards: np.ndarray, config: KTAEConfig):
-    """Rows ``(group, token, a, b, c, d, f_c, f_w, p, F, IG, x, score)`` of one group, sorted by token,
-    and the group's ``(n_c, n_w, T_c, T_w)``."""
-    correct = rewards > config.correct_threshold
+def _score_group(g: int, responses: np.ndarray, mask: np.ndarray, correct: np.ndarray, config: KTAEConfig):
+    """Rows ``(group, token, a, b, c, d, f_c, f_w, p, F, IG, x, score)`` of one group (``correct``: its
+    rollouts' bool labels), sorted by token, and the group's ``(n_c, n_w, T_c, T_w)``."""
     n_c, n_w = int(correct.sum()), int((~correct).sum())
     tokens = [responses[i][mask[i]] for i in range(len(responses))]
     T_c = sum(len(t) for t, ok in zip(tokens, correct) if ok)

@@ -17,6 +17,8 @@ class Batch:
     rewards: float64 ``[B]`` sequence rewards.
     group: int64 ``[B]`` dense group ids, ``0 .. n_groups - 1`` in sorted order of the labels.
     group_labels: numpy ``[n_groups]``, the caller's label of each dense group id.
+    correct: bool ``[B]`` caller-given correct / wrong labels, or None (then ``reward > threshold``,
+    see ``method.correct_flags``).
     All tensors live on the device of the caller's ``responses``.
     """
 
@@ -25,6 +27,7 @@ class Batch:
     rewards: Tensor
     group: Tensor
     group_labels: np.ndarray
+    correct: Tensor | None = None
 
     @property
     def n_groups(self) -> int:

@@ -39,10 +39,11 @@ def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
     )
 
 
-def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None) -> Tensor:
+def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
     p = _pipeline(batch, config)
     base = rollout_advantage(batch, p.stats, config, given)
-    return token_advantages(batch, p.tables, p.slot_score, base, p.consts)
+    result = token_advantages(batch, p.tables, p.slot_score, base, p.consts)
+    return result if out is None else out.copy_(result)
 
 
 @dataclass(frozen=True)

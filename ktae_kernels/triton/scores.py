@@ -27,7 +27,9 @@ from torch import Tensor
 from ..api import MAX_TOKEN_ID
 from ..config import KTAEConfig
 from ..fisher import P_ONE, log_factorial_table
-from ..torch_backend import TF_EPS, GroupStats, table_statistics
+from .. import method
+from ..method import TF_EPS
+from ..torch_backend import GroupStats
 from .fisher import FISHER_CONSTANTS, LOG_ERR, LOG_RTOL, device_constants, fisher_pvalue
 from .tables import HashTables, RowCounts, Rows, load_row_counts
 
@@ -194,8 +196,9 @@ def score_rows(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAECo
     else:
         if counts is None:
             raise ValueError("score_rows: `counts` (tables.row_counts) is required with fisher='upstream'")
-        g = rows.group.long()
-        p_in, F_in, _, _ = table_statistics(counts.a, counts.b, stats.n_c[g], stats.n_w[g], g, config)
+        rows_ = method.Rows(group=rows.group.long(), token=counts.token, a=counts.a, b=counts.b, f_c=counts.f_c, f_w=counts.f_w)
+        _, table, entry = method.row_statistics(rows_, stats.n_c, stats.n_w, config)
+        p_in, F_in = table.p_value[entry], table.F[entry]
     asin, asin_c, asin_w = cohen_table(stats)
     lf = log_factorial_table(tables.largest, device)
     _score_kernel[(triton.cdiv(n, _BLOCK),)](

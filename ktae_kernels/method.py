@@ -1,0 +1,286 @@
+"""The method's formulas, once: groups, per-table statistics, BM25 direction, squash, rollout baselines.
+
+Every fast backend (torch, cpu, triton, cuda) counts its ``(group, token)`` tables its own way, then
+uses this module:
+
+- ``group_counts``: correct flags and ``n_c, n_w`` per group (``[B]``-sized work);
+- ``TableGrid`` / ``table_statistics``: the Fisher p-value, ``F``, ``IG`` and Cohen's ``h`` depend only
+  on the table ``(a, b, n_c, n_w)`` (and, for ``fisher="upstream"``, the group's grid width), and a
+  group of ``n_c`` correct and ``n_w`` wrong rollouts has at most ``(n_c + 1)(n_w + 1)`` tables. They
+  are computed once per distinct table into flat arrays that a backend indexes with
+  ``grid.offset[g] + a * grid.stride[g] + b``;
+- ``score_rows``: per ``(group, token)`` row, the BM25 term-frequency ratio, the direction ``x`` and
+  the squashed score (the only per-row maths);
+- ``rollout_advantage``: the GRPO / mean / caller-given ``A_i``.
+
+The reference backend (``reference.py``) writes the same formulas out again, per group in plain
+Python, so that the two can be checked against each other.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import KTAEConfig
+from .fisher import exact_pvalue_flat, fisher_weight, upstream_fisher_weight, upstream_pvalue
+from .primitives import gather
+from .types import Batch, KeyTokenScores
+
+#: the constant the published code adds to both TF denominators.
+TF_EPS = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------- groups
+@dataclass(frozen=True)
+class GroupCounts:
+    """``correct``: bool ``[B]`` per rollout; per group (int64 ``[n_groups]``): ``size``, ``n_c``, ``n_w``."""
+
+    correct: Tensor
+    size: Tensor
+    n_c: Tensor
+    n_w: Tensor
+
+
+def correct_flags(batch: Batch, config: KTAEConfig) -> Tensor:
+    """bool ``[B]``: the caller's ``correct`` labels, else ``reward > config.correct_threshold``."""
+    if batch.correct is not None:
+        return batch.correct
+    return batch.rewards > config.correct_threshold
+
+
+def group_counts(batch: Batch, config: KTAEConfig) -> GroupCounts:
+    """Correct flags and the number of rollouts, correct and wrong ones per group."""
+    correct = correct_flags(batch, config)
+    g, n = batch.group, batch.n_groups
+    size = torch.bincount(g, minlength=n)
+    n_c = torch.zeros(n, dtype=torch.int64, device=g.device).index_add_(0, g, correct.long())
+    return GroupCounts(correct, size, n_c, size - n_c)
+
+
+# ---------------------------------------------------------------------------------- per-table statistics
+@dataclass(frozen=True)
+class TableGrid:
+    """Where every table a group can have lives in flat per-table arrays of ``size`` entries.
+
+    The table ``[[a, b], [n_c - a, n_w - b]]`` of group ``g`` is entry ``offset[g] + a * stride[g] + b``
+    (``stride = n_w + 1``). Groups with the same ``(n_c, n_w)`` (and, in upstream mode, the same grid
+    width) share one block of ``(n_c + 1) * (n_w + 1)`` entries.
+    offset, stride: int64 ``[n_groups]``; a, b, n_c, n_w, width: int64 ``[size]``, each entry's table
+    (``width`` is 0 in exact mode).
+    """
+
+    offset: Tensor
+    stride: Tensor
+    a: Tensor
+    b: Tensor
+    n_c: Tensor
+    n_w: Tensor
+    width: Tensor
+
+    @property
+    def size(self) -> int:
+        return int(self.a.shape[0])
+
+    def entry(self, group: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        """int64 entries of the tables ``(a, b)`` of rows in groups ``group``."""
+        return gather(self.offset, group) + a * gather(self.stride, group) + b
+
+
+def table_grid(n_c: Tensor, n_w: Tensor, width: Tensor | None = None) -> TableGrid:
+    """The grid of per-group counts ``n_c, n_w`` (int64 ``[n_groups]``); ``width`` (upstream mode only):
+    each group's Fisher grid width (``upstream_width``)."""
+    device = n_c.device
+    keys = torch.stack([n_c, n_w] + ([width] if width is not None else []), dim=1).cpu()
+    blocks, inverse = torch.unique(keys, dim=0, return_inverse=True) if keys.shape[0] else (keys, keys[:, 0])
+    block_nc, block_nw = blocks[:, 0], blocks[:, 1]
+    block_size = (block_nc + 1) * (block_nw + 1)
+    block_start = torch.cumsum(block_size, 0) - block_size
+    member = torch.repeat_interleave(torch.arange(blocks.shape[0]), block_size)
+    local = torch.arange(int(block_size.sum())) - block_start[member]
+    stride = block_nw[member] + 1
+    grid = TableGrid(
+        offset=block_start[inverse].to(device), stride=(n_w + 1).to(device),
+        a=(local // stride).to(device), b=(local % stride).to(device),
+        n_c=block_nc[member].to(device), n_w=block_nw[member].to(device),
+        width=(blocks[member, 2] if width is not None else torch.zeros_like(member)).to(device),
+    )
+    return grid
+
+
+def grid_work(grid: TableGrid) -> int:
+    """Support points summed over the grid's tables: the cost of filling all of it."""
+    return int((torch.minimum(grid.n_c, grid.n_w) + 1).sum()) if grid.size else 0
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """float64 ``[grid.size]`` per table: ``p_value``, ``F`` and ``IG`` (both 0 where the table is not
+    informative), Cohen's ``h``, and ``strength = alpha F + beta IG``. Entries not computed (outside
+    ``needed``) hold p = 1 and zeros."""
+
+    p_value: Tensor
+    F: Tensor
+    IG: Tensor
+    h: Tensor
+    strength: Tensor
+
+
+def table_statistics(grid: TableGrid, config: KTAEConfig, needed: Tensor | None = None) -> TableStats:
+    """Statistics of the grid's tables (all, or those where bool ``needed [grid.size]`` is set)."""
+    rows = torch.arange(grid.size, device=grid.a.device) if needed is None else torch.nonzero(needed).squeeze(1)
+    a, b, n_c, n_w = grid.a[rows], grid.b[rows], grid.n_c[rows], grid.n_w[rows]
+    if config.fisher == "exact":
+        p = exact_pvalue_flat(a, b, n_c - a, n_w - b)
+        F = fisher_weight(p)
+    else:
+        p32 = upstream_pvalue(a, b, n_c - a, n_w - b, grid.width[rows])
+        p, F = p32.double(), upstream_fisher_weight(p32)
+    informative = informative_rows(a, b, n_c, n_w)
+    F = torch.where(informative, F, 0.0)
+    IG = torch.where(informative, information_gain(a, b, n_c, n_w), 0.0)
+    values = (p, F, IG, cohen_h(a, b, n_c, n_w), config.alpha * F + config.beta * IG)
+    full = torch.zeros(5, grid.size, dtype=torch.float64, device=grid.a.device)
+    full[0] = 1.0
+    full[:, rows] = torch.stack(values)
+    return TableStats(*full.unbind(0))
+
+
+def upstream_width(a: Tensor, b: Tensor, n_c: Tensor, group: Tensor, n_groups: int) -> Tensor:
+    """Per group (int64 ``[n_groups]``), the published code's Fisher grid width: the largest
+    ``min(a + b, n_c)`` over the group's rows, plus one."""
+    width = torch.zeros(n_groups, dtype=torch.int64, device=a.device)
+    return width.scatter_reduce_(0, group, torch.minimum(a + b, gather(n_c, group)), reduce="amax") + 1
+
+
+def binary_entropy(p: Tensor) -> Tensor:
+    """``H2(p)`` in bits with ``0 log 0 = 0``; float64."""
+    q = 1.0 - p
+    return -(torch.xlogy(p, p) + torch.xlogy(q, q)) / math.log(2.0)
+
+
+def information_gain(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor) -> Tensor:
+    """``H(Y) - H(Y | X)`` in bits for presence X and correctness Y; float64, >= 0."""
+    a, b, n_c, n_w = (t.double() for t in (a, b, n_c, n_w))
+    c, d = n_c - a, n_w - b
+    n = (n_c + n_w).clamp(min=1)
+    present, absent = a + b, c + d
+    h_y = binary_entropy(n_c / n)
+    h_present = torch.where(present > 0, present / n * binary_entropy(a / present.clamp(min=1)), 0.0)
+    h_absent = torch.where(absent > 0, absent / n * binary_entropy(c / absent.clamp(min=1)), 0.0)
+    return (h_y - h_present - h_absent).clamp(min=0.0)
+
+
+def cohen_h(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor) -> Tensor:
+    """``asin(sqrt(a / n_c)) - asin(sqrt(b / n_w))`` (0 for an empty side); float64."""
+    return torch.asin(torch.sqrt(a.double() / n_c.clamp(min=1))) - torch.asin(torch.sqrt(b.double() / n_w.clamp(min=1)))
+
+
+def informative_rows(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor) -> Tensor:
+    """Tables that carry information: a mixed group and a token missing from some rollout.
+    Elsewhere ``F``, ``IG`` and the score are 0."""
+    return (n_c > 0) & (n_w > 0) & (a + b < n_c + n_w)
+
+
+# ------------------------------------------------------------------------------------- per-row direction
+def bm25_tf(f: Tensor, T: Tensor, K: Tensor, config: KTAEConfig) -> Tensor:
+    """BM25 saturated frequency ``q (k1 + 1) / (q + K)``, ``q = f / T``, of a pooled document of ``T``
+    tokens holding ``f`` occurrences (0 where ``f = 0``); float64."""
+    q = f.double() / T.double().clamp(min=1)
+    return torch.where(f > 0, q * (config.k1 + 1.0) / (q + K), 0.0)
+
+
+def bm25_norm(T: Tensor, avg: Tensor, config: KTAEConfig) -> Tensor:
+    """BM25 length normalisation ``K = k1 (1 - b + b T / avg)``; float64."""
+    return config.k1 * (1.0 - config.b + config.b * T.double() / avg.clamp(min=1e-300))
+
+
+def tf_ratio(f_c: Tensor, f_w: Tensor, group: Tensor, T_c: Tensor, T_w: Tensor, config: KTAEConfig) -> Tensor:
+    """``tf_c / (tf_w + 1e-5) - tf_w / (tf_c + 1e-5)`` per row, with BM25 ``tf`` of the pooled correct /
+    wrong rollouts of the row's group (``T_c, T_w``: per group); float64."""
+    avg = (T_c + T_w).double() / 2.0
+    K_c, K_w = gather(bm25_norm(T_c, avg, config), group), gather(bm25_norm(T_w, avg, config), group)
+    tf_c, tf_w = bm25_tf(f_c, gather(T_c, group), K_c, config), bm25_tf(f_w, gather(T_w, group), K_w, config)
+    return tf_c / (tf_w + TF_EPS) - tf_w / (tf_c + TF_EPS)
+
+
+def squash(strength: Tensor, x: Tensor, scorable: Tensor, config: KTAEConfig) -> Tensor:
+    """``top * tanh(key / 2)`` (= ``top * (2 sigmoid(key) - 1)``), strictly inside ``(-top, top)``, with
+    ``key = strength * x / (alpha + beta)`` and ``strength = alpha F + beta IG``; 0 where not ``scorable``."""
+    key = strength * x / (config.alpha + config.beta)
+    bound = math.nextafter(config.top, 0.0)  # keep the open interval even where tanh rounds to 1
+    return torch.where(scorable, (config.top * torch.tanh(key / 2.0)).clamp(-bound, bound), 0.0)
+
+
+def ignored_rows(token: Tensor, config: KTAEConfig) -> Tensor:
+    """Rows of ``config.ignore_token_ids``, whose score is forced to 0."""
+    ids = torch.tensor(config.ignore_token_ids, dtype=token.dtype, device=token.device)
+    return torch.isin(token, ids)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Sparse contingency tables, one row per (group, token) present: int64 ``[U]`` each."""
+
+    group: Tensor
+    token: Tensor
+    a: Tensor
+    b: Tensor
+    f_c: Tensor
+    f_w: Tensor
+
+
+def row_statistics(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[TableGrid, TableStats, Tensor]:
+    """The grid of the rows' groups, the statistics of exactly the tables the rows use, and each row's
+    grid entry (int64 ``[U]``)."""
+    width = upstream_width(rows.a, rows.b, n_c, rows.group, n_c.shape[0]) if config.fisher == "upstream" else None
+    grid = table_grid(n_c, n_w, width)
+    entry = grid.entry(rows.group, rows.a, rows.b)
+    needed = torch.zeros(grid.size, dtype=torch.bool, device=entry.device)
+    needed[entry] = True
+    return grid, table_statistics(grid, config, needed), entry
+
+
+def score_rows(rows: Rows, n_c: Tensor, n_w: Tensor, T_c: Tensor, T_w: Tensor, config: KTAEConfig,
+               labels) -> KeyTokenScores:
+    """Every row's statistics, direction and score from its table's statistics and its counts.
+
+    ``n_c, n_w, T_c, T_w``: int64 ``[n_groups]``; ``labels``: the caller's group labels.
+    """
+    g = rows.group
+    _, stats, entry = row_statistics(rows, n_c, n_w, config)
+    x = gather(stats.h, entry)
+    if config.use_tf:
+        x = x + tf_ratio(rows.f_c, rows.f_w, g, T_c, T_w, config)
+    scorable = informative_rows(rows.a, rows.b, gather(n_c, g), gather(n_w, g)) & ~ignored_rows(rows.token, config)
+    return KeyTokenScores(
+        group=g, token=rows.token, a=rows.a, b=rows.b, c=gather(n_c, g) - rows.a, d=gather(n_w, g) - rows.b,
+        f_c=rows.f_c, f_w=rows.f_w, p_value=gather(stats.p_value, entry), F=gather(stats.F, entry),
+        IG=gather(stats.IG, entry), x=x, score=squash(gather(stats.strength, entry), x, scorable, config),
+        n_c=n_c, n_w=n_w, T_c=T_c, T_w=T_w, group_labels=labels,
+    )
+
+
+# -------------------------------------------------------------------------------------- rollout baseline
+def rollout_advantage(rewards: Tensor, group: Tensor, size: Tensor, config: KTAEConfig, given: Tensor | None) -> Tensor:
+    """``A_i`` (float64 ``[B]``): ``given``, or the baseline of ``config`` within each group.
+
+    ``rewards``: float64 ``[B]``; ``group``: int64 ``[B]``; ``size``: int64 ``[n_groups]`` rollouts per group.
+    As verl's GRPO: unbiased std, ``(r - mean) / (std + eps)``; a group of one rollout has mean 0
+    and std 1.
+    """
+    if given is not None:
+        return given
+    if config.baseline == "none":
+        return rewards.clone()
+    n = size.double()
+    mean = torch.zeros_like(n).index_add_(0, group, rewards) / n
+    mean = torch.where(size > 1, mean, 0.0)
+    centred = rewards - mean[group]
+    if config.baseline == "mean":
+        return centred
+    var = torch.zeros_like(n).index_add_(0, group, centred * centred) / (n - 1).clamp(min=1)
+    std = torch.where(size > 1, var.sqrt(), 1.0)
+    return centred / (std[group] + config.eps)
