@@ -72,6 +72,7 @@ class TrainConfig:
     warmup_batch: int = 64
     eval_every: int = 10
     eval_size: int = 200
+    report_every: int = 0
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -84,6 +85,8 @@ class TrainConfig:
         for name in ("steps", "prompts_per_step", "max_new_tokens", "mini_batches", "ppo_epochs", "max_gen_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.report_every < 0:
+            raise ValueError(f"TrainConfig.report_every must be >= 0 (0: no reports), got {self.report_every}")
         if self.group_size < 2:
             raise ValueError("TrainConfig.group_size must be >= 2 (GRPO compares the rollouts of a prompt), "
                              f"got {self.group_size}")

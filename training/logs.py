@@ -31,24 +31,50 @@ def write_json(data: dict, path: Path) -> None:
 
 
 def plot_run(rows: list[dict], path: Path, title: str) -> None:
-    """Training reward and accuracy (sampled rollouts) and greedy eval accuracy over steps."""
+    """Training reward and accuracy (sampled rollouts) and greedy eval accuracy over steps.
+
+    Reward and sampled accuracy coincide whenever no reward shaping applies (reward = 1 if correct),
+    so reward is a wide pale band and accuracy a thin dashed line on top: both stay visible. The
+    legend sits below the axes, off the curves.
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     train = [r for r in rows if r["step"] > 0]
     evals = [r for r in rows if _is_number(r.get("eval_acc"))]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in train], [r["reward"] for r in train], label="reward (mean)")
-    ax.plot([r["step"] for r in train], [r["acc"] for r in train], label="accuracy (sampled)", alpha=0.6)
-    ax.plot([r["step"] for r in evals], [r["eval_acc"] for r in evals], "o-", label="eval accuracy (greedy)")
-    ax.set_xlabel("RL step")
-    ax.set_title(title)
+    steps = [r["step"] for r in train]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(steps, [r["reward"] for r in train], color="tab:blue", lw=4, alpha=0.35, solid_capstyle="butt",
+            label="reward (mean over rollouts)")
+    ax.plot(steps, [r["acc"] for r in train], color="black", lw=1, ls="--",
+            label="accuracy of sampled rollouts")
+    ax.plot([r["step"] for r in evals], [r["eval_acc"] for r in evals], "s-", color="tab:orange", ms=5, lw=1.5,
+            label="eval accuracy (greedy, held-out)")
+    ax.set(xlabel="RL step (0: before RL)", ylabel="reward / accuracy", title=title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=3, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def write_step_report(path: Path, step_tensors: dict, tokenizer, ktae_config, title: str,
+                      backend: str = "auto") -> Path:
+    """The key-token HTML report (``ktae_kernels.viz.write_report``) of one step's batch.
+
+    ``step_tensors``: ``rl_step``'s dict (``rollouts`` with ``responses``, ``response_mask`` ``[N, L]``
+    and ``group`` ``[N]``; bool ``correct`` ``[N]``). The correct / wrong split is the verifier's flag,
+    as in ``compute_advantages``; tokens and prompts are decoded with the run's tokenizer.
+    """
+    from ktae_kernels.viz import write_report
+
+    ro = step_tensors["rollouts"]
+    prompts = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(ro.prompts.cpu(), ro.prompt_mask.cpu())],
+                                     skip_special_tokens=True)
+    return write_report(path, ro.responses, ro.response_mask, step_tensors["correct"].double(), ro.group,
+                        decode=tokenizer, config=ktae_config, max_groups=8, title=title, prompts=prompts,
+                        backend=backend)
 
 
 def _is_number(value: object) -> bool:

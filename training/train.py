@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from ktae_kernels import token_advantage
 
 from .config import ADVANTAGES, DTYPES, PRESETS, ROLLOUTS, TrainConfig
-from .logs import plot_run, write_csv, write_json
+from .logs import plot_run, write_csv, write_json, write_step_report
 from .loss import LOSS_AGGS, grpo_advantage, overlong_penalty, policy_loss, token_logprobs
 from .model import load_policy
 from .rollout import HFRollout, Rollouts, VLLMRollout, pack
@@ -61,7 +61,8 @@ class RunResult:
 
 
 def train(config: TrainConfig) -> RunResult:
-    """Run the whole recipe (warm-up, RL steps, evals) and write the log, summary and plot."""
+    """Run the whole recipe (warm-up, RL steps, evals) and write the log, summary and plot (and, with
+    ``report_every``, a key-token HTML report every that many steps)."""
     cfg = config.resolved()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -90,6 +91,9 @@ def train(config: TrainConfig) -> RunResult:
         if step % cfg.eval_every == 0 or step == cfg.steps:
             row["eval_acc"] = evaluate(engine, policy, tokenizer, task)
         history.append(row)
+        if cfg.report_every and step % cfg.report_every == 0 and step_tensors:
+            write_step_report(out_dir / f"report-step{step:04d}.html", step_tensors, tokenizer, cfg.ktae_config(),
+                              f"KTAE key tokens, {cfg.name}, step {step}", backend=cfg.ktae_backend)
         bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['acc']:.2f}", ktae_ms=f"{1e3 * row['ktae_s']:.1f}")
 
     write_csv(history, out_dir / "log.csv")
@@ -271,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads (default: 1 for --model tiny, which 2 threads slowed down 7x on the "
                         "shared 2-core machine; torch's choice otherwise)")
+    g.add_argument("--report-every", type=int, default=d.report_every, metavar="N",
+                   help="every N steps write <out-dir>/report-step<N>.html: the step's rollouts coloured by KTAE "
+                        "key-token score (ktae_kernels.viz); 0: off")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="hide the tqdm progress bar")
     g = p.add_argument_group("model, task and rollouts")
     g.add_argument("--model", default=d.model, help="'tiny' (random Qwen2 built in code + char tokenizer) or a "
