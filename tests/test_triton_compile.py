@@ -3,6 +3,12 @@
 The interpreter tests check what the kernels compute; this checks that the same source passes
 Triton's GPU compiler and ptxas (loop-carried types, constexpr globals, the predicated inline PTX of
 the CUDA-only compare-and-swap). It runs in a subprocess because TRITON_INTERPRET must be unset there.
+
+It also checks, in the compiled TTGIR, that no atomic (or side-effecting inline PTX) whose result a
+kernel uses has a layout that replicates tensor elements over threads: before Triton 3.5 only one of
+the replicas receives the atomic's result, the others read 0 (triton-lang/triton#7402, fixed by
+#7460), and the interpreter cannot show it. A kernel with the pattern once used in
+``tables._insert_kernel`` (one atomic per tile row, its result broadcast over the row) must be flagged.
 """
 import os
 import subprocess
@@ -14,8 +20,9 @@ import pytest
 pytest.importorskip("triton")
 
 SCRIPT = r'''
-import itertools, os, sys
+import itertools, os, re, sys
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
@@ -54,22 +61,89 @@ KERNELS = [
           log_cap_ptr=ptr("i32"), slot_score_ptr=ptr("fp64"), out_ptr=ptr("fp32")),
      [dict(ROWS=1, COLS=1024), dict(ROWS=64, COLS=16)]),
 ]
+
+
+def layouts(ttgir):
+    """``#name -> (sizePerThread, threadsPerWarp, warpsPerCTA)`` of the blocked layouts."""
+    out = {}
+    for name, body in re.findall(r"^(#\w+) = #ttg\.blocked<\{(.*)\}>", ttgir, re.M):
+        fields = dict((k, [int(v) for v in vals.split(",")])
+                      for k, vals in re.findall(r"(\w+) = \[([\d, ]+)\]", body))
+        out[name] = (fields["sizePerThread"], fields["threadsPerWarp"], fields["warpsPerCTA"])
+    return out
+
+
+def replicated_atomics(ttgir):
+    """Atomics (and non-pure inline asm) whose per-lane result may be wrong before Triton 3.5: a
+    used result of a scalar, of a non-blocked layout, or of a layout that holds an element in more
+    than one thread. Returns descriptions (empty: safe on every Triton)."""
+    blocked = layouts(ttgir)
+    lines = ttgir.splitlines()
+    bad = []
+    for i, line in enumerate(lines):
+        op = re.search(r"(tt\.atomic_rmw|tt\.atomic_cas|tt\.elementwise_inline_asm)", line)
+        if not op:
+            continue
+        side_effect = op.group(1) == "tt.elementwise_inline_asm"
+        if side_effect and "pure = false" not in line:
+            continue
+        result = re.match(r"\s*(%[\w.]+)(?::\d+)? = ", line)
+        used = result is not None and any(re.search(re.escape(result.group(1)) + r"(?![\w.])", other)
+                                          for j, other in enumerate(lines) if j != i)
+        if not (used or side_effect):
+            continue
+        types = re.findall(r"tensor<([\dx]+)x[^,>]*, (#\w+)>", line.split("->")[-1] if "->" in line else line)
+        if not types:
+            bad.append(f"scalar result: {line.strip()[:160]}")
+            continue
+        dims, layout = types[-1]
+        shape = [int(d) for d in dims.split("x")]
+        if layout not in blocked:
+            bad.append(f"layout {layout} not checked: {line.strip()[:160]}")
+            continue
+        spt, tpw, wpc = blocked[layout]
+        if any(s * t * w > n for s, t, w, n in zip(spt, tpw, wpc, shape)):
+            bad.append(f"replicated {shape} in {layout}={blocked[layout]}: {line.strip()[:160]}")
+    return bad
+
+
+@triton.jit
+def _row_atomic_broadcast(fill_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The pattern #7402 breaks: one atomic per row, its result used by every lane of the row."""
+    row = tl.arange(0, ROWS)[:, None]
+    col = tl.arange(0, COLS)[None, :]
+    first = tl.atomic_add(fill_ptr + row, 1, sem="relaxed")
+    tl.store(out_ptr + first * COLS + col, 1)
+
+
+def compile_sm90(kernel, signature, constants):
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
+                          target=GPUTarget("cuda", 90, 32))
+
+
+buggy = compile_sm90(_row_atomic_broadcast, dict(fill_ptr=ptr("i32"), out_ptr=ptr("i32")), dict(ROWS=1, COLS=1024))
+assert replicated_atomics(buggy.asm["ttgir"]), "the checker misses the #7402 pattern"
+print("flagged the #7402 pattern")
 for kernel, signature, variants in KERNELS:
     for constants in variants:
-        compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32))
+        compiled = compile_sm90(kernel, signature, constants)
         assert compiled.asm["cubin"], (kernel.__name__, constants)
+        bad = replicated_atomics(compiled.asm["ttgir"])
+        assert not bad, (kernel.__name__, constants, bad)
         print("compiled", kernel.__name__, constants)
 '''
 
 
-def test_kernels_compile_for_sm90():
+def test_kernels_compile_for_sm90_and_use_no_replicated_atomic_result(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True,
+    script = tmp_path / "compile_sm90.py"  # a file: triton.jit reads the kernel's source
+    script.write_text(SCRIPT)
+    done = subprocess.run([sys.executable, str(script)], env=env, cwd=root, capture_output=True, text=True,
                           timeout=600)
     if "NO_PTXAS" in done.stdout:
         pytest.skip("this triton wheel has no bundled ptxas")
     assert done.returncode == 0, done.stderr[-4000:]
+    assert "flagged the #7402 pattern" in done.stdout
     assert done.stdout.count("compiled") == 4 + 1 + 1 + 1 + 8 + 2

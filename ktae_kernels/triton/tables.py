@@ -13,8 +13,8 @@ global-memory arrays (``S`` slots in all), keyed by token id with linear probing
 
 One program reads a tile of 1024 positions (``[1, 1024]`` of one rollout, or ``[R, L]`` of R short
 rollouts). Each masked token probes its group's table with plain loads, claims an empty slot with
-a compare-and-swap (predicated inline PTX on CUDA, as ``tl.atomic_cas`` has no mask; each tile row
-reserves its new slots' places in ``order`` with one atomic on ``fill``), adds to the slot's
+a compare-and-swap (predicated inline PTX on CUDA, as ``tl.atomic_cas`` has no mask; each lane that
+claims a slot takes its place in ``order`` with its own atomic on ``fill``), adds to the slot's
 counters with one 64-bit atomic, and sets its rollout's presence bit unless a load shows it set.
 
 Nothing is vocabulary-sized. Slices start from a guess of ``2 * _FIRST_GUESS`` times the group's
@@ -205,6 +205,7 @@ def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, rank_ptr, inc_ptr,
     present = tl.load(mask_ptr + pos, mask=real & (col < L), other=0) != 0
     tok = tl.load(resp_ptr + pos, mask=present, other=0).to(tl.int32)
     g = tl.load(group_ptr + row, mask=real, other=0)
+    g_tile = g + tl.zeros_like(lane).to(g.dtype)  # the group of every lane, [ROWS, COLS]
     base = tl.load(offset_ptr + g, mask=real, other=0)
     log_cap = tl.load(log_cap_ptr + g, mask=real, other=4)
     cap_mask = (1 << log_cap) - 1
@@ -219,12 +220,15 @@ def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, rank_ptr, inc_ptr,
         need = todo & (cur == _EMPTY)
         if tl.max(need.to(tl.int32)) > 0:
             old = _claim(keys_ptr, base, slot, spare, tok, need, PREDICATED)
-            new = (need & (old == _EMPTY)).to(tl.int32)
-            n_new = tl.sum(new, 1)[:, None]
-            first = tl.atomic_add(fill_ptr + g, n_new, mask=real & (n_new > 0), sem="relaxed")
-            tl.store(order_ptr + base + first + tl.cumsum(new, 1) - 1, slot, mask=new != 0)
-            tl.store(overflow_ptr + g, 1, mask=real & (n_new > 0) & (first + n_new > full))
-            done = done | (new != 0) | (need & (old == tok))
+            new = need & (old == _EMPTY)
+            # one atomic per lane that claimed a slot, its result used by that lane only: correct on
+            # every Triton (before 3.5 a result was not broadcast to the threads holding replicas of
+            # a tensor element, triton-lang/triton#7402; tests/test_triton_compile.py checks that no
+            # atomic here has a replicated layout)
+            place = tl.atomic_add(fill_ptr + g_tile, 1, mask=new, sem="relaxed")
+            tl.store(order_ptr + base + place, slot, mask=new)
+            tl.store(overflow_ptr + g_tile, 1, mask=new & (place >= full))
+            done = done | new | (need & (old == tok))
         ok = tl.load(overflow_ptr + g, mask=real, other=0, volatile=True) == 0
         todo = todo & ~done & ok
         slot = tl.where(todo, (slot + 1) & cap_mask, slot)
