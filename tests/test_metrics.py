@@ -1,0 +1,71 @@
+"""ktae_metrics: from KeyTokenScores and from the advantages, against a per-token brute force."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
+from ktae_kernels.metrics import METRIC_NAMES, ktae_metrics
+
+
+def _batch(seed=0, groups=5, G=6, L=12, vocab=9):
+    g = torch.Generator().manual_seed(seed)
+    responses = torch.randint(0, vocab, (groups * G, L), generator=g)
+    mask = torch.arange(L)[None, :] < torch.randint(1, L + 1, (groups * G, 1), generator=g)
+    rewards = torch.randint(0, 2, (groups * G,), generator=g).float()
+    rewards[:G] = 1.0  # one all-correct group
+    index = np.array([f"u{i // G}" for i in range(groups * G)], dtype=object)
+    return responses, mask, rewards, index
+
+
+def _brute(responses, mask, rewards, index, config):
+    """Per-token |score| from the tables, looked up token by token."""
+    s = key_token_scores(responses, mask, rewards, index, config=config)
+    dense = {lab: i for i, lab in enumerate(s.group_labels)}
+    table = {(int(gr), int(t)): float(sc) for gr, t, sc in zip(s.group, s.token, s.score)}
+    mags = [abs(table[(dense[index[i]], int(responses[i, t]))])
+            for i in range(responses.shape[0]) for t in range(responses.shape[1]) if mask[i, t]]
+    groups = sorted(set(index.tolist()))
+    mixed = [0 < rewards[index == lab].gt(0).sum() < (index == lab).sum() for lab in groups]
+    distinct = [len({int(responses[i, t]) for i in np.nonzero(index == lab)[0] for t in range(responses.shape[1])
+                     if mask[i, t]}) for lab in groups]
+    return {"ktae/score_abs_mean": float(np.mean(mags)), "ktae/key_token_share": float(np.mean(np.array(mags) >= 0.5)),
+            "ktae/mixed_group_share": float(np.mean(mixed)), "ktae/distinct_tokens_per_group": float(np.mean(distinct))}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_from_scores_matches_brute_force(seed):
+    batch = _batch(seed)
+    config = KTAEConfig(ignore_token_ids=(2,))
+    got = ktae_metrics(key_token_scores(*batch, config=config), elapsed_s=0.0123)
+    assert list(got) == ["ktae/" + n for n in METRIC_NAMES]
+    assert got["ktae/time_ms"] == pytest.approx(12.3)
+    for name, value in _brute(*batch, config).items():
+        assert got[name] == pytest.approx(value, abs=1e-12), name
+    assert all(isinstance(v, float) for v in got.values())
+
+
+@pytest.mark.parametrize("weight", [1.0, 0.5])
+def test_from_advantages_matches_from_scores(weight):
+    responses, mask, rewards, index = _batch(3)
+    config = KTAEConfig(weight=weight)
+    base = torch.randn(responses.shape[0], dtype=torch.float64)
+    adv = token_advantage(responses, mask, rewards, index, config=config, rollout_advantage=base)
+    cheap = ktae_metrics(advantages=adv, mask=mask, rollout_advantage=base, group=index, correct=rewards > 0,
+                         weight=weight, prefix="k/")
+    full = ktae_metrics(key_token_scores(responses, mask, rewards, index, config=config), prefix="k/")
+    assert set(cheap) == {"k/score_abs_mean", "k/key_token_share", "k/mixed_group_share"}
+    assert cheap["k/score_abs_mean"] == pytest.approx(full["k/score_abs_mean"], abs=1e-5)
+    assert cheap["k/key_token_share"] == pytest.approx(full["k/key_token_share"], abs=1e-9)
+    assert cheap["k/mixed_group_share"] == full["k/mixed_group_share"]
+
+
+def test_empty_and_missing_inputs():
+    empty = key_token_scores(torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, 4, dtype=torch.bool),
+                             torch.zeros(0), torch.zeros(0, dtype=torch.long))
+    assert all(v == 0.0 for v in ktae_metrics(empty).values())
+    with pytest.raises(ValueError, match="needs"):
+        ktae_metrics()
+    with pytest.raises(ValueError, match="needs mask"):
+        ktae_metrics(advantages=torch.zeros(2, 2))
