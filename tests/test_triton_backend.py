@@ -106,7 +106,7 @@ def test_profile_stages():
             profile(normalise_batch(responses, mask, rewards, index))
         return
     times = profile(normalise_batch(*on("cuda", responses, mask, rewards, index)), rep_ms=5)
-    assert set(times) == {"groups", "tables", "rows", "scores", "rollout", "advantage", "total"}
+    assert set(times) == {"groups", "tables", "rows", "statistics", "scores", "rollout", "advantage", "total"}
     assert all(t > 0 for t in times.values())
 
 
@@ -117,3 +117,22 @@ def test_empty_batches(B, L, device):
     assert token_advantage(r, m, w, i, backend="triton").shape == (B, L)
     scores = key_token_scores(r, m, w, i, backend="triton")
     assert len(scores) == 0 and scores.n_c.shape == (min(B, 1),)
+
+
+def test_large_grids_take_the_per_row_table_statistics(device, monkeypatch):
+    """Past ``_FULL_GRID_WORK`` only the tables the rows use are computed, from the rows' counts."""
+    from ktae_kernels.triton import scores
+
+    monkeypatch.setattr(scores, "_FULL_GRID_WORK", 0)
+    _, responses, mask, rewards, index = random_cases(seed=4, small=True)[1]
+    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
+
+
+def test_writes_into_out(device):
+    _, responses, mask, rewards, index = random_cases(seed=5, small=True)[0]
+    r, m, w, i = on(device, responses, mask, rewards, index)
+    out = torch.full(responses.shape, float("nan"), dtype=torch.float32, device=device)
+    got = token_advantage(r, m, w, i, backend="triton", out=out)
+    assert got.data_ptr() == out.data_ptr()
+    want = token_advantage(responses, mask, rewards, index, backend="reference")
+    torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-6)

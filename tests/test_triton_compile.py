@@ -51,11 +51,11 @@ KERNELS = [
           lf_ptr=ptr("fp64"), const_ptr=ptr("fp64")), [dict(BLOCK=128)]),
     (scores._score_kernel,
      dict(slot_ptr=ptr("i64"), group_ptr=ptr("i32"), n_rows="i32", **TABLE, n_c_ptr=ptr("i64"),
-          n_w_ptr=ptr("i64"), T_c_ptr=ptr("i64"), T_w_ptr=ptr("i64"), asin_ptr=ptr("fp64"), asin_c_ptr=ptr("i64"),
-          asin_w_ptr=ptr("i64"), lf_ptr=ptr("fp64"), const_ptr=ptr("fp64"), n_ignore="i32",
-          p_in_ptr=ptr("fp64"), F_in_ptr=ptr("fp64"), slot_score_ptr=ptr("fp64"), p_ptr=ptr("fp64"),
-          F_ptr=ptr("fp64"), IG_ptr=ptr("fp64"), x_ptr=ptr("fp64"), score_ptr=ptr("fp64")),
-     [dict(EXACT=e, USE_TF=u, WRITE_ROWS=w, BLOCK=128) for e, u, w in itertools.product([True, False], repeat=3)]),
+          n_w_ptr=ptr("i64"), T_c_ptr=ptr("i64"), T_w_ptr=ptr("i64"), index_ptr=ptr("i64"), n_groups="i32",
+          values_ptr=ptr("fp64"), grid_size="i32", const_ptr=ptr("fp64"), n_ignore="i32",
+          slot_score_ptr=ptr("fp64"), p_ptr=ptr("fp64"), F_ptr=ptr("fp64"), IG_ptr=ptr("fp64"), x_ptr=ptr("fp64"),
+          score_ptr=ptr("fp64")),
+     [dict(USE_TF=u, WRITE_ROWS=w, BLOCK=128) for u, w in itertools.product([True, False], repeat=2)]),
     (advantage._advantage_kernel,
      dict(**TOKENS, base_ptr=ptr("fp64"), const_ptr=ptr("fp64"), keys_ptr=ptr("i32"), offset_ptr=ptr("i64"),
           log_cap_ptr=ptr("i32"), slot_score_ptr=ptr("fp64"), out_ptr=ptr("fp32")),
@@ -146,4 +146,4 @@ def test_kernels_compile_for_sm90_and_use_no_replicated_atomic_result(tmp_path):
         pytest.skip("this triton wheel has no bundled ptxas")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "flagged the #7402 pattern" in done.stdout
-    assert done.stdout.count("compiled") == 4 + 1 + 1 + 1 + 8 + 2
+    assert done.stdout.count("compiled") == 4 + 1 + 1 + 1 + 4 + 2

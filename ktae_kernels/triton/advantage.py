@@ -36,11 +36,13 @@ def _advantage_kernel(resp_ptr, mask_ptr, B, L, group_ptr, base_ptr, const_ptr,
     tl.store(out_ptr + pos, tl.where(present, value, 0.0).to(tl.float32), mask=inside)
 
 
-def token_advantages(batch: Batch, tables: HashTables, slot_score: Tensor, base: Tensor, consts: Tensor) -> Tensor:
+def token_advantages(batch: Batch, tables: HashTables, slot_score: Tensor, base: Tensor, consts: Tensor,
+                     out: Tensor | None = None) -> Tensor:
     """float32 ``[B, L]`` advantages from the per-slot scores (``scores.score_rows``) and the float64
-    ``[B]`` rollout advantages ``base``."""
+    ``[B]`` rollout advantages ``base``, written into ``out`` (contiguous float32 ``[B, L]``) when given."""
     B, L = batch.responses.shape
-    out = torch.empty(B, L, dtype=torch.float32, device=batch.device)
+    if out is None:
+        out = torch.empty(B, L, dtype=torch.float32, device=batch.device)
     if B and L:
         rows, cols = tile_shape(L)
         _advantage_kernel[(triton.cdiv(B, rows), triton.cdiv(L, cols))](

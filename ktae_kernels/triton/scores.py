@@ -1,18 +1,20 @@
-"""The statistics stage, fused: per occupied slot its table, Fisher p and ``F``, information gain,
-direction and squashed score, in one kernel over the flat rows of ``tables.occupied_rows``.
+"""The statistics stage: per occupied slot, a lookup of its table's statistics and the per-row
+direction and squash, in one kernel over the flat rows of ``tables.occupied_rows``.
 
-Same formulas as ``torch_backend.score_tables`` (and the reference), in float64: ``F = exp(-2p)``
-(0 where ``p`` counts as 1), ``IG`` in bits, ``x = h + TF ratio`` with Cohen's ``h`` read from a
-per-group ``asin(sqrt(k / n))`` table (the interpreter has no libdevice ``asin``), and
-``score = top * tanh(key / 2)``, kept strictly inside ``(-top, top)``. ``F`` and ``IG`` are 0 where
-the table is not informative (one class only, or the token in every rollout); the score is 0 there
-and for ``ignore_token_ids``. Every float64 constant, and the ignored ids, reach the kernels in one
-float64 tensor (a Python float argument or literal would be float32).
+The Fisher p-value, ``F``, ``IG`` and Cohen's ``h`` depend only on the table ``(a, b, n_c, n_w)``,
+so they are computed once per distinct table by ``ktae_kernels.method.table_statistics`` (a group
+of G rollouts has at most ``(n_c + 1)(n_w + 1)`` tables, 81 for G = 16) and looked up by every row
+at ``offset[g] + a * stride[g] + b``. When the whole grid of the batch's ``(n_c, n_w)`` is small
+(the usual case, ``_FULL_GRID_WORK``) it is computed on the CPU from the group counts the table
+build already brought to the host, and reaches the device in one non-blocking copy; otherwise (very
+large groups, or ``fisher="upstream"``, whose p-value depends on the group's rows) only the tables
+the rows use are computed, on the device, from the rows' counts (``method.row_statistics``).
 
-With ``fisher="exact"`` the p-value is computed in the kernel (``fisher.fisher_pvalue``). With
-``fisher="upstream"`` it is the published float32 computation, which runs on the CPU
-(``torch_backend.table_statistics`` -> ``ktae_kernels.fisher.upstream_pvalue``, bit-faithful to the
-published code) over the distinct tables, and is passed in with its ``F``.
+The kernel then does the only per-row maths, in float64: ``x = h + BM25 TF ratio``,
+``key = strength * x / (alpha + beta)``, ``score = top * tanh(key / 2)`` kept strictly inside
+``(-top, top)``, 0 where the table is not informative and for ``ignore_token_ids``. Every float64
+constant, and the ignored ids, reach the kernel in one float64 tensor (a Python float argument
+would be float32).
 """
 from __future__ import annotations
 
@@ -24,19 +26,19 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .. import method
 from ..api import MAX_TOKEN_ID
 from ..config import KTAEConfig
-from ..fisher import P_ONE, log_factorial_table
-from .. import method
 from ..method import TF_EPS
 from ..torch_backend import GroupStats
-from .fisher import FISHER_CONSTANTS, LOG_ERR, LOG_RTOL, device_constants, fisher_pvalue
-from .tables import HashTables, RowCounts, Rows, load_row_counts
+from .tables import HashTables, RowCounts, Rows, load_row_counts, row_counts
 
-#: indices into the float64 constant vector of the score and advantage kernels (``kernel_constants``):
-#: the two Fisher constants, then these, then the ignored token ids.
-_ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, _P_ONE, WEIGHT, _IGNORE = (tl.constexpr(i) for i in range(2, 12))
+#: indices into the float64 constant vector of the score and advantage kernels (``kernel_constants``),
+#: then the ignored token ids.
+_ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, WEIGHT, _IGNORE = (tl.constexpr(i) for i in range(9))
 _BLOCK = 128
+#: largest grid (in Fisher support points, ``method.grid_work``) computed whole on the CPU.
+_FULL_GRID_WORK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -50,26 +52,24 @@ class RowStats:
     score: Tensor
 
 
-@triton.jit
-def _entropy_bits(p):
-    """Binary entropy in bits of float64 ``p`` in [0, 1], with ``0 log 0 = 0``."""
-    q = 1.0 - p
-    return -(tl.where(p > 0, p * tl.log2(tl.maximum(p, 1e-30)), 0.0)
-             + tl.where(q > 0, q * tl.log2(tl.maximum(q, 1e-30)), 0.0))
+@dataclass(frozen=True)
+class TableLookup:
+    """Per-table statistics on the device: ``index`` int64 ``[2, n_groups]`` (each group's grid offset
+    and stride) and ``values`` float64 ``[5, size]`` (``p_value, F, IG, h, strength``)."""
+
+    index: Tensor
+    values: Tensor
 
 
-@triton.jit
-def _information_gain(a, b, n_c, n_w):
-    """``H(Y) - H(Y | X)`` in bits (float64, >= 0) from int32 cells."""
-    n = tl.maximum(n_c + n_w, 1).to(tl.float64)
-    present = a + b
-    absent = n_c + n_w - present
-    p_present = present.to(tl.float64)
-    p_absent = absent.to(tl.float64)
-    h_present = p_present / n * _entropy_bits(a.to(tl.float64) / tl.maximum(p_present, 1.0))
-    h_absent = p_absent / n * _entropy_bits((n_c - a).to(tl.float64) / tl.maximum(p_absent, 1.0))
-    h_y = _entropy_bits(n_c.to(tl.float64) / n)
-    return tl.maximum(h_y - tl.where(present > 0, h_present, 0.0) - tl.where(absent > 0, h_absent, 0.0), 0.0)
+def device_constants(values: list[float], device: torch.device | str) -> Tensor:
+    """float64 ``values`` on ``device`` in one copy that does not wait for the device's queue."""
+    return _upload(torch.tensor(values, dtype=torch.float64), torch.device(device))
+
+
+def _upload(t: Tensor, device: torch.device) -> Tensor:
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @triton.jit
@@ -93,12 +93,13 @@ def _tanh_half(key):
 @triton.jit
 def _score_kernel(slot_ptr, group_ptr, n_rows,
                   keys_ptr, occ_ptr, bits_ptr, correct_bits_ptr, words,
-                  n_c_ptr, n_w_ptr, T_c_ptr, T_w_ptr, asin_ptr, asin_c_ptr, asin_w_ptr,
-                  lf_ptr, const_ptr, n_ignore, p_in_ptr, F_in_ptr,
+                  n_c_ptr, n_w_ptr, T_c_ptr, T_w_ptr, index_ptr, n_groups, values_ptr, grid_size,
+                  const_ptr, n_ignore,
                   slot_score_ptr, p_ptr, F_ptr, IG_ptr, x_ptr, score_ptr,
-                  EXACT: tl.constexpr, USE_TF: tl.constexpr, WRITE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Statistics of ``BLOCK`` rows; the score goes to ``slot_score[slot]`` and, with ``WRITE_ROWS``,
-    every statistic to the row outputs."""
+                  USE_TF: tl.constexpr, WRITE_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Scores of ``BLOCK`` rows; the score goes to ``slot_score[slot]`` and, with ``WRITE_ROWS``,
+    every statistic to the row outputs. ``index``: int64 ``[2, n_groups]`` grid offset and stride;
+    ``values``: float64 ``[5, grid_size]`` p, F, IG, h, strength per table."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     valid = rows < n_rows
     slot = tl.load(slot_ptr + rows, mask=valid, other=0)
@@ -106,17 +107,10 @@ def _score_kernel(slot_ptr, group_ptr, n_rows,
     token, a, b, f_c, f_w = load_row_counts(keys_ptr, occ_ptr, bits_ptr, correct_bits_ptr, words, slot, g, valid)
     n_c = tl.load(n_c_ptr + g, mask=valid, other=0).to(tl.int32)
     n_w = tl.load(n_w_ptr + g, mask=valid, other=0).to(tl.int32)
-
-    if EXACT:
-        p = fisher_pvalue(a, b, n_c - a, n_w - b, lf_ptr, tl.load(const_ptr + LOG_RTOL), tl.load(const_ptr + LOG_ERR))
-        F = tl.where(p >= tl.load(const_ptr + _P_ONE), 0.0, tl.exp(-2.0 * p))
-    else:
-        p = tl.load(p_in_ptr + rows, mask=valid, other=1.0)
-        F = tl.load(F_in_ptr + rows, mask=valid, other=0.0)
-    IG = _information_gain(a, b, n_c, n_w)
-
-    x = (tl.load(asin_ptr + tl.load(asin_c_ptr + g, mask=valid, other=0) + a, mask=valid, other=0.0)
-         - tl.load(asin_ptr + tl.load(asin_w_ptr + g, mask=valid, other=0) + b, mask=valid, other=0.0))
+    entry = (tl.load(index_ptr + g, mask=valid, other=0)
+             + a.to(tl.int64) * tl.load(index_ptr + n_groups + g, mask=valid, other=0) + b)
+    x = tl.load(values_ptr + 3 * grid_size + entry, mask=valid, other=0.0)
+    strength = tl.load(values_ptr + 4 * grid_size + entry, mask=valid, other=0.0)
     if USE_TF:
         T_c = tl.load(T_c_ptr + g, mask=valid, other=1)
         T_w = tl.load(T_w_ptr + g, mask=valid, other=1)
@@ -128,61 +122,62 @@ def _score_kernel(slot_ptr, group_ptr, n_rows,
         tf_w = _bm25_tf(f_w, T_w, avg, k1, bm)
         x = x + (tf_c / (tf_w + eps) - tf_w / (tf_c + eps))
 
-    informative = (n_c > 0) & (n_w > 0) & (a + b < n_c + n_w)
-    F = tl.where(informative, F, 0.0)
-    IG = tl.where(informative, IG, 0.0)
-    scorable = informative
+    scorable = (n_c > 0) & (n_w > 0) & (a + b < n_c + n_w)
     for k in range(n_ignore):
         scorable = scorable & (token != tl.load(const_ptr + _IGNORE + k).to(tl.int32))
-    alpha = tl.load(const_ptr + _ALPHA)
-    beta = tl.load(const_ptr + _BETA)
-    key = (alpha * F + beta * IG) * x / (alpha + beta)
+    key = strength * x / (tl.load(const_ptr + _ALPHA) + tl.load(const_ptr + _BETA))
     bound = tl.load(const_ptr + _BOUND)
     squashed = tl.minimum(tl.maximum(tl.load(const_ptr + _TOP) * _tanh_half(key), -bound), bound)
     score = tl.where(scorable, squashed, 0.0)
 
     tl.store(slot_score_ptr + slot, score, mask=valid)
     if WRITE_ROWS:
-        tl.store(p_ptr + rows, p, mask=valid)
-        tl.store(F_ptr + rows, F, mask=valid)
-        tl.store(IG_ptr + rows, IG, mask=valid)
+        tl.store(p_ptr + rows, tl.load(values_ptr + entry, mask=valid, other=1.0), mask=valid)
+        tl.store(F_ptr + rows, tl.load(values_ptr + grid_size + entry, mask=valid, other=0.0), mask=valid)
+        tl.store(IG_ptr + rows, tl.load(values_ptr + 2 * grid_size + entry, mask=valid, other=0.0), mask=valid)
         tl.store(x_ptr + rows, x, mask=valid)
         tl.store(score_ptr + rows, score, mask=valid)
 
 
-def cohen_table(stats: GroupStats) -> tuple[Tensor, Tensor, Tensor]:
-    """``asin(sqrt(k / max(n, 1)))`` for ``k = 0..n`` of every group's ``n_c`` and ``n_w``.
-
-    Returns the float64 values ``[B + 2 n_groups]`` and the int64 start ``[n_groups]`` of each
-    group's correct and wrong part.
-    """
-    n = torch.stack([stats.n_c, stats.n_w], dim=1).reshape(-1)
-    sizes = n + 1
-    start = torch.cumsum(sizes, 0) - sizes
-    total = stats.correct.shape[0] + 2 * stats.n_c.shape[0]  # sum of (n_c + 1) + (n_w + 1)
-    k = torch.arange(total, device=n.device) - torch.repeat_interleave(start, sizes, output_size=total)
-    denom = torch.repeat_interleave(n.clamp(min=1), sizes, output_size=total)
-    values = torch.asin(torch.sqrt(k.double() / denom))
-    return values, start[0::2].contiguous(), start[1::2].contiguous()
-
-
 def kernel_constants(config: KTAEConfig, device: torch.device) -> Tensor:
-    """float64 ``[12 + k]``: the Fisher constants, ``alpha, beta, top``, the largest float below
-    ``top``, ``k1, b``, the TF epsilon, ``P_ONE``, ``weight``, then the k ignored token ids that can
-    occur (ids are below ``2**31``, exact in float64)."""
+    """float64 ``[8 + k]``: ``alpha, beta, top``, the largest float below ``top``, ``k1, b``, the TF
+    epsilon, ``weight``, then the k ignored token ids that can occur (ids are below ``2**31``, exact
+    in float64)."""
     top = config.top
     ignore = [float(t) for t in config.ignore_token_ids if t <= MAX_TOKEN_ID]
-    values = [*FISHER_CONSTANTS, config.alpha, config.beta, top, math.nextafter(top, 0.0), config.k1, config.b,
-              TF_EPS, P_ONE, config.weight, *ignore]
+    values = [config.alpha, config.beta, top, math.nextafter(top, 0.0), config.k1, config.b, TF_EPS,
+              config.weight, *ignore]
     return device_constants(values, device)
 
 
+def table_lookup(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAEConfig,
+                 counts: RowCounts | None = None) -> tuple[TableLookup, RowCounts | None]:
+    """The per-table statistics the rows look up, and the rows' counts if they had to be read
+    (``counts``: already read ones, reused)."""
+    device = tables.keys.device
+    if config.fisher == "exact" and tables.host_counts is not None:
+        n_c, n_w = tables.host_counts
+        grid = method.table_grid(n_c, n_w)
+        if method.grid_work(grid) <= _FULL_GRID_WORK:
+            table = method.table_statistics(grid, config)
+            index = torch.stack([grid.offset, grid.stride])
+            values = torch.stack([table.p_value, table.F, table.IG, table.h, table.strength])
+            return TableLookup(_upload(index, device), _upload(values, device)), counts
+    if counts is None:
+        counts = row_counts(tables, rows)
+    tab_rows = method.Rows(group=rows.group.long(), token=counts.token, a=counts.a, b=counts.b,
+                           f_c=counts.f_c, f_w=counts.f_w)
+    grid, table, _ = method.row_statistics(tab_rows, stats.n_c, stats.n_w, config)
+    index = torch.stack([grid.offset, grid.stride])
+    values = torch.stack([table.p_value, table.F, table.IG, table.h, table.strength])
+    return TableLookup(index, values), counts
+
+
 def score_rows(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAEConfig, consts: Tensor,
-               counts: RowCounts | None, write_rows: bool) -> tuple[Tensor, RowStats]:
+               lookup: TableLookup, write_rows: bool) -> tuple[Tensor, RowStats]:
     """Scores of every occupied slot: float64 ``[S]`` indexed by global slot (only occupied slots are
     written), and, with ``write_rows``, the per-row statistics. ``consts``: ``kernel_constants(config)``;
-    ``counts`` (``tables.row_counts``) is needed with ``fisher="upstream"`` only: the CPU computes p
-    from them.
+    ``lookup``: ``table_lookup(...)``.
     """
     device = tables.keys.device
     n = rows.slot.shape[0]
@@ -190,21 +185,10 @@ def score_rows(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAECo
     out = RowStats(*(torch.empty(n if write_rows else 0, dtype=torch.float64, device=device) for _ in range(5)))
     if n == 0:
         return slot_score, out
-    exact = config.fisher == "exact"
-    if exact:
-        p_in = F_in = slot_score  # unused
-    else:
-        if counts is None:
-            raise ValueError("score_rows: `counts` (tables.row_counts) is required with fisher='upstream'")
-        rows_ = method.Rows(group=rows.group.long(), token=counts.token, a=counts.a, b=counts.b, f_c=counts.f_c, f_w=counts.f_w)
-        _, table, entry = method.row_statistics(rows_, stats.n_c, stats.n_w, config)
-        p_in, F_in = table.p_value[entry], table.F[entry]
-    asin, asin_c, asin_w = cohen_table(stats)
-    lf = log_factorial_table(tables.largest, device)
     _score_kernel[(triton.cdiv(n, _BLOCK),)](
         rows.slot, rows.group, n, tables.keys, tables.occ, tables.bits, tables.correct_bits, tables.words,
-        stats.n_c, stats.n_w, stats.T_c, stats.T_w, asin, asin_c, asin_w,
-        lf, consts, consts.shape[0] - _IGNORE.value, p_in, F_in,
+        stats.n_c, stats.n_w, stats.T_c, stats.T_w, lookup.index, lookup.index.shape[1],
+        lookup.values, lookup.values.shape[1], consts, consts.shape[0] - _IGNORE.value,
         slot_score, *((out.p_value, out.F, out.IG, out.x, out.score) if write_rows else (slot_score,) * 5),
-        EXACT=exact, USE_TF=config.use_tf, WRITE_ROWS=write_rows, BLOCK=_BLOCK)
+        USE_TF=config.use_tf, WRITE_ROWS=write_rows, BLOCK=_BLOCK)
     return slot_score, out

@@ -59,6 +59,7 @@ class HashTables:
     ``offset`` int64 / ``log_cap`` int32 / ``fill`` int32 ``[n_groups]`` on the device;
     ``correct_bits`` int32 ``[n_groups, words]``. Host ints: ``largest``, the largest group's size;
     ``n_rows`` = ``fill.sum()`` and ``max_fill``, which size the passes over occupied slots.
+    ``host_counts``: ``(n_c, n_w)``, int64 CPU ``[n_groups]``, brought over with the table sizes.
     """
 
     keys: Tensor
@@ -73,6 +74,7 @@ class HashTables:
     largest: int
     n_rows: int
     max_fill: int
+    host_counts: tuple[Tensor, Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -281,8 +283,14 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
     tokens = stats.T_c + stats.T_w
     guess = _log2_ceil(torch.ceil(tokens * (2 * _FIRST_GUESS)).long())
     safe = _log2_ceil(2 * tokens)
-    largest, biggest, slots = (torch.stack([stats.size.max(), tokens.max(), _slots(guess)]).tolist()
-                               if batch.n_groups else (1, 0, 0))
+    n = batch.n_groups
+    if n:  # one device -> host copy: the sizes and the group counts of the per-table statistics
+        host = torch.cat([torch.stack([stats.size.max(), tokens.max(), _slots(guess)]), stats.n_c, stats.n_w]).cpu()
+        largest, biggest, slots = host[:3].tolist()
+        host_counts = (host[3:3 + n], host[3 + n:])
+    else:
+        largest, biggest, slots = 1, 0, 0
+        host_counts = (torch.zeros(0, dtype=torch.int64),) * 2
     if biggest > MAX_GROUP_TOKENS:
         raise ValueError(f"the triton backend takes at most {MAX_GROUP_TOKENS} masked tokens per group, "
                          f"got a group of {biggest}")
@@ -296,7 +304,7 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
         lost, *fill = torch.cat([overflow.any().reshape(1), tables.fill]).tolist()
         if lost:  # cannot happen: a slice of twice the group's tokens stays at most half full
             raise RuntimeError("triton backend: a rebuilt hash table overflowed")
-    return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0))
+    return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0), host_counts=host_counts)
 
 
 def _slots(log_cap: Tensor) -> Tensor:
