@@ -23,13 +23,15 @@ import ktae_kernels
 from bench import data
 from bench.contenders import ALL_NAMES, BENCH_CONFIG, UPSTREAM
 from bench.data import Shape
-from bench.grid import PRESETS, budget_for
+from bench.grid import PAPER_SHAPE, PRESETS, budget_for
 from bench.machine import load_average, machine_info, machine_slug, today
 from bench.paper import copy_bandwidth_gb_s, format_paper_summary, paper_summary
 from bench.report import format_table, plot, result_json, write_json
 from bench.runner import run_grid
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+#: the default output folder, in the current directory (git-ignored); the committed results in
+#: bench/results/ are only written when asked for with --out bench/results.
+RESULTS_DIR = Path("bench-results")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,10 +52,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice, usually one per core)")
     p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
-    p.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output folder (default {RESULTS_DIR})")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR,
+                   help=f"output folder (default ./{RESULTS_DIR}/, in the current directory)")
     p.add_argument("--tag", default="", help="extra suffix of the output file names")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (there is none either when stderr is not a terminal)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
@@ -137,9 +141,15 @@ def main(argv: list[str] | None = None) -> int:
             "wall_time_s": time.perf_counter() - start,
         })
 
-    results = run_grid(shapes, names, device, budget, args.repeats, args.seed, progress=not args.no_progress,
-                       on_shape_done=save)
-    copy_gb_s = copy_bandwidth_gb_s(device, gbytes=4.0 if device.type == "cuda" else 1.0)
+    # The bar (stderr) is finished and closed by run_grid before the table (stdout) is printed; flushing
+    # both around it keeps them apart when they share a terminal or a log file.
+    sys.stdout.flush()
+    results = run_grid(shapes, names, device, budget, args.repeats, args.seed,
+                       progress=not args.no_progress and sys.stderr.isatty(), on_shape_done=save)
+    sys.stderr.flush()
+    # the copy bandwidth only serves the paper batch's "share of copy bandwidth": measure it when that ran
+    paper_ran = any(r.shape == PAPER_SHAPE and r.seconds is not None for r in results)
+    copy_gb_s = copy_bandwidth_gb_s(device, gbytes=4.0 if device.type == "cuda" else 1.0) if paper_ran else None
     print()
     print(format_table(results))
     print()

@@ -57,10 +57,11 @@ def format_paper_summary(summary: dict) -> str:
     io_gb = io_bytes(PAPER_SHAPE.positions) / 1e9
     lines = [f"Paper batch (G={s['G']}, {s['prompts']} prompts, L={s['L']}; I/O floor {io_gb:.3f} GB; "
              f"target {summary['target_s'] * 1e3:.0f} ms; DAPO step {summary['dapo_step_s']:.0f} s)"]
-    if summary["copy_gb_s"]:
-        lines.append(f"  measured device copy bandwidth: {summary['copy_gb_s']:.0f} GB/s (read + write)")
     if not summary["backends"]:
-        lines.append("  (not measured in this run)")
+        lines.append(f"  not timed in this run: its shapes do not include it (add --shape "
+                     f"{s['G']}x{s['prompts']}x{s['L']}, or run the default grid)")
+    elif summary["copy_gb_s"]:
+        lines.append(f"  device copy bandwidth, measured in this run: {summary['copy_gb_s']:.0f} GB/s (read + write)")
     for name, row in summary["backends"].items():
         time = ("~" if row["extrapolated"] else "") + format_time(row["seconds"])
         target = "meets the target" if row["meets_target_2ms"] else f"{format_ratio(row['x_target_2ms'])} the target"

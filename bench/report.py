@@ -123,14 +123,15 @@ def write_json(path: Path, payload: dict) -> None:
 
 def plot(results: list[Result], path: Path, title: str) -> None:
     """Time vs real tokens per backend (left) and speed-up over the upstream-style loop (right);
-    hollow markers are extrapolated."""
+    hollow markers are extrapolated; each batch shape is labelled ``G,L`` (its number of prompts
+    P is what moves it along the token axis)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ups = speedups(results)
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(14, 5.6))
     names = list(dict.fromkeys(r.backend for r in results))
     for i, name in enumerate(names):
         rows = sorted((r for r in results if r.backend == name and r.seconds), key=lambda r: r.tokens)
@@ -142,25 +143,47 @@ def plot(results: list[Result], path: Path, title: str) -> None:
             ax_t.plot(r.tokens, r.seconds, "o", color=color, mfc="none" if r.extrapolated else color)
         ax_t.plot([], [], "o-", color=color, label=name)
         if name != UPSTREAM:
-            pts = [(r.tokens, ups[(r.shape, name)]) for r in rows if ups[(r.shape, name)]["vs_upstream"]]
-            for tok, sp in pts:
+            pts = [(r, ups[(r.shape, name)]) for r in rows if ups[(r.shape, name)]["vs_upstream"]]
+            for r, sp in pts:
                 hollow = sp["vs_upstream_extrapolated"]
-                ax_s.plot(tok, sp["vs_upstream"], "o", color=color, mfc="none" if hollow else color)
+                ax_s.plot(r.tokens, sp["vs_upstream"], "o", color=color, mfc="none" if hollow else color)
+                if name != "reference":
+                    _label_shape(ax_s, r, sp["vs_upstream"])
             if pts:
                 ax_s.plot([], [], "o", color=color, label=name)
+    # each shape once on the time panel, above its slowest point
+    slowest: dict = {}
+    for r in results:
+        if r.seconds and (r.shape not in slowest or r.seconds > slowest[r.shape].seconds):
+            slowest[r.shape] = r
+    for r in slowest.values():
+        _label_shape(ax_t, r, r.seconds, rotate=True)
+    ax_t.plot([], [], "o", color="grey", mfc="none", label="hollow: extrapolated")
     ax_t.set(xscale="log", yscale="log", xlabel="real response tokens in the batch", ylabel="median time (s)",
-             title="token_advantage end to end")
-    ax_s.axhline(100, color="grey", ls="--", lw=1, label="100x target")
+             title="token_advantage end to end (labels: G,L)")
+    ax_s.axhline(100, color="grey", ls="--", lw=1, label="dashed: 100x faster than the upstream-style loop")
     ax_s.set(xscale="log", yscale="log", xlabel="real response tokens in the batch",
-             ylabel="speed-up over the upstream-style loop", title="speed-up (hollow: extrapolated)")
-    for ax in (ax_t, ax_s):
+             ylabel="speed-up over the upstream-style loop (x)",
+             title="speed-up over the upstream-style loop (labels: G,L)")
+    for ax, room in ((ax_t, 10.0), (ax_s, 2.0)):
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high * room)  # headroom for the labels (log axes)
+    ax_t.legend(fontsize=8, loc="upper left")
+    # below the axes, off the points
+    ax_s.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def _label_shape(ax, r: Result, y: float, rotate: bool = False) -> None:
+    """A small ``G,L`` label above the point ``(r.tokens, y)`` (slanted where points crowd)."""
+    ax.annotate(f"{r.shape.G},{r.shape.L}", (r.tokens, y), xytext=(2, 5) if rotate else (0, 5),
+                textcoords="offset points", ha="left" if rotate else "center", va="bottom", fontsize=6,
+                color="#444", rotation=50 if rotate else 0, rotation_mode="anchor")
 
 
 def markdown(payload: dict) -> str:
