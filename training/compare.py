@@ -73,9 +73,10 @@ def plot_comparison(results_dir: Path, tag: str, advs: list[str], seeds: list[in
     right.set(xlabel="RL step", ylabel="accuracy", title="greedy accuracy, held-out problems")
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
+    # one legend for both panels, below them, off the curves
+    fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncols=len(advs), fontsize=9, frameon=False)
     fig.suptitle(f"{tag}: mean of seeds {seeds} (thin: each seed)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
