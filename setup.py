@@ -1,4 +1,11 @@
-"""Packaging; the metadata lives in pyproject.toml. This file only adds the optional CUDA extension.
+"""Packaging; the metadata lives in pyproject.toml. This file adds the two compiled kernels.
+
+``ktae_kernels._cpu`` (csrc/cpu/) is the native CPU backend: plain C++17 with OpenMP against the
+Python C API only (no torch at build time, so pip's isolated build never pulls torch). It is built
+whenever a C++ compiler is there; without one (or if it fails) the package still installs and
+``backend="cpu"`` reports why it is missing. The build is portable (no ``-march=native``) unless
+
+    KTAE_NATIVE_ARCH=1       tune the CPU kernel for this machine's processor (not portable)
 
 ``ktae_kernels._C`` (csrc/) is built when the build environment has torch with CUDA and a CUDA
 toolkit (nvcc), and skipped otherwise: the package then installs as pure Python and
@@ -16,7 +23,8 @@ from __future__ import annotations
 import os
 import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 #: the kernels use __match_any_sync: compute capability 7.0 or newer.
 MIN_ARCH = 7.0
@@ -48,7 +56,7 @@ def _build_problem() -> str | None:
     return None
 
 
-def _extension() -> dict:
+def _cuda_extension() -> dict:
     """setup() arguments that build ktae_kernels._C, or none."""
     skip, force = _flag("KTAE_SKIP_CUDA_BUILD"), _flag("KTAE_FORCE_CUDA_BUILD")
     if skip and force:
@@ -74,4 +82,42 @@ def _extension() -> dict:
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
 
 
-setup(**_extension())
+def _cpu_extension() -> Extension:
+    """ktae_kernels._cpu: strict IEEE float64 (no FMA contraction), so it rounds as the torch path does."""
+    flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden"]
+    if _flag("KTAE_NATIVE_ARCH"):
+        flags.append("-march=native")
+    return Extension("ktae_kernels._cpu", sources=["csrc/cpu/ktae_cpu.cpp"], language="c++",
+                     extra_compile_args=flags, optional=True)
+
+
+def _with_openmp_fallback(base: type) -> type:
+    """``base`` build_ext that builds ktae_kernels._cpu with OpenMP, else without it (one thread), else
+    skips it with the reason: a machine without a working compiler still installs the package."""
+
+    class BuildExt(base):
+        def build_extension(self, ext):
+            if ext.name != "ktae_kernels._cpu":
+                return super().build_extension(ext)
+            plain = list(ext.extra_compile_args)
+            for extra in (["-fopenmp"], []):
+                ext.extra_compile_args, ext.extra_link_args = plain + extra, list(extra)
+                try:
+                    return super().build_extension(ext)
+                except Exception as err:  # noqa: BLE001 - any compiler failure: try the next option
+                    reason = err
+            print(f"ktae_kernels: not building the native CPU kernel ({reason}); backend='cpu' will be "
+                  "unavailable and 'auto' uses the torch backend", file=sys.stderr)
+            return None
+
+    return BuildExt
+
+
+def _setup_arguments() -> dict:
+    cuda = _cuda_extension()
+    base = cuda.get("cmdclass", {}).get("build_ext", build_ext)
+    return {"ext_modules": [_cpu_extension()] + cuda.get("ext_modules", []),
+            "cmdclass": {"build_ext": _with_openmp_fallback(base)}}
+
+
+setup(**_setup_arguments())
