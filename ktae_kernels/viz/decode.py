@@ -39,9 +39,12 @@ def make_decoder(decode: Any = None) -> tuple[Decoder, bool]:
     return cached, True
 
 
-def visible(text: str) -> str:
-    """Token text with invisible characters made visible: newline as ``↵``, tab as ``→``, an empty
-    token as ``∅``; other whitespace is kept (the report lays text out with ``white-space: pre-wrap``)."""
+def visible(text: str, *, keep_newlines: bool = False) -> str:
+    """Token text with invisible characters made visible: a newline as ``↵`` (followed by the newline
+    itself when ``keep_newlines``, so the text still breaks there), a tab as ``→``, an empty token as
+    ``∅``; other whitespace is kept (the report lays text out with ``white-space: pre-wrap``)."""
     if text == "":
         return "\u2205"
-    return text.replace("\r\n", "\u21b5").replace("\n", "\u21b5").replace("\r", "\u21b5").replace("\t", "\u2192")
+    newline = "\u21b5\n" if keep_newlines else "\u21b5"
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\n", newline)
+    return text.replace("\t", "\u2192")

@@ -37,7 +37,7 @@ dt{font-weight:600}dd{margin:0}
 .mark{flex:0 0 8.5em;font-size:.85em;color:#333;white-space:nowrap}
 .rollout.wrong .mark{color:#666}
 .text{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;white-space:pre-wrap;
- word-break:break-all;line-height:1.75}
+ overflow-wrap:anywhere;line-height:1.75}
 .tok{border-radius:2px;padding:1px 0;box-shadow:inset -1px 0 rgba(0,0,0,.18)}
 .prompt{font-family:ui-monospace,SFMono-Regular,Menlo,Consolas,monospace;white-space:pre-wrap;background:#f3f3f3;
  padding:.2em .5em;margin:.2em 0 .5em;max-height:8em;overflow:auto}
@@ -185,7 +185,7 @@ def _tokens_html(prep: Prepared, g: int, i: int, decoder) -> str:
                f"score={st['score']:+.4f}")
         spans.append(f'<span class="tok" data-group="{g}" data-rollout="{i}" data-pos="{t}" data-token="{token}" '
                      f'data-score="{st["score"]!r}" title="{_esc(tip)}" '
-                     f'style="background:{background};color:{colour}">{_esc(visible(text))}</span>')
+                     f'style="background:{background};color:{colour}">{_esc(visible(text, keep_newlines=True))}</span>')
     return "".join(spans)
 
 
