@@ -56,8 +56,8 @@ def write_png(path: str | Path, responses: Any, response_mask: Any, rewards: Any
         ax.legend(fontsize=8, loc="upper center", ncols=2)
     else:
         ax.text(0.5, 0.5, "every score is 0", ha="center", va="center", transform=ax.transAxes)
-    ax.set(xlim=(-top, top), xlabel="key-token score", ylabel="(group, token) pairs",
-           title=f"non-zero scores: {nonzero.numel()} of {len(s)} pairs")
+    ax.set(xlim=(-top, top), xlabel="key-token score", ylabel="(group, token) pairs")
+    ax.set_title(f"non-zero scores: {nonzero.numel()} of {len(s)} (group, token) pairs", fontsize=10)
 
     for ax, g in zip(flat[1:], prep.shown):
         rows = key_rows(prep, g, top_k)
