@@ -40,7 +40,8 @@ def load_batch(path: str | Path, *, allow_pickle: bool = False) -> tuple[tuple[A
     try:
         data = torch.load(path, map_location="cpu", weights_only=not allow_pickle)
     except Exception as err:  # noqa: BLE001 - explain the usual cause, keep the original
-        hint = "" if allow_pickle else " (if it holds numpy arrays or other objects and you trust it, pass --allow-pickle)"
+        hint = "" if allow_pickle else (" (if it holds numpy arrays or other objects and you trust it, "
+                                        "pass --allow-pickle)")
         raise ValueError(f"BATCH_FILE {path}: cannot load it with torch.load{hint}: {err}") from err
     if isinstance(data, (tuple, list)):
         if len(data) != 4:

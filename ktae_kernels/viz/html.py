@@ -86,14 +86,15 @@ def render_html(responses: Any, response_mask: Any, rewards: Any, index: Any, *,
     prep = prepare(responses, response_mask, rewards, index, config=config, max_groups=max_groups,
                    groups=groups, backend=backend)
     cfg = prep.config
-    if prompts is not None and (isinstance(prompts, str) or len(prompts) != prep.responses.shape[0]):
-        raise ValueError(f"`prompts` must be a sequence of B = {prep.responses.shape[0]} strings (one per rollout), "
-                         f"got {type(prompts).__name__}" + ("" if isinstance(prompts, str) else f" of length {len(prompts)}"))
+    B = prep.responses.shape[0]
+    if prompts is not None and (isinstance(prompts, str) or len(prompts) != B):
+        got = type(prompts).__name__ + ("" if isinstance(prompts, str) else f" of length {len(prompts)}")
+        raise ValueError(f"`prompts` must be a sequence of B = {B} strings (one per rollout), got {got}")
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            f"<title>{_esc(title)}</title><style>{STYLE}</style></head>",
            f'<body class="{"text-mode" if has_text else "ids"}">', f"<h1>{_esc(title)}</h1>"]
-    B, L = prep.responses.shape
+    L = prep.responses.shape[1]
     hidden = prep.n_groups - len(prep.shown)
     out.append(f'<p class="meta">{B} rollouts x {L} positions in {prep.n_groups} groups; showing '
                f"{len(prep.shown)}" + (f" (groups with both correct and wrong rollouts first; {hidden} not shown)"
