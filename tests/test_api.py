@@ -156,20 +156,78 @@ def test_backend_registry_errors(batch):
     with pytest.raises(ValueError, match="backend"):
         token_advantage(*batch, backend="numpy")
     assert "torch" in available_backends("cpu") and "reference" in available_backends("cpu")
-    assert get_backend("auto", "cpu").__name__ == "ktae_kernels.torch_backend"
     with pytest.raises((ValueError, BackendUnavailableError), match="cuda"):
         token_advantage(*batch, backend="cuda")
 
 
-def test_auto_prefers_triton_then_cuda_then_torch_on_cuda(monkeypatch):
-    """The "auto" order for CUDA tensors, with CUDA faked available (no GPU is needed to check it)."""
+def test_auto_on_cpu_prefers_the_native_kernel(monkeypatch):
+    import ktae_kernels.cpu as cpu
+
+    expected = "ktae_kernels.cpu" if cpu.unavailable_reason() is None else "ktae_kernels.torch_backend"
+    assert get_backend("auto", "cpu").__name__ == expected
+    monkeypatch.setattr(cpu, "unavailable_reason", lambda: "not built")
+    assert get_backend("auto", "cpu").__name__ == "ktae_kernels.torch_backend"
+
+
+def test_auto_on_cuda_is_torch_until_the_gpu_kernels_pass_on_hardware(monkeypatch):
+    """With CUDA faked available: "auto" never picks triton or cuda (they have not run on a GPU yet)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert get_backend("auto", "cuda").__name__ == "ktae_kernels.torch_backend"
+
+
+def test_rocm_has_no_gpu_kernels(monkeypatch):
     import ktae_kernels.backends as backends
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert get_backend("auto", "cuda").__name__ == "ktae_kernels.triton"
-    specs = {name: spec for name, spec in backends._REGISTRY.items()}
-    monkeypatch.setitem(backends._REGISTRY, "triton",
-                        backends.BackendSpec("triton", specs["triton"].module, specs["triton"].devices,
-                                             specs["triton"].auto_rank, lambda kind: "no triton"))
-    expected = "ktae_kernels.cuda" if backends._cuda_unavailable("cuda") is None else "ktae_kernels.torch_backend"
-    assert get_backend("auto", "cuda").__name__ == expected
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert "ROCm" in backends._triton_unavailable("cuda") and "ROCm" in backends._cuda_unavailable("cuda")
+    assert get_backend("auto", "cuda").__name__ == "ktae_kernels.torch_backend"
+
+
+BACKENDS_HERE = [b for b in ("reference", "torch", "cpu") if b in available_backends("cpu")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_out_is_written_and_returned(batch, backend):
+    expected = token_advantage(*batch, backend=backend)
+    out = torch.full((8, 10), float("nan"))
+    result = token_advantage(*batch, backend=backend, out=out)
+    assert result.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad", [
+    torch.zeros(8, 9), torch.zeros(8, 10, dtype=torch.float64), torch.zeros(10, 8).t(), torch.zeros(8, 20)[:, ::2],
+    np.zeros((8, 10), dtype=np.float32),
+])
+def test_bad_out_is_rejected_by_name(batch, bad):
+    with pytest.raises(ValueError, match="`out`"):
+        token_advantage(*batch, out=bad)
+
+
+def test_out_device_is_checked(batch):
+    with pytest.raises(ValueError, match="`out`"):
+        token_advantage(*batch, out=torch.zeros(8, 10, device="meta"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_correct_labels_split_apart_from_rewards(batch, backend):
+    responses, mask, rewards, index = batch
+    shaped = rewards - 0.3  # e.g. a KL penalty: two correct rollouts would fall below the threshold
+    labels = rewards > 0
+    by_label = token_advantage(responses, mask, shaped, index, correct=labels, backend=backend)
+    from_rewards = key_token_scores(responses, mask, rewards, index, backend=backend)
+    from_labels = key_token_scores(responses, mask, shaped, index, correct=labels.int(), backend=backend)
+    assert torch.equal(from_labels.a, from_rewards.a) and torch.equal(from_labels.score, from_rewards.score)
+    # the scores follow the labels, the baseline follows the shaped rewards
+    base_only = token_advantage(responses, mask, shaped, index, config=KTAEConfig(weight=0.0), backend=backend)
+    expected = token_advantage(responses, mask, rewards, index, rollout_advantage=base_only[:, 0].double(),
+                               backend=backend)
+    torch.testing.assert_close(by_label, expected, rtol=0, atol=1e-6)
+
+
+def test_bad_correct_is_rejected_by_name(batch):
+    with pytest.raises(ValueError, match="`correct`"):
+        token_advantage(*batch, correct=torch.ones(7, dtype=torch.bool))
+    with pytest.raises(ValueError, match="`correct`"):
+        token_advantage(*batch, correct=torch.full((8,), 0.5))

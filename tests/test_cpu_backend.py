@@ -1,0 +1,144 @@
+"""The native CPU backend (csrc/cpu) against the scipy reference, the torch backend and itself across
+thread counts, on random, adversarial and property-generated batches; its build-less error path."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import ktae_kernels.cpu as cpu
+from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
+from ktae_kernels import BackendUnavailableError, KTAEConfig, available_backends, key_token_scores, token_advantage
+from ktae_kernels.backends import get_backend
+from test_properties import batches, configs
+
+pytestmark = pytest.mark.skipif(cpu.unavailable_reason() is not None, reason="the native CPU kernel is not built")
+
+CASES = random_cases(seed=0) + adversarial_cases()
+CONFIGS = {
+    "default": KTAEConfig(),
+    "upstream": KTAEConfig(fisher="upstream"),
+    "no-tf-ignore": KTAEConfig(use_tf=False, ignore_token_ids=(3, 5, 151643, 2**31 - 1)),
+    "weights": KTAEConfig(alpha=0.5, beta=2.0, top=0.3, k1=1.2, b=0.75, weight=0.5, baseline="mean",
+                          correct_threshold=0.5),
+}
+
+
+@pytest.fixture
+def threads():
+    """Run a test body at a given torch thread count, restoring it afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _advantages_at(threads, counts, *args, **kwargs) -> list[torch.Tensor]:
+    out = []
+    for n in counts:
+        threads(n)
+        out.append(token_advantage(*args, backend="cpu", **kwargs))
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_matches_reference_at_one_and_two_threads(case, config, threads):
+    _, responses, mask, rewards, index = case
+    expected = key_token_scores(responses, mask, rewards, index, config=config, backend="reference")
+    assert_scores_match(expected, key_token_scores(responses, mask, rewards, index, config=config, backend="cpu"))
+    adv_ref = token_advantage(responses, mask, rewards, index, config=config, backend="reference")
+    one, two = _advantages_at(threads, (1, 2), responses, mask, rewards, index, config=config)
+    torch.testing.assert_close(one, adv_ref, rtol=0, atol=1e-6)
+    assert torch.equal(one, two), "the result depends on the thread count"
+    # same float64 operations as the torch backend: bitwise equal
+    assert torch.equal(one, token_advantage(responses, mask, rewards, index, config=config, backend="torch"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches(), configs)
+def test_equals_torch_backend_on_generated_batches(batch, config):
+    assert torch.equal(token_advantage(*batch, config=config, backend="cpu"),
+                       token_advantage(*batch, config=config, backend="torch"))
+    assert_scores_match(key_token_scores(*batch, config=config, backend="torch"),
+                        key_token_scores(*batch, config=config, backend="cpu"), p_rtol=0, atol=0)
+
+
+def test_one_group_of_1024_rollouts(threads):
+    """Presence by last-seen stamps (G > 64) and a table grid too large to fill up front."""
+    rng = np.random.default_rng(7)
+    responses, mask, rewards, index = make_batch(rng, [1024], 48, 300, zipf=True, p_correct=0.4)
+    config = KTAEConfig()
+    expected = key_token_scores(responses, mask, rewards, index, config=config, backend="reference")
+    assert_scores_match(expected, key_token_scores(responses, mask, rewards, index, config=config, backend="cpu"))
+    one, two = _advantages_at(threads, (1, 2), responses, mask, rewards, index, config=config)
+    torch.testing.assert_close(one, token_advantage(responses, mask, rewards, index, backend="reference"),
+                               rtol=0, atol=1e-6)
+    assert torch.equal(one, two)
+
+
+def test_ids_beyond_the_dense_map_and_at_the_limit():
+    rng = np.random.default_rng(3)
+    responses, mask, rewards, index = make_batch(rng, [6, 6, 5], 40, 50, shuffle=True)
+    responses = torch.where(responses % 3 == 0, responses + (2**31 - 60), responses + (1 << 18) - 20)
+    expected = token_advantage(responses, mask, rewards, index, backend="reference")
+    torch.testing.assert_close(token_advantage(responses, mask, rewards, index, backend="cpu"), expected,
+                               rtol=0, atol=1e-6)
+    assert_scores_match(key_token_scores(responses, mask, rewards, index, backend="reference"),
+                        key_token_scores(responses, mask, rewards, index, backend="cpu"))
+
+
+def test_non_contiguous_inputs():
+    rng = np.random.default_rng(5)
+    responses, mask, rewards, index = make_batch(rng, [4, 4, 4], 30, 40, shuffle=True)
+    wide_r = torch.zeros(12, 60, dtype=torch.int64)
+    wide_r[:, ::2] = responses
+    wide_m = torch.zeros(12, 60, dtype=torch.bool)
+    wide_m[:, ::2] = mask
+    views = {
+        "column-strided": (wide_r[:, ::2], wide_m[:, ::2]),
+        "transposed": (responses.t().contiguous().t(), mask.t().contiguous().t()),
+        "row-strided": (torch.stack([responses, -responses], 1).reshape(24, 30)[::2],
+                        torch.stack([mask, ~mask], 1).reshape(24, 30)[::2]),
+    }
+    expected = token_advantage(responses, mask, rewards, index, backend="torch")
+    for name, (r, m) in views.items():
+        assert not r.is_contiguous(), name
+        assert torch.equal(token_advantage(r, m, rewards, index, backend="cpu"), expected), name
+
+
+@pytest.mark.parametrize("value, message", [(-1, ">= 0"), (2**31, "< 2\\*\\*31")])
+@pytest.mark.parametrize("entry", [key_token_scores, token_advantage])
+def test_out_of_range_ids_under_the_mask_raise(value, message, entry):
+    responses, mask, rewards, index = random_cases(seed=1, small=True)[0][1:]
+    responses = responses.clone()
+    responses[3, 2] = value
+    mask = mask.clone()
+    mask[3, 2] = True
+    with pytest.raises(ValueError, match=message):
+        entry(responses, mask, rewards, index, backend="cpu")
+    mask[3, 2] = False  # under mask 0 the id is never read
+    entry(responses, mask, rewards, index, backend="cpu")
+
+
+def test_empty_batches():
+    for B, L in ((0, 5), (4, 0)):
+        out = token_advantage(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
+                              torch.zeros(B), torch.zeros(B, dtype=torch.int64), backend="cpu")
+        assert out.shape == (B, L) and out.dtype == torch.float32
+
+
+def test_not_built_is_reported_with_how_to_build(monkeypatch):
+    import importlib
+
+    real = importlib.import_module
+
+    def without_kernel(name, *args, **kwargs):
+        if name == "ktae_kernels._cpu":
+            raise ImportError("No module named 'ktae_kernels._cpu'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib, "import_module", without_kernel)
+    assert "cpu" not in available_backends("cpu")
+    assert get_backend("auto", "cpu").__name__ == "ktae_kernels.torch_backend"
+    with pytest.raises(BackendUnavailableError, match="not built.*pip install"):
+        get_backend("cpu", "cpu")
