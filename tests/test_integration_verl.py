@@ -1,9 +1,12 @@
-"""verl adapter against the installed verl: plugin entry point, estimator contract, idempotent
-registration, the legacy trainer's compute_advantage and the v1 trainer's _compute_advantage."""
+"""verl adapter against the installed verl's real code: plugin entry point, estimator contract, task-score
+labels under a KL penalty, start-up validation, every v1 trainer mode left as verl builds it (and fed
+the response ids), multi-output agent sessions as verl's GRPO, the legacy trainer, ktae/ metrics."""
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -19,28 +22,38 @@ from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 
 from cases import random_cases  # noqa: E402
-from ktae_kernels import KTAEConfig, token_advantage  # noqa: E402
+from ktae_kernels import KTAEConfig, key_token_scores, token_advantage  # noqa: E402
 from ktae_kernels.integrations import verl as ktae_verl  # noqa: E402
+from ktae_kernels.metrics import ktae_metrics  # noqa: E402
 
 SETTINGS = {"alpha": 1.0, "beta": 2.0, "ignore_token_ids": [3], "backend": "torch"}
 KTAE = KTAEConfig(alpha=1.0, beta=2.0, ignore_token_ids=(3,))
+MODES = ("sync", "colocate_async", "separate_async")
+METRIC_KEYS = {"ktae/score_abs_mean", "ktae/key_token_share", "ktae/mixed_group_share", "ktae/time_ms"}
 
 
 def _verl_batch(seed: int = 0):
-    """(responses, response_mask float, token_level_rewards [bs, T] with the reward on the last
+    """(responses, response_mask float, token_level_scores [bs, T] with the score on the last
     response token, uid object array), as verl builds them."""
     _, responses, mask, rewards, index = random_cases(seed=seed, small=True)[1]
     lengths = mask.sum(1).clamp(min=1)  # right-padded responses of at least one token
     mask = torch.arange(mask.shape[1])[None, :] < lengths[:, None]
-    token_rewards = torch.zeros(mask.shape, dtype=torch.float32)
-    token_rewards[torch.arange(mask.shape[0]), lengths - 1] = rewards
+    token_scores = torch.zeros(mask.shape, dtype=torch.float32)
+    token_scores[torch.arange(mask.shape[0]), lengths - 1] = rewards
     uid = np.array([f"uid-{int(g)}-{seed}" for g in index], dtype=object)
-    return responses, mask.float(), token_rewards, uid
+    return responses, mask.float(), token_scores, uid
+
+
+def _kl_rewards(token_scores, mask, seed=0):
+    """``token_level_scores - beta * kl`` as verl's apply_kl_penalty writes them."""
+    kl = torch.rand(mask.shape, generator=torch.Generator().manual_seed(seed)) * mask
+    return token_scores - 0.3 * kl
 
 
 def _algorithm(**extra):
+    ktae = dict(SETTINGS, **extra.pop("ktae", {}))
     return OmegaConf.create({"adv_estimator": "ktae", "norm_adv_by_std_in_grpo": True, "gamma": 1.0, "lam": 1.0,
-                             "use_kl_in_reward": False, "ktae": dict(SETTINGS), **extra})
+                             "use_kl_in_reward": False, "ktae": ktae, **extra})
 
 
 def test_entry_point_registers_on_import_verl():
@@ -54,30 +67,57 @@ def test_entry_point_registers_on_import_verl():
 
 
 def test_estimator_contract_matches_token_advantage():
-    responses, mask, token_rewards, uid = _verl_batch()
+    responses, mask, scores, uid = _verl_batch()
     fn = core_algos.get_adv_estimator_fn("ktae")
-    adv, ret = fn(token_level_rewards=token_rewards, response_mask=mask, config=_algorithm(), index=uid,
+    adv, ret = fn(token_level_rewards=scores, response_mask=mask, config=_algorithm(), index=uid,
                   responses=responses, reward_baselines=None)
-    expected = token_advantage(responses, mask, token_rewards.sum(1), uid, config=KTAE)
+    expected = token_advantage(responses, mask, scores.sum(1), uid, config=KTAE)
     assert adv.dtype == torch.float32 and adv.shape == mask.shape and ret is adv
     assert torch.equal(adv, expected)
     with ktae_verl.provide_responses(responses):
-        dr, _ = fn(token_level_rewards=token_rewards, response_mask=mask, index=uid,
+        dr, _ = fn(token_level_rewards=scores, response_mask=mask, index=uid,
                    config=_algorithm(norm_adv_by_std_in_grpo=False))
-    mean = token_advantage(responses, mask, token_rewards.sum(1), uid, config=KTAEConfig(
+    mean = token_advantage(responses, mask, scores.sum(1), uid, config=KTAEConfig(
         alpha=1.0, beta=2.0, ignore_token_ids=(3,), baseline="mean"))
     assert torch.equal(dr, mean) and not torch.equal(dr, adv)
 
 
+@pytest.mark.parametrize("norm", [True, False])
+def test_rollout_advantage_is_verls_grpo(norm):
+    responses, mask, scores, uid = _verl_batch(seed=4)
+    rewards = _kl_rewards(scores, mask)
+    adv, _ = ktae_verl.compute_ktae_advantage(rewards, mask, index=uid, responses=responses, token_level_scores=scores,
+                                              config=_algorithm(norm_adv_by_std_in_grpo=norm, ktae={"weight": 0.0}))
+    grpo, _ = core_algos.compute_grpo_outcome_advantage(rewards, mask, uid, norm_adv_by_std_in_grpo=norm)
+    torch.testing.assert_close(adv, grpo, rtol=1e-5, atol=1e-6)
+
+
+def test_correct_wrong_from_task_score_under_kl_penalty():
+    responses, mask, scores, uid = _verl_batch(seed=5)
+    rewards = _kl_rewards(scores, mask, seed=5)
+    flips = ((rewards.sum(1) > 0) != (scores.sum(1) > 0)).sum()
+    assert flips > 0, "the KL penalty should move some rollouts across the threshold in this batch"
+    adv, _ = ktae_verl.compute_ktae_advantage(rewards, mask, index=uid, responses=responses, token_level_scores=scores,
+                                              config=_algorithm())
+    expected = token_advantage(responses, mask, rewards, uid, config=KTAE, correct=scores.sum(1) > 0)
+    assert torch.equal(adv, expected)
+    by_reward = token_advantage(responses, mask, rewards, uid, config=KTAE)
+    assert not torch.equal(adv, by_reward)
+
+
 def test_missing_inputs_and_bad_settings_are_named():
-    responses, mask, token_rewards, uid = _verl_batch()
-    with pytest.raises(ValueError, match="VERL_USE_EXTERNAL_MODULES"):
-        ktae_verl.compute_ktae_advantage(token_rewards, mask, index=uid, config=None)
+    responses, mask, scores, uid = _verl_batch()
+    with pytest.raises(ValueError, match="response token ids"):
+        ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=None)
     with pytest.raises(ValueError, match="index"):
-        ktae_verl.compute_ktae_advantage(token_rewards, mask, config=None, responses=responses)
+        ktae_verl.compute_ktae_advantage(scores, mask, config=None, responses=responses)
     with pytest.raises(ValueError, match="algorithm.ktae has unknown keys \\['alhpa'\\]"):
-        ktae_verl.compute_ktae_advantage(token_rewards, mask, index=uid, responses=responses,
+        ktae_verl.compute_ktae_advantage(scores, mask, index=uid, responses=responses,
                                          config=OmegaConf.create({"ktae": {"alhpa": 1.0}}))
+    with pytest.raises(ValueError, match="algorithm.ktae: KTAEConfig.alpha"):
+        ktae_verl.ktae_settings(OmegaConf.create({"ktae": {"alpha": -1.0}}))
+    with pytest.raises(ValueError, match="algorithm.ktae.metrics"):
+        ktae_verl.ktae_settings(OmegaConf.create({"ktae": {"metrics": "all"}}))
 
 
 def test_registering_twice_and_reloading_do_not_raise(monkeypatch):
@@ -85,32 +125,79 @@ def test_registering_twice_and_reloading_do_not_raise(monkeypatch):
     ktae_verl.register()
     reloaded = importlib.reload(ktae_verl)
     assert core_algos.get_adv_estimator_fn("ktae") is reloaded.compute_ktae_advantage
+    assert sum(type(f).__name__ == "_AfterImport" for f in sys.meta_path) == 1
     monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "ktae", lambda **kw: None)
     with pytest.raises(ValueError, match="already registered"):
         reloaded.register()
 
 
-def test_legacy_compute_advantage_passes_responses():
-    ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer", reason="verl trainer deps missing: '.[verl]'")
-    importlib.import_module("ktae_kernels.integrations.verl_trainers")
-    responses, mask, token_rewards, uid = _verl_batch(seed=1)
-    data = DataProto.from_dict(tensors={"responses": responses, "response_mask": mask,
-                                        "token_level_rewards": token_rewards}, non_tensors={"uid": uid})
-    out = ray_trainer.compute_advantage(data, adv_estimator="ktae", config=_algorithm())
-    expected = token_advantage(responses, mask, token_rewards.sum(1), uid, config=KTAE)
-    assert torch.equal(out.batch["advantages"], expected) and torch.equal(out.batch["returns"], expected)
-    grpo = ray_trainer.compute_advantage(data, adv_estimator="grpo", config=_algorithm())
-    ref, _ = core_algos.compute_grpo_outcome_advantage(token_rewards, mask, uid)
-    assert torch.equal(grpo.batch["advantages"], ref)
+# ------------------------------------------------------------------------------- start-up validation
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose("ppo_trainer", overrides=list(overrides))
+
+
+def test_validate_config_rejects_a_typo_before_anything_starts():
+    from verl.utils import config as verl_config
+
+    assert getattr(verl_config.validate_config, "ktae_wrapped", False)
+    bad = _compose("algorithm.adv_estimator=ktae", "+algorithm.ktae.alhpa=2.0")
+    with pytest.raises(ValueError, match="algorithm.ktae has unknown keys \\['alhpa'\\]"):
+        verl_config.validate_config(bad, use_reference_policy=False, use_critic=False)
+    ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae", "+algorithm.ktae.alpha=2.0"))
+    ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=grpo", "+algorithm.ktae.alhpa=2.0"))
+
+
+@pytest.mark.slow
+def test_main_ppo_fails_on_a_typo_before_ray_starts():
+    """``python -m verl.trainer.main_ppo`` as a user runs it: the typo stops it in the Hydra driver."""
+    proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=ktae",
+                           "+algorithm.ktae.alhpa=2.0", "trainer.n_gpus_per_node=1"],
+                          capture_output=True, text=True, timeout=240, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode != 0
+    assert "algorithm.ktae has unknown keys ['alhpa']" in proc.stderr + proc.stdout
+    assert "ray.init" not in proc.stderr and "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+# ------------------------------------------------------------------------------------ v1 trainer modes
+def _mode_config(mode, estimator):
+    extra = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
+             "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "data.train_batch_size=1024",
+             "actor_rollout_ref.actor.ppo_mini_batch_size=256"] if mode == "separate_async" else []
+    return _compose(f"trainer.v1.trainer_mode={mode}", f"algorithm.adv_estimator={estimator}", *extra)
+
+
+def _summary(trainer):
+    rb = trainer.replay_buffer
+    simple = {k: v for k, v in vars(rb).items() if isinstance(v, (int, float, str, bool, type(None)))}
+    return type(trainer), type(rb), simple, trainer.parameter_sync_step, trainer.trainer_mode
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_v1_trainer_is_verls_own_for_every_mode(mode):
+    trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base", reason="verl v1 deps missing: '.[verl]'")
+    cls = trainer_base.get_trainer_cls(mode)
+    assert cls.__module__.startswith("verl.") and not any(n.startswith("ktae") for n in trainer_base.TRAINER_REGISTRY)
+    assert "_compute_advantage" not in vars(cls)  # every mode inherits the one wrapped method
+    assert getattr(trainer_base.PPOTrainer._compute_advantage, "ktae_wrapped", False)
+    with_ktae = _summary(cls(_mode_config(mode, "ktae")))
+    without = _summary(cls(_mode_config(mode, "grpo")))
+    assert with_ktae == without
+    if mode == "separate_async":
+        assert with_ktae[3] == 4  # verl's trainer.v1.separate_async.parameter_sync_step
 
 
 class _FakeTransferQueue:
     """The two TransferQueue calls verl's v1 ``_compute_advantage`` makes, over one TensorDict."""
 
     def __init__(self, store):
-        self.store, self.put = store, None
+        self.store, self.put, self.gets = store, None, []
 
     def kv_batch_get(self, keys, partition_id, select_fields):
+        self.gets.append(list(select_fields))
         return self.store.select(*[f for f in select_fields if f in self.store.keys()])
 
     def kv_batch_put(self, keys, partition_id, fields):
@@ -126,29 +213,151 @@ class _Meta:
         return len(self.keys)
 
 
-def test_v1_trainer_mode_fetches_responses(monkeypatch):
+def _run_v1(monkeypatch, mode, responses, mask, scores, uid, keys, algorithm):
+    """verl's real v1 ``_compute_advantage`` of ``mode`` over a fake TransferQueue; returns
+    (advantages padded, metrics dict, fake queue)."""
     trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base", reason="verl v1 deps missing: '.[verl]'")
-    import transfer_queue
     from tensordict import TensorDict
     from tensordict.tensorclass import NonTensorStack
 
-    trainers = importlib.import_module("ktae_kernels.integrations.verl_trainers")
-    cls = trainer_base.get_trainer_cls("ktae_sync")
-    assert cls is trainers.KTAEPPOTrainerSync and issubclass(cls, trainers.KTAEResponsesMixin)
-    responses, mask, token_rewards, uid = _verl_batch(seed=2)
     lengths = mask.long().sum(1).tolist()
     nested = lambda t: torch.nested.as_nested_tensor([row[:n] for row, n in zip(t, lengths)], layout=torch.jagged)  # noqa: E731
     store = TensorDict({"responses": nested(responses), "response_mask": nested(mask.long()),
-                        "rm_scores": nested(token_rewards), "uid": NonTensorStack(*uid.tolist())},
-                       batch_size=len(uid))
+                        "rm_scores": nested(scores), "uid": NonTensorStack(*uid.tolist())}, batch_size=len(uid))
     fake = _FakeTransferQueue(store)
     monkeypatch.setattr(trainer_base, "tq", fake)
-    monkeypatch.setattr(transfer_queue, "kv_batch_get", fake.kv_batch_get)
-    trainer = object.__new__(cls)  # _compute_advantage reads only the config
-    trainer.config = OmegaConf.create({"algorithm": _algorithm(), "actor_rollout_ref": {"rollout": {"n": 4}}})
-    keys = [f"{u}_0_{i}" for i, u in enumerate(uid)]
+    trainer = object.__new__(trainer_base.get_trainer_cls(mode))  # _compute_advantage reads only the config
+    trainer.config = OmegaConf.create({"algorithm": algorithm, "actor_rollout_ref": {"rollout": {"n": 4}}})
+    if algorithm.use_kl_in_reward:
+        trainer.kl_ctrl_in_reward = core_algos.FixedKLController(kl_coef=0.3)
+    metrics = {}
+    trainer._compute_advantage(_Meta(keys), metrics=metrics)
+    return fake.put["advantages"].to_padded_tensor(padding=0.0), metrics, fake
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_v1_compute_advantage_gets_the_ids_in_every_mode(monkeypatch, mode):
+    responses, mask, scores, uid = _verl_batch(seed=2)
+    keys = [f"{u}_{i}_0" for i, u in enumerate(uid)]  # one output per session
+    got, metrics, fake = _run_v1(monkeypatch, mode, responses, mask, scores, uid, keys, _algorithm())
+    T = got.shape[1]
+    expected = token_advantage(responses[:, :T], mask[:, :T], scores.sum(1), uid, config=KTAE)
+    assert torch.equal(got, expected)
+    assert ["responses", "rm_scores"] in fake.gets
+    assert METRIC_KEYS <= set(metrics)
+    grpo, grpo_metrics, fake = _run_v1(monkeypatch, mode, responses, mask, scores, uid, keys,
+                                       _algorithm(adv_estimator="grpo"))
+    assert ["responses", "rm_scores"] not in fake.gets and not any(k.startswith("ktae/") for k in grpo_metrics)
+
+
+def test_v1_kl_in_reward_labels_by_task_score(monkeypatch):
+    """With use_kl_in_reward verl's own apply_kl_penalty runs; labels stay the task score's."""
+    responses, mask, scores, uid = _verl_batch(seed=6)
+    keys = [f"{u}_{i}_0" for i, u in enumerate(uid)]
+    algorithm = _algorithm(use_kl_in_reward=True, kl_penalty="kl")
+    # apply_kl_penalty needs old and reference log-probs
+    g = torch.Generator().manual_seed(0)
+    old, ref = torch.randn(mask.shape, generator=g), torch.randn(mask.shape, generator=g)
+    trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base")
+    lengths = mask.long().sum(1).tolist()
+    from tensordict import TensorDict
+    from tensordict.tensorclass import NonTensorStack
+    nested = lambda t: torch.nested.as_nested_tensor([row[:n] for row, n in zip(t, lengths)], layout=torch.jagged)  # noqa: E731
+    store = TensorDict({"responses": nested(responses), "response_mask": nested(mask.long()),
+                        "rm_scores": nested(scores), "old_log_probs": nested(old), "ref_log_prob": nested(ref),
+                        "uid": NonTensorStack(*uid.tolist())}, batch_size=len(uid))
+    fake = _FakeTransferQueue(store)
+    monkeypatch.setattr(trainer_base, "tq", fake)
+    trainer = object.__new__(trainer_base.get_trainer_cls("sync"))
+    trainer.config = OmegaConf.create({"algorithm": algorithm, "actor_rollout_ref": {"rollout": {"n": 4}}})
+    trainer.kl_ctrl_in_reward = core_algos.FixedKLController(kl_coef=0.3)
     trainer._compute_advantage(_Meta(keys), metrics={})
     got = fake.put["advantages"].to_padded_tensor(padding=0.0)
+    rewards = fake.put["token_level_rewards"].to_padded_tensor(padding=0.0)
     T = got.shape[1]
-    expected = token_advantage(responses[:, :T], mask[:, :T], token_rewards.sum(1), uid, config=KTAE)
-    assert torch.equal(got, expected)
+    assert not torch.equal(rewards.sum(1), scores[:, :T].sum(1))
+    expected = token_advantage(responses[:, :T], mask[:, :T], rewards, uid, config=KTAE, correct=scores.sum(1) > 0)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_v1_multi_output_sessions_group_final_outputs_as_verls_grpo(monkeypatch):
+    """Agent loops with several outputs per session: groups hold the final outputs only; the other
+    outputs get their session's A_i and the (uid, token) scores of the final outputs' tables."""
+    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+
+    responses, mask, scores, uid = _verl_batch(seed=3)
+    B = len(uid)
+    # sessions of 1-3 outputs; each session's outputs are consecutive rows with the same uid
+    keys, session_of, s = [], [], 0
+    i = 0
+    while i < B:
+        n = 1 + (s % 3)
+        rows = [r for r in range(i, min(i + n, B)) if uid[r] == uid[i]]
+        for k, r in enumerate(rows):
+            keys.append(f"{uid[r]}_{s}_{k}")
+            session_of.append(s)
+        i += len(rows)
+        s += 1
+    session_of = np.array(session_of)
+    final = np.array([r for r in range(B) if r == max(np.nonzero(session_of == session_of[r])[0])])
+    assert len(final) < B
+
+    got, metrics, _ = _run_v1(monkeypatch, "sync", responses, mask, scores, uid, keys, _algorithm())
+    T = got.shape[1]
+    r, m = responses[:, :T], mask[:, :T]
+    # A_i: exactly what verl's GRPO gives every row (weight 0)
+    zero, _, _ = _run_v1(monkeypatch, "sync", responses, mask, scores, uid, keys, _algorithm(ktae={"weight": 0.0}))
+    data = DataProto.from_dict(tensors={"response_mask": m, "token_level_rewards": scores[:, :T]},
+                               non_tensors={"uid": uid})
+    grpo = compute_advantage_for_multi_trajectories(data, batch_keys=keys, adv_estimator=core_algos.AdvantageEstimator.GRPO)
+    torch.testing.assert_close(zero, grpo.batch["advantages"], rtol=1e-5, atol=1e-6)
+    # final rows: KTAE over the final outputs alone
+    alone = token_advantage(r[final], m[final], scores[final].sum(1), uid[final], config=KTAE)
+    torch.testing.assert_close(got[final], alone, rtol=0, atol=1e-6)
+    # other rows: their session's A_i + the group's score of each token
+    kts = key_token_scores(r[final], m[final], scores[final].sum(1), uid[final], config=KTAE)
+    dense = {lab: k for k, lab in enumerate(kts.group_labels)}
+    table = {(int(g), int(t)): float(sc) for g, t, sc in zip(kts.group, kts.token, kts.score)}
+    for row in set(range(B)) - set(final.tolist()):
+        base = float(zero[row][m[row].bool()][0]) if m[row].any() else 0.0
+        for t in range(T):
+            want = (base + table.get((dense[uid[row]], int(r[row, t])), 0.0)) if m[row, t] else 0.0
+            assert float(got[row, t]) == pytest.approx(want, abs=1e-5)
+    assert METRIC_KEYS | {"ktae/distinct_tokens_per_group"} <= set(metrics)
+    assert metrics["ktae/distinct_tokens_per_group"] == pytest.approx(ktae_metrics(kts)["ktae/distinct_tokens_per_group"])
+
+
+# ------------------------------------------------------------------------------------ legacy trainer
+def test_legacy_compute_advantage_passes_responses_scores_and_metrics():
+    ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer", reason="verl trainer deps missing: '.[verl]'")
+    responses, mask, scores, uid = _verl_batch(seed=1)
+    rewards = _kl_rewards(scores, mask, seed=1)
+    prompts = torch.ones(len(uid), 3, dtype=torch.long)
+    data = DataProto.from_dict(tensors={"responses": responses, "response_mask": mask, "token_level_scores": scores,
+                                        "token_level_rewards": rewards, "prompts": prompts,
+                                        "attention_mask": torch.cat([torch.ones_like(prompts), mask.long()], 1)},
+                               non_tensors={"uid": uid})
+    out = ray_trainer.compute_advantage(data, adv_estimator="ktae", config=_algorithm(ktae={"metrics": "scores"}))
+    expected = token_advantage(responses, mask, rewards, uid, config=KTAE, correct=scores.sum(1) > 0)
+    assert torch.equal(out.batch["advantages"], expected) and torch.equal(out.batch["returns"], expected)
+    logged = ray_trainer.compute_data_metrics(batch=out, use_critic=False)
+    assert METRIC_KEYS | {"ktae/distinct_tokens_per_group"} <= set(logged) and "critic/score/mean" in logged
+    assert "ktae_metrics" not in out.meta_info
+    grpo = ray_trainer.compute_advantage(data, adv_estimator="grpo", config=_algorithm())
+    ref, _ = core_algos.compute_grpo_outcome_advantage(rewards, mask, uid)
+    assert torch.equal(grpo.batch["advantages"], ref)
+
+
+def test_metrics_modes():
+    responses, mask, scores, uid = _verl_batch(seed=7)
+    for mode, names in [("off", set()), ("advantages", METRIC_KEYS),
+                        ("scores", METRIC_KEYS | {"ktae/distinct_tokens_per_group"})]:
+        step = ktae_verl.StepInputs(responses=responses, scores=scores, metrics={})
+        with ktae_verl.provide_step(step):
+            ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=_algorithm(ktae={"metrics": mode}))
+        assert set(step.metrics) == names, mode
+    cheap, full = ({k: v for k, v in s.items() if k != "ktae/time_ms"} for s in (
+        ktae_verl.ktae_step(responses, mask, scores, uid, ktae_verl.ktae_settings(_algorithm(ktae={"metrics": m})))[1]
+        for m in ("advantages", "scores")))
+    for k, v in cheap.items():
+        assert full[k] == pytest.approx(v, abs=1e-5)
