@@ -20,7 +20,7 @@ from ktae_kernels.backends import BackendUnavailableError, get_backend
 
 UPSTREAM = "upstream-style"
 #: every contender name, in table order.
-ALL_NAMES: tuple[str, ...] = ("reference", UPSTREAM, "torch", "triton", "cuda")
+ALL_NAMES: tuple[str, ...] = ("reference", UPSTREAM, "torch", "cpu", "triton", "cuda")
 #: the library configuration benchmarked: defaults, with Qwen's pad id ignored as upstream did.
 BENCH_CONFIG = ktae_kernels.KTAEConfig(ignore_token_ids=(PAD_ID,))
 

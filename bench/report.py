@@ -3,8 +3,10 @@
 Columns: ``time`` is the median wall time of the whole batch (``~``: extrapolated from the first
 groups); ``Mtok/s`` counts real (masked) response tokens; ``x ref`` / ``x upstream`` are the
 speed-ups against the scipy reference and the upstream-style loop on the same batch (``~`` when
-either side is extrapolated); ``max|d| ref`` is the largest difference from the reference's
-advantages on the groups both ran.
+either side is extrapolated); ``x floor`` is the time over the machine's memory floor for the same
+batch, measured in the same run (``bench.floor``: one read of ids and mask, one float32 write);
+``peak MB`` is the extra memory of one call at its peak (output included); ``max|d| ref`` is the
+largest difference from the reference's advantages on the groups both ran.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from pathlib import Path
 from bench.contenders import UPSTREAM
 from bench.runner import Result
 
-COLUMNS = ("G", "P", "L", "tokens", "backend", "time", "Mtok/s", "x ref", "x upstream", "max|d| ref", "note")
+COLUMNS = ("G", "P", "L", "tokens", "backend", "time", "Mtok/s", "x ref", "x upstream", "x floor", "peak MB",
+           "max|d| ref", "note")
 
 
 def speedups(results: list[Result]) -> dict[tuple, dict]:
@@ -69,11 +72,13 @@ def format_table(results: list[Result]) -> str:
         time = ("~" if r.extrapolated else "") + format_time(r.seconds) if r.status == "ok" else r.status
         rate = f"{r.tokens_per_s / 1e6:.3g}" if r.tokens_per_s else "-"
         diff = f"{r.max_abs_diff_vs_reference:.1e}" if r.max_abs_diff_vs_reference is not None else "-"
+        floor = format_ratio(r.x_floor) if r.x_floor else "-"
+        peak = f"{r.peak_extra_bytes / 1e6:,.0f}" if r.peak_extra_bytes is not None else "-"
         rows.append((str(r.shape.G), str(r.shape.prompts), str(r.shape.L), f"{r.tokens:,}" if r.tokens else "-",
                      r.backend, time, rate, _speedup(sp["vs_reference"], sp["vs_reference_extrapolated"]),
-                     _speedup(sp["vs_upstream"], sp["vs_upstream_extrapolated"]), diff, note))
+                     _speedup(sp["vs_upstream"], sp["vs_upstream_extrapolated"]), floor, peak, diff, note))
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
-    line = lambda cells: "  ".join(c.rjust(w) if i < 4 or 5 <= i <= 9 else c.ljust(w)  # noqa: E731
+    line = lambda cells: "  ".join(c.rjust(w) if i < 4 or 5 <= i <= 11 else c.ljust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     out = [line(COLUMNS), line(tuple("-" * w for w in widths))]
     previous = None
@@ -102,6 +107,7 @@ def result_json(results: list[Result]) -> list[dict]:
             "speedup_vs_reference_extrapolated": sp["vs_reference_extrapolated"],
             "speedup_vs_upstream_extrapolated": sp["vs_upstream_extrapolated"],
             "max_abs_diff_vs_reference": r.max_abs_diff_vs_reference,
+            "memory_floor_s": r.floor_s, "x_memory_floor": r.x_floor, "peak_extra_bytes": r.peak_extra_bytes,
         })
     return rows
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from bench.contenders import Contender, make_contender, unavailable_reason
 from bench.data import BenchBatch, Shape, batch_tokens, make_batch
+from bench.floor import memory_floor_s, peak_extra_bytes
 from bench.grid import Budget
 from bench.timing import MIN_GROUPS, Timing, measure_per_group, measure_vectorised
 
@@ -42,6 +43,13 @@ class Result:
     groups: int | None = None
     extrapolated: bool = False
     max_abs_diff_vs_reference: float | None = None
+    floor_s: float | None = None
+    peak_extra_bytes: int | None = None
+
+    @property
+    def x_floor(self) -> float | None:
+        """Time over the machine's memory floor for this batch (measured in the same run)."""
+        return self.seconds / self.floor_s if self.seconds and self.floor_s and not self.extrapolated else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -62,6 +70,8 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
         plan = [(name, _not_run(name, shape, device, budget), _cached(loops, name, shape)) for name in names]
         batch = _batch_for(shape, [n for n, skip, hit in plan if skip is None and hit is None], seed, device)
         tokens = batch_tokens(shape, seed)
+        full = batch is not None and batch.responses.shape[0] == shape.B
+        floor = memory_floor_s(batch, device) if full else None
         reference: tuple[int, Tensor] | None = None
         for name, not_run, hit in plan:
             bar.set_postfix_str(f"{shape} {name}")
@@ -77,6 +87,9 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
                 if isinstance(timing, Timing) and contender.per_group:
                     loops[(name, shape.G, shape.L)] = timing
             result = _result(shape, name, timing, tokens)
+            result.floor_s = floor
+            if result.status == "ok" and not contender.per_group and hit is None:
+                result.peak_extra_bytes = peak_extra_bytes(lambda: contender.run(batch), device)
             output = timing.output if isinstance(timing, Timing) else None
             if name == "reference" and output is not None:
                 reference = (result.groups, output.cpu())

@@ -350,6 +350,27 @@ PyObject* rows(PyObject*, PyObject* args) {
   return PyBool_FromLong(!bad);
 }
 
+// floor(ids, ids_stride, mask, mask_stride, B, L, out, threads): out[i, t] = mask ? float(id) : 0, the
+// least any implementation must do (read the ids and the mask once, write float32 once); the
+// benchmark's memory floor.
+PyObject* floor_pass(PyObject*, PyObject* args) {
+  unsigned long long ids, mask, out;
+  long long ids_stride, mask_stride, B, L;
+  int threads;
+  if (!PyArg_ParseTuple(args, "KLKLLLKi", &ids, &ids_stride, &mask, &mask_stride, &B, &L, &out, &threads))
+    return nullptr;
+  const int64_t* id = ptr<const int64_t>(ids);
+  const uint8_t* m = ptr<const uint8_t>(mask);
+  float* o = ptr<float>(out);
+  Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) num_threads(clamp_threads(threads))
+  for (long long i = 0; i < B; ++i)
+    for (long long t = 0; t < L; ++t)
+      o[i * L + t] = m[i * mask_stride + t] ? static_cast<float>(id[i * ids_stride + t]) : 0.0f;
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
 PyObject* openmp(PyObject*, PyObject*) {
 #ifdef _OPENMP
   Py_RETURN_TRUE;
@@ -361,6 +382,7 @@ PyObject* openmp(PyObject*, PyObject*) {
 PyMethodDef kMethods[] = {
     {"advantage", advantage, METH_VARARGS, "Fused count, score and write of the [B, L] advantages."},
     {"rows", rows, METH_VARARGS, "Per-group (token, a, b, f_c, f_w) rows sorted by token, and T_c, T_w."},
+    {"floor", floor_pass, METH_VARARGS, "The memory floor: read ids and mask once, write float32 once."},
     {"openmp", openmp, METH_NOARGS, "Whether the module was built with OpenMP."},
     {nullptr, nullptr, 0, nullptr},
 };
