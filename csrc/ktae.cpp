@@ -6,6 +6,8 @@
 // links with the CPU emulator of the kernels for the tests.
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -41,12 +43,13 @@ T* ptr(const Tensor& t) {
 // argument). Optional tensors are needed only by some modes / table kinds.
 void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tensor& mask,
             const Tensor& members, const Tensor& starts, const Tensor& correct,
-            const Tensor& group_counts, const Tensor& log_fact, const Tensor& ignore_ids,
-            const Tensor& block_group, int64_t words, int64_t shared_capacity,
+            const Tensor& group_counts, const OptTensor& table_index, const OptTensor& table_values,
+            const Tensor& ignore_ids, const Tensor& block_group, int64_t blocks, bool skip_done,
+            int64_t words, int64_t shared_capacity,
             const OptTensor& ws_keys, const OptTensor& ws_counts, const OptTensor& ws_presence,
             const OptTensor& ws_offset, const OptTensor& ws_capacity,
             const std::vector<double>& params, bool use_tf, const Tensor& status,
-            const OptTensor& row_offset, const OptTensor& row_ints, const OptTensor& row_reals,
+            const OptTensor& row_offset, const OptTensor& row_ints,
             const OptTensor& base, const OptTensor& advantage, const OptTensor& given_token,
             const OptTensor& given_score, int64_t threads, int64_t shared_bytes, int64_t stream) {
   TORCH_CHECK(mode == ktae::kCount || mode == ktae::kRows || mode == ktae::kAdvantage,
@@ -58,7 +61,7 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   const at::Device device = responses.device();
   const int64_t B = responses.size(0), L = responses.size(1);
   const int64_t n_groups = starts.numel() - 1;
-  const int64_t n_blocks = block_group.numel();
+  const int64_t n_items = block_group.numel();
   TORCH_CHECK(n_groups >= 0, "ktae_kernels._C: `starts` must hold n_groups + 1 offsets");
   check(responses, "responses", at::kLong, {B, L}, device);
   check(mask, "mask", at::kBool, {B, L}, device);
@@ -66,11 +69,11 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   check(starts, "starts", at::kLong, {n_groups + 1}, device);
   check(correct, "correct", at::kBool, {B}, device);
   check(group_counts, "group_counts", at::kLong, {4, n_groups}, device);
-  check(log_fact, "log_fact", at::kDouble, {log_fact.numel()}, device);
   check(ignore_ids, "ignore_ids", at::kLong, {ignore_ids.numel()}, device);
-  check(block_group, "block_group", at::kLong, {n_blocks}, device);
+  check(block_group, "block_group", at::kLong, {n_items}, device);
   check(status, "status", at::kLong, {n_groups}, device);
-  TORCH_CHECK(log_fact.numel() > 0, "ktae_kernels._C: `log_fact` must hold log(k!) for k = 0..G_max");
+  TORCH_CHECK(blocks >= 1 && blocks <= std::max<int64_t>(n_items, 1) && blocks <= std::numeric_limits<int32_t>::max(),
+              "ktae_kernels._C: `blocks` must be in [1, len(block_group)], got ", blocks);
   TORCH_CHECK(words >= 1, "ktae_kernels._C: `words` must be >= 1, got ", words);
   TORCH_CHECK(params.size() == 6, "ktae_kernels._C: `params` must be [alpha, beta, k1, b, top, weight]");
   TORCH_CHECK(threads >= 32 && threads <= ktae::kMaxThreads && threads % 32 == 0,
@@ -85,10 +88,11 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   args.correct = ptr<bool>(correct);
   args.group_counts = ptr<int64_t>(group_counts);
   args.n_groups = n_groups;
-  args.log_fact = ptr<double>(log_fact);
   args.ignore_ids = ptr<int64_t>(ignore_ids);
   args.n_ignore = ignore_ids.numel();
   args.block_group = ptr<int64_t>(block_group);
+  args.n_items = n_items;
+  args.skip_done = skip_done;
   args.words = static_cast<int32_t>(words);
   args.alpha = params[0];
   args.beta = params[1];
@@ -112,8 +116,8 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
     check(keys, "ws_keys", at::kInt, {slots}, device);
     check(required(ws_counts, "ws_counts", when), "ws_counts", at::kLong, {slots}, device);
     check(required(ws_presence, "ws_presence", when), "ws_presence", at::kInt, {slots * words}, device);
-    check(required(ws_offset, "ws_offset", when), "ws_offset", at::kLong, {n_blocks}, device);
-    check(required(ws_capacity, "ws_capacity", when), "ws_capacity", at::kLong, {n_blocks}, device);
+    check(required(ws_offset, "ws_offset", when), "ws_offset", at::kLong, {n_items}, device);
+    check(required(ws_capacity, "ws_capacity", when), "ws_capacity", at::kLong, {n_items}, device);
     TORCH_CHECK(shared_bytes >= ktae::header_bytes(words), "ktae_kernels._C: `shared_bytes` is too small");
     args.ws_keys = reinterpret_cast<uint32_t*>(ptr<int32_t>(keys));
     args.ws_counts = reinterpret_cast<unsigned long long*>(ptr<int64_t>(*ws_counts));
@@ -127,10 +131,8 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
     const int64_t n_rows = required(row_ints, "row_ints", when).size(-1);
     check(required(row_offset, "row_offset", when), "row_offset", at::kLong, {n_groups + 1}, device);
     check(*row_ints, "row_ints", at::kLong, {ktae::kRowInts, n_rows}, device);
-    check(required(row_reals, "row_reals", when), "row_reals", at::kDouble, {ktae::kRowReals, n_rows}, device);
     args.row_offset = ptr<int64_t>(*row_offset);
     args.row_ints = ptr<int64_t>(*row_ints);
-    args.row_reals = ptr<double>(*row_reals);
     args.n_rows = n_rows;
   } else if (mode == ktae::kAdvantage) {
     const char* when = "in advantage mode";
@@ -150,11 +152,21 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
       args.given_token = ptr<int64_t>(*given_token);
       args.given_score = ptr<double>(*given_score);
       args.n_rows = n_rows;
+    } else {
+      const char* how = "in advantage mode without given scores";
+      const Tensor& index = required(table_index, "table_index", how);
+      const Tensor& values = required(table_values, "table_values", how);
+      check(index, "table_index", at::kLong, {2, n_groups}, device);
+      TORCH_CHECK(values.dim() == 2, "ktae_kernels._C: `table_values` must be [2, table_size], got ", values.sizes());
+      check(values, "table_values", at::kDouble, {2, values.size(1)}, device);
+      args.table_index = ptr<int64_t>(index);
+      args.table_values = ptr<double>(values);
+      args.table_size = values.size(-1);
     }
   }
 
-  if (n_blocks == 0) return;
-  const int err = ktae::launch_group_kernel(args, static_cast<ktae::Mode>(mode), shared_table, n_blocks,
+  if (n_items == 0) return;
+  const int err = ktae::launch_group_kernel(args, static_cast<ktae::Mode>(mode), shared_table, blocks,
                                             static_cast<int>(threads), shared_bytes,
                                             reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
   TORCH_CHECK(err == 0, "ktae_kernels._C: kernel launch failed: ", ktae::error_string(err));
@@ -173,13 +185,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "KTAE group kernels (csrc/): one thread block per group of rollouts.";
   m.def("launch", &launch, "One pass of the group kernel (see csrc/ktae_kernels.h).", py::arg("mode"),
         py::arg("shared_table"), py::arg("responses"), py::arg("mask"), py::arg("members"),
-        py::arg("starts"), py::arg("correct"), py::arg("group_counts"), py::arg("log_fact"),
-        py::arg("ignore_ids"), py::arg("block_group"), py::arg("words"), py::arg("shared_capacity"),
+        py::arg("starts"), py::arg("correct"), py::arg("group_counts"), py::arg("table_index"),
+        py::arg("table_values"), py::arg("ignore_ids"), py::arg("block_group"), py::arg("blocks"),
+        py::arg("skip_done"), py::arg("words"), py::arg("shared_capacity"),
         py::arg("ws_keys"), py::arg("ws_counts"),
         py::arg("ws_presence"), py::arg("ws_offset"),
         py::arg("ws_capacity"), py::arg("params"), py::arg("use_tf"), py::arg("status"),
-        py::arg("row_offset"), py::arg("row_ints"),
-        py::arg("row_reals"), py::arg("base"),
+        py::arg("row_offset"), py::arg("row_ints"), py::arg("base"),
         py::arg("advantage"), py::arg("given_token"),
         py::arg("given_score"), py::arg("threads"), py::arg("shared_bytes"),
         py::arg("stream"));

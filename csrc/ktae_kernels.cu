@@ -1,18 +1,22 @@
 // KTAE on the GPU: one thread block per group of rollouts.
 //
 // Phase 1 (build): the block reads its rollouts' tokens once (coalesced, kUnroll loads in flight per
-//   thread) and inserts each masked token id into an open-addressing hash table (linear probing):
-//   a key, an occurrence counter pair (f_c in the low 32 bits, f_w in the high 32 bits) and one
-//   presence bit per rollout. Lanes of a warp holding the same id are merged with __match_any_sync,
-//   so a frequent token costs one atomic per warp, not one per lane. The table lives in shared
-//   memory when the host finds room; a group whose distinct ids exceed 3/4 of it sets an overflow
-//   flag and is redone by the host with a table in global memory sized to the group.
-// Phase 2 (statistics): per occupied slot, a = popc(presence & correct rollouts), b = the rest;
-//   exact two-sided Fisher p in float64 log space (log-factorial table, scipy's tie tolerance),
-//   F, information gain, Cohen-h + BM25 direction, tanh squash; as fisher.py / torch_backend.py.
-// Phase 3: kRows sorts the table by token (bitonic, in place) and writes the rows at the group's
-//   row offset; kAdvantage stores each slot's score in place of its counters and writes
-//   (A_i + weight * score) * mask for every position of the group's rollouts.
+//   thread; a token id is loaded only where the mask is set) and inserts each masked id into an
+//   open-addressing hash table (linear probing): a key, an occurrence counter pair (f_c in the low 32
+//   bits, f_w in the high 32 bits, each bumped by a 32-bit atomic on its own half) and one presence
+//   bit per rollout. Lanes of a warp holding the same id are merged with __match_any_sync, so a
+//   frequent token costs one atomic per warp, not one per lane. The table lives in shared memory
+//   when the host finds room; a group whose distinct ids exceed 3/4 of it sets an overflow flag and
+//   is redone by a global-memory pass sized to the group, which the host launches right after
+//   without waiting: its blocks skip the groups that did not overflow (status >= 0).
+// Phase 2 (scores, kAdvantage): per occupied slot, a = popc(presence & correct rollouts), b = the
+//   rest; the table's statistics (strength = alpha F + beta IG, Cohen's h) are looked up in the
+//   per-table arrays the host computed once per distinct (a, b, n_c, n_w) (ktae_kernels/method.py),
+//   then the per-row BM25 direction and tanh squash; or the given per-row scores.
+// Phase 3: kRows sorts the table by token (bitonic, in place) and writes the rows' integer columns
+//   at the group's row offset (the host derives their statistics); kAdvantage stores each slot's
+//   score in place of its counters and writes (A_i + weight * score) * mask for every position of
+//   the group's rollouts.
 //
 // The same source builds for the CPU emulator (KTAE_CPU_EMULATION, csrc/emulation/), which runs
 // every CUDA thread as a host thread so the tests exercise this code without a GPU.
@@ -31,14 +35,7 @@ namespace {
 
 constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
-constexpr double kScipyRtol = 1e-14;                      // fisher.SCIPY_RTOL
-constexpr double kLogErr = 16 * 2.220446049250313e-16;    // fisher._LOG_ERR
-constexpr double kPOne = 1.0 - 1e-12;                     // fisher.P_ONE
-constexpr double kTfEps = 1e-5;                           // torch_backend.TF_EPS
-constexpr double kLn2 = 0.69314718055994530942;
-
-__device__ __forceinline__ int imin(int x, int y) { return x < y ? x : y; }
-__device__ __forceinline__ int imax(int x, int y) { return x > y ? x : y; }
+constexpr double kTfEps = 1e-5;  // method.TF_EPS
 
 // Block-wide scalars at the start of dynamic shared memory (see header_bytes).
 struct BlockState {
@@ -60,10 +57,6 @@ struct GroupCounts {
 struct SlotCounts {
   int a, b;
   uint32_t f_c, f_w;
-};
-
-struct RowStats {
-  double p, F, IG, x, score;
 };
 
 __device__ __forceinline__ uint32_t load_volatile(const uint32_t* p) {
@@ -126,7 +119,11 @@ __device__ __forceinline__ void load_tile(const int64_t* tokens, const bool* mas
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
     valid[u] = pos < length && mask[pos];
-    token[u] = pos < length ? tokens[pos] : 0;
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+    token[u] = valid[u] ? tokens[pos] : 0;  // padding ids are never read
   }
 }
 
@@ -158,8 +155,9 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
         if (key == kEmptyKey || lane != static_cast<unsigned>(__ffs(peers) - 1)) continue;
         const uint32_t slot = find_or_insert(t, key, state);
         if (kKeysOnly || slot == kNoSlot) continue;
-        const unsigned long long n = static_cast<unsigned long long>(__popc(peers));
-        atomicAdd(t.counts + slot, is_correct ? n : n << 32);
+        // the half that changes (f_c low, f_w high; little-endian), counts stay below 2^31
+        atomicAdd(reinterpret_cast<uint32_t*>(t.counts + slot) + (is_correct ? 0 : 1),
+                  static_cast<uint32_t>(__popc(peers)));
         atomicOr(presence + slot, bit);
       }
     }
@@ -180,68 +178,11 @@ __device__ SlotCounts slot_counts(const Table& t, uint32_t slot, const uint32_t*
   return c;
 }
 
-// log P(first cell = k) of the hypergeometric law, up to a k-independent constant.
-__device__ __forceinline__ double log_pmf(const double* lf, int k, int n1, int n2, int col) {
-  return -(lf[k] + lf[n1 - k] + lf[col - k] + lf[n2 - col + k]);
-}
-
-// Two-sided Fisher exact p of [[a, b], [c, d]] as fisher._pvalue_grid: the mass of the support
-// tables no more probable than the observed one (scipy's relative tolerance), each sum taken
-// relative to its own largest term, as torch.logsumexp does.
-__device__ double fisher_pvalue(const double* lf, int a, int b, int c, int d) {
-  const int n1 = a + b, n2 = c + d, col = a + c;
-  if (n1 == 0 || n2 == 0 || col == 0 || col == n1 + n2) return 1.0;
-  const int lo = imax(col - n2, 0), hi = imin(n1, col);
-  const double lp_obs = log_pmf(lf, a, n1, n2, col);
-  const double tol = log1p(kScipyRtol) + kLogErr * fabs(lp_obs);
-  const double cut = lp_obs + tol;
-  double top = -INFINITY, top_kept = -INFINITY;
-  for (int k = lo; k <= hi; ++k) {
-    const double lp = log_pmf(lf, k, n1, n2, col);
-    top = fmax(top, lp);
-    if (lp <= cut) top_kept = fmax(top_kept, lp);
-  }
-  if (lp_obs >= top - tol) return 1.0;
-  double sum_all = 0.0, sum_kept = 0.0;
-  for (int k = lo; k <= hi; ++k) {
-    const double lp = log_pmf(lf, k, n1, n2, col);
-    sum_all += exp(lp - top);
-    if (lp <= cut) sum_kept += exp(lp - top_kept);
-  }
-  return fmin(exp((top_kept + log(sum_kept)) - (top + log(sum_all))), 1.0);
-}
-
-__device__ __forceinline__ double xlogx(double v) { return v > 0.0 ? v * log(v) : 0.0; }
-
-__device__ __forceinline__ double binary_entropy(double p) {
-  const double q = 1.0 - p;
-  return -(xlogx(p) + xlogx(q)) / kLn2;
-}
-
-__device__ double information_gain(int a, int b, const GroupCounts& g) {
-  const double n_c = static_cast<double>(g.n_c), n_w = static_cast<double>(g.n_w);
-  const double n = n_c + n_w;
-  const double c = n_c - a, d = n_w - b;
-  const double present = static_cast<double>(a) + b, absent = c + d;
-  const double h_present = present > 0.0 ? present / n * binary_entropy(a / present) : 0.0;
-  const double h_absent = absent > 0.0 ? absent / n * binary_entropy(c / absent) : 0.0;
-  return fmax(binary_entropy(n_c / n) - h_present - h_absent, 0.0);
-}
-
 __device__ __forceinline__ double bm25_tf(uint32_t f, int64_t T, double avg, const KernelArgs& args) {
   if (f == 0u) return 0.0;
   const double q = static_cast<double>(f) / static_cast<double>(T > 1 ? T : 1);
   const double K = args.k1 * (1.0 - args.bm25_b + args.bm25_b * static_cast<double>(T) / fmax(avg, 1e-300));
   return q * (args.k1 + 1.0) / (q + K);
-}
-
-__device__ double direction(const SlotCounts& s, const GroupCounts& g, const KernelArgs& args) {
-  const double h = asin(sqrt(s.a / static_cast<double>(g.n_c > 1 ? g.n_c : 1))) -
-                   asin(sqrt(s.b / static_cast<double>(g.n_w > 1 ? g.n_w : 1)));
-  if (!args.use_tf) return h;
-  const double avg = static_cast<double>(g.T_c + g.T_w) / 2.0;
-  const double tf_c = bm25_tf(s.f_c, g.T_c, avg, args), tf_w = bm25_tf(s.f_w, g.T_w, avg, args);
-  return h + (tf_c / (tf_w + kTfEps) - tf_w / (tf_c + kTfEps));
 }
 
 __device__ bool is_ignored(const KernelArgs& args, uint32_t token) {
@@ -253,26 +194,25 @@ __device__ bool is_ignored(const KernelArgs& args, uint32_t token) {
   return lo < args.n_ignore && args.ignore_ids[lo] == static_cast<int64_t>(token);
 }
 
-// Phase 2 for one (group, token) row. F and IG are 0 unless the table is informative (a mixed
-// group, a token missing from some rollout); the score is also 0 for ignored ids, and otherwise
-// top * tanh(key / 2) kept strictly inside (-top, top). `need_p`: compute the p-value of every row
-// (rows report it); the advantage needs it only where the row scores.
-__device__ RowStats row_stats(const KernelArgs& args, uint32_t token, const SlotCounts& s,
-                              const GroupCounts& g, bool need_p) {
-  const bool informative = g.n_c > 0 && g.n_w > 0 && static_cast<int64_t>(s.a) + s.b < g.n_c + g.n_w;
-  const bool scorable = informative && !is_ignored(args, token);
-  RowStats r;
-  r.p = (scorable || need_p)
-            ? fisher_pvalue(args.log_fact, s.a, s.b, static_cast<int>(g.n_c) - s.a,
-                            static_cast<int>(g.n_w) - s.b)
-            : 1.0;
-  r.F = informative && r.p < kPOne ? exp(-2.0 * r.p) : 0.0;
-  r.IG = informative ? information_gain(s.a, s.b, g) : 0.0;
-  r.x = direction(s, g, args);
-  const double key = (args.alpha * r.F + args.beta * r.IG) * r.x / (args.alpha + args.beta);
+// The score of one (group, token) row: its table's strength (alpha F + beta IG, 0 where the table is
+// not informative) and Cohen's h from the per-table arrays, plus the per-row BM25 direction, squashed
+// to top * tanh(key / 2) strictly inside (-top, top); 0 where the table is not informative (a group
+// with one class, a token in every rollout) and for ignored ids.
+__device__ double row_score(const KernelArgs& args, int64_t g, uint32_t token, const SlotCounts& s,
+                            const GroupCounts& gc) {
+  const bool informative = gc.n_c > 0 && gc.n_w > 0 && static_cast<int64_t>(s.a) + s.b < gc.n_c + gc.n_w;
+  if (!informative || is_ignored(args, token)) return 0.0;
+  const int64_t entry = args.table_index[g] + s.a * args.table_index[args.n_groups + g] + s.b;
+  double x = args.table_values[entry];  // Cohen's h
+  const double strength = args.table_values[args.table_size + entry];
+  if (args.use_tf) {
+    const double avg = static_cast<double>(gc.T_c + gc.T_w) / 2.0;
+    const double tf_c = bm25_tf(s.f_c, gc.T_c, avg, args), tf_w = bm25_tf(s.f_w, gc.T_w, avg, args);
+    x += tf_c / (tf_w + kTfEps) - tf_w / (tf_c + kTfEps);
+  }
+  const double key = strength * x / (args.alpha + args.beta);
   const double bound = nextafter(args.top, 0.0);
-  r.score = scorable ? fmin(fmax(args.top * tanh(key / 2.0), -bound), bound) : 0.0;
-  return r;
+  return fmin(fmax(args.top * tanh(key / 2.0), -bound), bound);
 }
 
 __device__ void swap_slots(const Table& t, uint32_t i, uint32_t j, int words) {
@@ -325,24 +265,16 @@ __device__ void write_rows(const KernelArgs& args, const Table& t, int64_t g, ui
   const int64_t first_row = args.row_offset[g];
   const int64_t n = args.n_rows;
   for (uint32_t i = threadIdx.x; i < n_keys; i += blockDim.x) {
-    const uint32_t token = t.keys[i];
     const SlotCounts s = slot_counts(t, i, correct_bits, args.words);
-    const RowStats r = row_stats(args, token, s, gc, true);
     int64_t* ints = args.row_ints + first_row + i;  // column c of the row at ints[c * n]
     ints[0] = g;
-    ints[n] = token;
+    ints[n] = t.keys[i];
     ints[2 * n] = s.a;
     ints[3 * n] = s.b;
     ints[4 * n] = gc.n_c - s.a;
     ints[5 * n] = gc.n_w - s.b;
     ints[6 * n] = s.f_c;
     ints[7 * n] = s.f_w;
-    double* reals = args.row_reals + first_row + i;
-    reals[0] = r.p;
-    reals[n] = r.F;
-    reals[2 * n] = r.IG;
-    reals[3 * n] = r.x;
-    reals[4 * n] = r.score;
   }
 }
 
@@ -353,9 +285,8 @@ __device__ void score_slots(const KernelArgs& args, const Table& t, int64_t g,
   for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
     const uint32_t token = t.keys[s];
     if (token == kEmptyKey) continue;
-    const double score = args.use_given
-                             ? given_score(args, g, token)
-                             : row_stats(args, token, slot_counts(t, s, correct_bits, args.words), gc, false).score;
+    const double score = args.use_given ? given_score(args, g, token)
+                                        : row_score(args, g, token, slot_counts(t, s, correct_bits, args.words), gc);
     t.counts[s] = static_cast<unsigned long long>(__double_as_longlong(score));
   }
 }
@@ -391,25 +322,28 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
 }
 
 template <bool kSharedTable>
-__device__ Table block_table(const KernelArgs& args, unsigned char* smem) {
+__device__ Table block_table(const KernelArgs& args, unsigned char* smem, int64_t item) {
   if (kSharedTable) {
     const uint32_t capacity = static_cast<uint32_t>(args.shared_capacity);
     auto* counts = reinterpret_cast<unsigned long long*>(smem + header_bytes(args.words));
     auto* keys = reinterpret_cast<uint32_t*>(counts + capacity);
     return Table{keys, counts, keys + capacity, capacity};
   }
-  const int64_t offset = args.ws_offset[blockIdx.x];
+  const int64_t offset = args.ws_offset[item];
   return Table{args.ws_keys + offset, args.ws_counts + offset,
-               args.ws_presence + offset * args.words, static_cast<uint32_t>(args.ws_capacity[blockIdx.x])};
+               args.ws_presence + offset * args.words, static_cast<uint32_t>(args.ws_capacity[item])};
 }
 
+// One group (block_group[item]) from the table build to its outputs. Every branch that returns
+// early is block-uniform.
 template <int kMode, bool kSharedTable>
-__global__ void __launch_bounds__(kMaxThreads) group_kernel(const KernelArgs args) {
-  KTAE_DYNAMIC_SHARED(smem);
+__device__ void process_group(const KernelArgs& args, unsigned char* smem, int64_t item) {
   auto* state = reinterpret_cast<BlockState*>(smem);
   auto* correct_bits = reinterpret_cast<uint32_t*>(smem + sizeof(BlockState));
-  const Table t = block_table<kSharedTable>(args, smem);
-  const int64_t g = args.block_group[blockIdx.x];
+  const int64_t g = args.block_group[item];
+  // a fallback pass launched without a host round trip: the groups the shared pass completed are done
+  if (args.skip_done && args.status[g] >= 0) return;
+  const Table t = block_table<kSharedTable>(args, smem, item);
   const int64_t first = args.starts[g];
   const int group_size = static_cast<int>(args.starts[g + 1] - first);
 
@@ -441,6 +375,16 @@ __global__ void __launch_bounds__(kMaxThreads) group_kernel(const KernelArgs arg
     score_slots(args, t, g, correct_bits, gc);
     __syncthreads();
     gather_advantage(args, t, first, group_size);
+  }
+}
+
+// Blocks take the items blockIdx.x, blockIdx.x + gridDim.x, ... (one each when the grid covers them).
+template <int kMode, bool kSharedTable>
+__global__ void __launch_bounds__(kMaxThreads) group_kernel(const KernelArgs args) {
+  KTAE_DYNAMIC_SHARED(smem);
+  for (int64_t item = blockIdx.x; item < args.n_items; item += gridDim.x) {
+    process_group<kMode, kSharedTable>(args, smem, item);
+    __syncthreads();  // the shared header and table are reused by the next item
   }
 }
 

@@ -41,9 +41,8 @@ KTAE_HOST_DEVICE inline constexpr int64_t shared_table_bytes(int64_t capacity, i
   return header_bytes(words) + capacity * (12 + 4 * words);
 }
 
-// Row columns written in kRows mode (the KeyTokenScores row fields, in this order).
-constexpr int kRowInts = 8;   // group, token, a, b, c, d, f_c, f_w
-constexpr int kRowReals = 5;  // p_value, F, IG, x, score
+// Row columns written in kRows mode (the KeyTokenScores integer row fields, in this order).
+constexpr int kRowInts = 8;  // group, token, a, b, c, d, f_c, f_w
 
 // Everything a launch reads and writes. All pointers are device pointers (host pointers for the
 // CPU emulator); int64 everywhere an index can exceed 2^31 (B * L can).
@@ -57,21 +56,29 @@ struct KernelArgs {
   const bool* correct;       // [B] reward > threshold
   const int64_t* group_counts;  // [4, n_groups] rows n_c, n_w, T_c, T_w
   int64_t n_groups;
-  const double* log_fact;    // [G_max + 1] log(k!)
+  // per-table statistics (ktae_kernels/method.py), kAdvantage without given scores: the table
+  // (a, b) of group g is entry table_index[g] + a * table_index[n_groups + g] + b of table_values,
+  // whose rows are Cohen's h and the strength alpha F + beta IG.
+  const int64_t* table_index;   // [2, n_groups] grid offset, stride
+  const double* table_values;   // [2, table_size]
+  int64_t table_size;
   const int64_t* ignore_ids;  // [n_ignore] sorted token ids whose score is 0
   int64_t n_ignore;
   // the launch
-  const int64_t* block_group;  // [n_blocks] group of each block
+  const int64_t* block_group;  // [n_items] the groups of this pass; block i takes items i, i + gridDim.x, ...
+  int64_t n_items;
+  bool skip_done;              // skip the groups whose status is already >= 0 (a fallback pass)
   int32_t words;               // presence words per slot = ceil(G_max / 32)
-  // tables: in shared memory (capacity `shared_capacity`) or in a global workspace, where block i
-  // owns slots [ws_offset[i], ws_offset[i] + ws_capacity[i]) of ws_keys / ws_counts and
-  // [words * ws_offset[i], words * (ws_offset[i] + ws_capacity[i])) of ws_presence.
+  // tables: in shared memory (capacity `shared_capacity`) or in a global workspace, where item i
+  // uses slots [ws_offset[i], ws_offset[i] + ws_capacity[i]) of ws_keys / ws_counts and
+  // [words * ws_offset[i], words * (ws_offset[i] + ws_capacity[i])) of ws_presence (items of one
+  // block may share slots: it takes them one after another).
   int64_t shared_capacity;
   uint32_t* ws_keys;
   unsigned long long* ws_counts;
   uint32_t* ws_presence;
-  const int64_t* ws_offset;    // [n_blocks]
-  const int64_t* ws_capacity;  // [n_blocks], powers of two
+  const int64_t* ws_offset;    // [n_items]
+  const int64_t* ws_capacity;  // [n_items], powers of two
   // the method's hyper-parameters
   double alpha, beta, k1, bm25_b, top, weight;
   bool use_tf;
@@ -79,7 +86,6 @@ struct KernelArgs {
   int64_t* status;             // [n_groups] distinct ids of the group, -1 when its table overflowed
   const int64_t* row_offset;   // [n_groups + 1] (kRows; kAdvantage with given scores)
   int64_t* row_ints;           // [kRowInts, n_rows] (kRows)
-  double* row_reals;           // [kRowReals, n_rows] (kRows)
   int64_t n_rows;
   const double* base;          // [B] rollout advantage A_i (kAdvantage)
   float* advantage;            // [B, L] (kAdvantage)
@@ -88,7 +94,7 @@ struct KernelArgs {
   const double* given_score;
 };
 
-// Launches one group-kernel pass over `n_blocks` blocks of `threads` threads with `shared_bytes`
+// Launches one group-kernel pass over `n_blocks` blocks (<= args.n_items) of `threads` threads with `shared_bytes`
 // of dynamic shared memory on `stream` (a cudaStream_t). Returns 0 or a CUDA error code.
 int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
                         int threads, int64_t shared_bytes, void* stream);

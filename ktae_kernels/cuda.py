@@ -1,12 +1,18 @@
 """The CUDA backend: hand-written kernels (csrc/), one thread block per group of rollouts.
 
 Each block builds its group's (token id -> a, b, f_c, f_w) hash table in shared memory from one read
-of the tokens, scores every slot (exact float64 Fisher, IG, direction, squash) and then writes either
-the group's rows sorted by token (``key_token_scores``) or its ``[B, L]`` advantages
-(``token_advantage``). A group whose distinct ids overflow the shared table is redone with a table in
-global memory sized to it. Group counts and the rollout advantage come from ``torch_backend``;
-``fisher="upstream"`` takes its float32 p-values from ``fisher.upstream_pvalue`` on the CPU, as the
-published code computed them.
+of the tokens, then either writes the group's rows sorted by token (``key_token_scores``; their
+statistics come from ``method.score_rows``) or scores every slot and writes its ``[B, L]`` advantages
+(``token_advantage``). A slot's score looks its table's statistics up in per-table arrays computed
+once per distinct ``(a, b, n_c, n_w)`` by ``method.table_statistics`` (at most ``(n_c + 1)(n_w + 1)``
+per group), then adds the per-row BM25 direction and squashes. A group whose distinct ids overflow
+the shared table is redone by a global-memory pass launched right behind the first without waiting
+for it: its blocks skip the groups that completed. ``fisher="upstream"`` (and batches whose grid of
+tables is too large to compute whole) score the rows first and pass their scores in.
+
+Host synchronisations of ``token_advantage``: one device -> host copy of the group sizes (they size
+the tables and the statistics); everything else is enqueued (host -> device copies from pinned
+memory).
 
 The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
 """
@@ -14,10 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import itertools
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -27,7 +32,6 @@ from . import torch_backend as tb
 from .api import MAX_TOKEN_ID
 from .backends import BackendUnavailableError
 from .config import KTAEConfig
-from .fisher import log_factorial_table
 from .types import Batch, KeyTokenScores
 
 #: how to build ``ktae_kernels._C`` (on a machine with nvcc and a CUDA build of torch).
@@ -42,6 +46,13 @@ MIN_THREADS = 64
 MIN_CAPACITY = 32
 #: most masked tokens one group may hold (keeps slot indices and counters in 32 bits).
 MAX_GROUP_TOKENS = 2**30
+#: most blocks of a global-memory fallback pass, and most bytes of workspace it may take: each block
+#: owns one table-sized slice and takes its groups one after another.
+FALLBACK_BLOCKS = 64
+FALLBACK_BYTES = 256 * 2**20
+#: largest grid of tables (Fisher support points, ``method.grid_work``) whose statistics are computed
+#: whole on the host; larger ones score the rows first.
+FULL_GRID_WORK = 1 << 20
 
 
 def max_keys(capacity: int) -> int:
@@ -112,8 +123,7 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``), in ``out`` when given."""
     with _device_context(batch.device):
         plan = _prepare(extension or load_extension(), batch, config, table_slots)
-        result = _advantage(plan, batch, config, given)
-    return result if out is None else out.copy_(result)
+        return _advantage(plan, batch, config, given, out)
 
 
 def load_extension() -> ModuleType:
@@ -133,7 +143,8 @@ class _Plan:
     """One call's inputs in kernel layout and its launch geometry.
 
     common: the ``launch`` arguments every pass shares. group_tokens: masked tokens per group
-    (host ints, bounds of the distinct ids). capacity: slots of the shared tables (0: none).
+    (host ints, bounds of the distinct ids). n_c, n_w: int64 CPU ``[n_groups]``. capacity: slots of
+    the shared tables (0: none).
     """
 
     ext: ModuleType
@@ -141,8 +152,17 @@ class _Plan:
     stats: tb.GroupStats
     n_groups: int
     group_tokens: list[int]
+    n_c: Tensor
+    n_w: Tensor
     words: int
     capacity: int
+
+
+def _upload(t: Tensor, device: torch.device) -> Tensor:
+    """``t`` (CPU) on ``device``, without waiting for the device's queue (a pinned, non-blocking copy)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int | None) -> _Plan:
@@ -151,8 +171,11 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int
     n = batch.n_groups
     starts = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(stats.size, 0, out=starts[1:])
-    group_tokens = (stats.T_c + stats.T_w).tolist()
-    max_size = int(stats.size.max()) if n else 0
+    # the one device -> host copy: largest group, masked tokens, n_c and n_w per group
+    largest = stats.size.max().reshape(1) if n else stats.size.new_zeros(1)
+    host = torch.cat([largest, stats.T_c + stats.T_w, stats.n_c, stats.n_w]).cpu()
+    max_size = int(host[0])
+    group_tokens = host[1:1 + n].tolist()
     max_tokens = max(group_tokens, default=0)
     if max_tokens > MAX_GROUP_TOKENS:
         raise ValueError(f"`responses`: the cuda backend takes at most 2**30 masked tokens per group, "
@@ -171,8 +194,7 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int
         starts=starts,
         correct=stats.correct.contiguous(),
         group_counts=torch.stack([stats.n_c, stats.n_w, stats.T_c, stats.T_w]).contiguous(),
-        log_fact=log_factorial_table(max_size, device),
-        ignore_ids=torch.tensor(ignore, dtype=torch.int64, device=device),
+        ignore_ids=_upload(torch.tensor(ignore, dtype=torch.int64), device),
         words=words,
         shared_capacity=capacity,
         params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight],
@@ -180,7 +202,7 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int
         threads=block_threads(batch.responses.shape[1]),
         stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0,
     )
-    return _Plan(ext, common, stats, n, group_tokens, words, capacity)
+    return _Plan(ext, common, stats, n, group_tokens, host[1 + n:1 + 2 * n], host[1 + 2 * n:], words, capacity)
 
 
 def _check_table_slots(slots: object, words: int, limit: int) -> int:
@@ -192,97 +214,112 @@ def _check_table_slots(slots: object, words: int, limit: int) -> int:
     return slots
 
 
-def _launch(plan: _Plan, mode: int, groups: list[int] | None, status: Tensor, *,
-            capacities: list[int] | None = None, **outputs: Tensor | None) -> None:
-    """One kernel pass over ``groups`` (None: every group) with shared-memory tables, or with
-    global-memory tables of the given ``capacities`` (one per group)."""
-    device = status.device
-    if groups is None:
-        block_group = torch.arange(plan.n_groups, dtype=torch.int64, device=device)
-    else:
-        block_group = torch.tensor(groups, dtype=torch.int64, device=device)
-    if block_group.numel() == 0:
+_OPTIONAL = ("ws_keys", "ws_counts", "ws_presence", "ws_offset", "ws_capacity", "table_index", "table_values",
+             "row_offset", "row_ints", "base", "advantage", "given_token", "given_score")
+
+
+def _launch(plan: _Plan, mode: int, groups: list[int], status: Tensor, *, capacities: list[int] | None = None,
+            **outputs: Tensor | None) -> None:
+    """One kernel pass over ``groups``: one block per group with shared-memory tables, or, with
+    ``capacities`` (one per group), a fallback over global-memory tables that skips the groups whose
+    ``status`` is already set: at most ``FALLBACK_BLOCKS`` blocks, each reusing one slice of the
+    workspace for its groups ``i, i + blocks, ...``."""
+    if not groups:
         return
-    workspace: dict[str, Tensor | None] = dict.fromkeys(("ws_keys", "ws_counts", "ws_presence", "ws_offset", "ws_capacity"))
+    device = status.device
+    args: dict[str, object] = dict.fromkeys(_OPTIONAL)
+    args.update(outputs)
+    block_group = _upload(torch.tensor(groups, dtype=torch.int64), device)
     if capacities is None:
+        blocks, skip_done = len(groups), False
         shared_bytes = shared_table_bytes(plan.capacity, plan.words)
     else:
-        slots = sum(capacities)
-        offsets = list(itertools.accumulate(capacities, initial=0))[:-1]
-        workspace = dict(
+        widest = max(capacities)
+        per_block = widest * (12 + 4 * plan.words)
+        blocks = max(1, min(len(groups), FALLBACK_BLOCKS, FALLBACK_BYTES // per_block))
+        slots = blocks * widest
+        offsets = [(i % blocks) * widest for i in range(len(groups))]
+        args.update(
             ws_keys=torch.empty(slots, dtype=torch.int32, device=device),
             ws_counts=torch.empty(slots, dtype=torch.int64, device=device),
             ws_presence=torch.empty(slots * plan.words, dtype=torch.int32, device=device),
-            ws_offset=torch.tensor(offsets, dtype=torch.int64, device=device),
-            ws_capacity=torch.tensor(capacities, dtype=torch.int64, device=device),
+            ws_offset=_upload(torch.tensor(offsets, dtype=torch.int64), device),
+            ws_capacity=_upload(torch.tensor(capacities, dtype=torch.int64), device),
         )
+        skip_done = True
         shared_bytes = header_bytes(plan.words)
-    args = dict.fromkeys(("row_offset", "row_ints", "row_reals", "base", "advantage", "given_token", "given_score"))
-    args.update(outputs)
-    plan.ext.launch(mode=mode, shared_table=capacities is None, block_group=block_group, status=status,
-                    shared_bytes=shared_bytes, **plan.common, **workspace, **args)
+    plan.ext.launch(mode=mode, shared_table=capacities is None, block_group=block_group, blocks=blocks,
+                    skip_done=skip_done, status=status, shared_bytes=shared_bytes, **plan.common, **args)
 
 
-def _table_pass(plan: _Plan, mode: int, spill_capacity: Callable[[int], int], shared_groups: list[int] | None = None,
-                **outputs: Tensor | None) -> tuple[Tensor, list[int]]:
-    """Run ``mode`` on every group: ``shared_groups`` (None: all) with shared-memory tables first,
-    then the rest and those that overflowed with global tables of ``spill_capacity(g)`` slots.
-    Returns the distinct ids per group and the groups that took a global table."""
+def _table_pass(plan: _Plan, mode: int, distinct: list[int], shared_groups: list[int] | None = None,
+                **outputs: Tensor | None) -> Tensor:
+    """Run ``mode`` on every group without waiting for the device: ``shared_groups`` (None: all) with
+    shared-memory tables, then, right behind, a global-memory fallback over every group that may
+    have overflowed (more than ``max_keys`` of the shared table in ``distinct``, a bound of each
+    group's distinct ids) or took no shared table; its tables hold ``distinct[g]`` ids.
+    Returns the distinct ids per group (int64 ``[n_groups]`` on the device)."""
     status = torch.full((plan.n_groups,), -1, dtype=torch.int64, device=plan.common["starts"].device)
-    if plan.capacity:
-        _launch(plan, mode, shared_groups, status, **outputs)
-    spilled = torch.nonzero(status < 0).flatten().tolist()
-    _launch(plan, mode, spilled, status, capacities=[spill_capacity(g) for g in spilled], **outputs)
-    if spilled and bool((status < 0).any()):
-        raise RuntimeError("ktae_kernels.cuda: a global-memory table overflowed (internal error)")
-    return status, spilled
+    shared = (list(range(plan.n_groups)) if shared_groups is None else shared_groups) if plan.capacity else []
+    _launch(plan, mode, shared, status, **outputs)
+    in_shared = set(shared)
+    room = max_keys(plan.capacity) if plan.capacity else -1
+    fallback = [g for g in range(plan.n_groups) if g not in in_shared or distinct[g] > room]
+    _launch(plan, mode, fallback, status, capacities=[table_capacity(distinct[g]) for g in fallback], **outputs)
+    return status
 
 
-def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScores, Tensor, list[int]]:
-    """The rows, their offsets per group (int64 ``[n_groups + 1]``) and the groups that need a
-    global-memory table."""
+def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScores, Tensor, list[int], list[int]]:
+    """The rows, their offsets per group (int64 ``[n_groups + 1]``), the groups whose ids fit the
+    shared table and the distinct ids per group (host ints)."""
     device = plan.common["starts"].device
-    counts, spilled = _table_pass(plan, COUNT, lambda g: table_capacity(plan.group_tokens[g]))
+    counts = _table_pass(plan, COUNT, plan.group_tokens)
     row_offset = torch.zeros(plan.n_groups + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=row_offset[1:])
-    n_rows = int(row_offset[-1])
+    host_counts = counts.tolist()  # sizes the rows
+    n_rows = sum(host_counts)
     ints = torch.empty(8, n_rows, dtype=torch.int64, device=device)
-    reals = torch.empty(5, n_rows, dtype=torch.float64, device=device)
-    host_counts = counts.tolist()
-    fits = sorted(set(range(plan.n_groups)) - set(spilled))
-    status, _ = _table_pass(plan, ROWS, lambda g: table_capacity(host_counts[g]), fits,
-                            row_offset=row_offset, row_ints=ints, row_reals=reals)
+    room = max_keys(plan.capacity) if plan.capacity else -1
+    fits = [g for g in range(plan.n_groups) if host_counts[g] <= room]
+    status = _table_pass(plan, ROWS, host_counts, fits, row_offset=row_offset, row_ints=ints)
     if not torch.equal(status, counts):
         raise RuntimeError("ktae_kernels.cuda: the rows pass found other tokens than the count pass (internal error)")
     stats = plan.stats
-    scores = KeyTokenScores(
-        group=ints[0], token=ints[1], a=ints[2], b=ints[3], c=ints[4], d=ints[5], f_c=ints[6], f_w=ints[7],
-        p_value=reals[0], F=reals[1], IG=reals[2], x=reals[3], score=reals[4],
-        n_c=stats.n_c, n_w=stats.n_w, T_c=stats.T_c, T_w=stats.T_w, group_labels=batch.group_labels,
-    )
-    if config.fisher == "upstream":
-        scores = _with_upstream_fisher(scores, config)
-    return scores, row_offset, fits
+    rows = method.Rows(group=ints[0], token=ints[1], a=ints[2], b=ints[3], f_c=ints[6], f_w=ints[7])
+    scores = method.score_rows(rows, stats.n_c, stats.n_w, stats.T_c, stats.T_w, config, batch.group_labels)
+    return scores, row_offset, fits, host_counts
 
 
-def _with_upstream_fisher(s: KeyTokenScores, config: KTAEConfig) -> KeyTokenScores:
-    """The rows' statistics with the published float32 p-values (``method.score_rows``)."""
-    rows = method.Rows(group=s.group, token=s.token, a=s.a, b=s.b, f_c=s.f_c, f_w=s.f_w)
-    return method.score_rows(rows, s.n_c, s.n_w, s.T_c, s.T_w, config, s.group_labels)
+def _table_lookup(plan: _Plan, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The per-table statistics the advantage pass looks up (``table_index``: int64 ``[2, n_groups]``
+    grid offset and stride; ``table_values``: float64 ``[2, size]`` Cohen's h and strength), computed
+    whole on the host; None with ``fisher="upstream"`` or a grid over ``FULL_GRID_WORK``."""
+    if config.fisher != "exact":
+        return None
+    grid = method.table_grid(plan.n_c, plan.n_w)
+    if method.grid_work(grid) > FULL_GRID_WORK:
+        return None
+    table = method.table_statistics(grid, config)
+    return (_upload(torch.stack([grid.offset, grid.stride]).contiguous(), device),
+            _upload(torch.stack([table.h, table.strength]).contiguous(), device))
 
 
-def _advantage(plan: _Plan, batch: Batch, config: KTAEConfig, given: Tensor | None) -> Tensor:
+def _advantage(plan: _Plan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None) -> Tensor:
+    device = batch.device
+    if out is None:
+        out = torch.empty(batch.responses.shape, dtype=torch.float32, device=device)
     outputs: dict[str, Tensor] = dict(
-        base=tb.rollout_advantage(batch, plan.stats, config, given).contiguous(),
-        advantage=torch.empty(batch.responses.shape, dtype=torch.float32, device=batch.device),
-    )
-    fits = None
-    if config.fisher == "upstream":
-        scores, row_offset, fits = _scores(plan, batch, config)
+        base=tb.rollout_advantage(batch, plan.stats, config, given).contiguous(), advantage=out)
+    lookup = _table_lookup(plan, config, device)
+    if lookup is None:
+        scores, row_offset, fits, distinct = _scores(plan, batch, config)
         outputs.update(row_offset=row_offset, given_token=scores.token.contiguous(),
                        given_score=scores.score.contiguous())
-    _table_pass(plan, ADVANTAGE, lambda g: table_capacity(plan.group_tokens[g]), fits, **outputs)
-    return outputs["advantage"]
+        _table_pass(plan, ADVANTAGE, distinct, fits, **outputs)
+    else:
+        outputs.update(table_index=lookup[0], table_values=lookup[1])
+        _table_pass(plan, ADVANTAGE, plan.group_tokens, **outputs)
+    return out
 
 
 def _device_index(device: torch.device) -> int:

@@ -154,16 +154,50 @@ def test_overflowing_groups_and_only_they_take_the_global_table(emulator):
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     distinct = reference.key_token_scores(batch, KTAEConfig()).group.bincount(minlength=batch.n_groups)
+    tokens = torch.zeros(batch.n_groups, dtype=torch.int64).index_add_(0, batch.group, batch.mask.sum(1))
     slots = 16  # takes max_keys(16) = 12 ids
-    assert (distinct > cuda.max_keys(slots)).any() and (distinct <= cuda.max_keys(slots)).any()
+    room = cuda.max_keys(slots)
+    assert (distinct > room).any() and (distinct <= room).any() and (tokens > room).any()
     ext = Recorder(emulator)
     check(ext, name, batch, KTAEConfig(), table_slots=slots)
-    spilled = torch.nonzero(distinct > cuda.max_keys(slots)).flatten().tolist()
     all_groups = list(range(batch.n_groups))
-    # count + rows for the scores, one advantage pass: each a shared pass, then the spilled groups
-    assert ext.launches == [(cuda.COUNT, True, all_groups), (cuda.COUNT, False, spilled),
+    spilled = torch.nonzero(distinct > room).flatten().tolist()
+    # groups that may overflow (more masked tokens than the table takes): the fallback that follows
+    # a pass without waiting for it visits them and skips those that completed
+    may_spill = torch.nonzero(tokens > room).flatten().tolist()
+    assert set(spilled) <= set(may_spill)
+    # count + rows for the scores, one advantage pass: each a shared pass, then the fallback
+    assert ext.launches == [(cuda.COUNT, True, all_groups), (cuda.COUNT, False, may_spill),
                             (cuda.ROWS, True, [g for g in all_groups if g not in spilled]), (cuda.ROWS, False, spilled),
-                            (cuda.ADVANTAGE, True, all_groups), (cuda.ADVANTAGE, False, spilled)]
+                            (cuda.ADVANTAGE, True, all_groups), (cuda.ADVANTAGE, False, may_spill)]
+
+
+def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, monkeypatch):
+    # every group overflows a 2-slot table; two fallback blocks take 2-3 groups each, reusing their slice
+    monkeypatch.setattr(cuda, "FALLBACK_BLOCKS", 2)
+    name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
+    check(emulator, name, normalise_batch(responses, mask, rewards, index), KTAEConfig(), table_slots=2)
+
+
+def test_large_grids_and_upstream_score_the_rows_first(emulator, monkeypatch):
+    monkeypatch.setattr(cuda, "FULL_GRID_WORK", 0)
+    name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
+    batch = normalise_batch(responses, mask, rewards, index)
+    ext = Recorder(emulator)
+    _, advantage = expected(name, batch, KTAEConfig())
+    got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
+    torch.testing.assert_close(got, advantage, rtol=0.0, atol=1e-6)
+    # the default table holds every group: no fallback launches
+    assert [mode for mode, *_ in ext.launches] == [cuda.COUNT, cuda.ROWS, cuda.ADVANTAGE]
+
+
+def test_writes_into_out(emulator):
+    name, responses, mask, rewards, index = CASES[0]
+    batch = normalise_batch(responses, mask, rewards, index)
+    out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
+    got = cuda.token_advantage(batch, KTAEConfig(), None, out, extension=emulator)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
 
 
 CONFIGS = [
@@ -196,19 +230,24 @@ def test_binding_rejects_bad_arguments_naming_them(emulator):
     plan = cuda._prepare(emulator, batch, KTAEConfig(), None)
     status = torch.empty(batch.n_groups, dtype=torch.int64)
     groups = torch.arange(batch.n_groups)
-    common = dict(plan.common, block_group=groups, shared_bytes=cuda.shared_table_bytes(plan.capacity, plan.words),
-                  **dict.fromkeys(("ws_keys", "ws_counts", "ws_presence", "ws_offset", "ws_capacity", "row_offset",
-                                   "row_ints", "row_reals", "base", "advantage", "given_token", "given_score")))
+    common = dict(plan.common, block_group=groups, blocks=batch.n_groups, skip_done=False,
+                  shared_bytes=cuda.shared_table_bytes(plan.capacity, plan.words), **dict.fromkeys(cuda._OPTIONAL))
     with pytest.raises(RuntimeError, match="`status` must be Long"):
         emulator.launch(mode=cuda.COUNT, shared_table=True, status=status.int(), **common)
     with pytest.raises(RuntimeError, match="`mask` must have shape"):
         emulator.launch(mode=cuda.COUNT, shared_table=True, status=status, **dict(common, mask=batch.mask[:, :-1]))
     with pytest.raises(RuntimeError, match="`base` is required in advantage mode"):
         emulator.launch(mode=cuda.ADVANTAGE, shared_table=True, status=status, **common)
+    advantage = dict(common, base=torch.zeros(batch.responses.shape[0], dtype=torch.float64),
+                     advantage=torch.empty(batch.responses.shape, dtype=torch.float32))
+    with pytest.raises(RuntimeError, match="`table_index` is required in advantage mode without given scores"):
+        emulator.launch(mode=cuda.ADVANTAGE, shared_table=True, status=status, **advantage)
     with pytest.raises(RuntimeError, match="`ws_keys` is required for a global-memory table"):
         emulator.launch(mode=cuda.COUNT, shared_table=False, status=status, **common)
     with pytest.raises(RuntimeError, match="`threads` must be a multiple of 32"):
         emulator.launch(mode=cuda.COUNT, shared_table=True, status=status, **dict(common, threads=48))
+    with pytest.raises(RuntimeError, match="`blocks` must be in"):
+        emulator.launch(mode=cuda.COUNT, shared_table=True, status=status, **dict(common, blocks=batch.n_groups + 1))
 
 
 def test_table_slots_is_checked(emulator):

@@ -68,7 +68,7 @@ struct Block {
   std::vector<unsigned char> shared;
 };
 
-inline thread_local Dim3 thread_idx, block_idx, block_dim;
+inline thread_local Dim3 thread_idx, block_idx, block_dim, grid_dim;
 inline thread_local Block* block = nullptr;
 
 inline unsigned char* dynamic_shared() {
@@ -101,6 +101,7 @@ void run(Kernel kernel, int64_t blocks, int threads, int64_t shared_bytes) {
     pool.emplace_back([&, t] {
       thread_idx = Dim3{static_cast<unsigned>(t), 0, 0};
       block_dim = Dim3{static_cast<unsigned>(threads), 1, 1};
+      grid_dim = Dim3{static_cast<unsigned>(blocks), 1, 1};
       block = &state;
       for (int64_t b = 0; b < blocks; ++b) {
         block_idx = Dim3{static_cast<unsigned>(b), 0, 0};
@@ -124,6 +125,7 @@ void run(Kernel kernel, int64_t blocks, int threads, int64_t shared_bytes) {
 #define threadIdx ktae_emu::thread_idx
 #define blockIdx ktae_emu::block_idx
 #define blockDim ktae_emu::block_dim
+#define gridDim ktae_emu::grid_dim
 #define KTAE_DYNAMIC_SHARED(name) unsigned char* name = ktae_emu::dynamic_shared()
 
 inline void __syncthreads() { ktae_emu::block->barrier.wait(); }
