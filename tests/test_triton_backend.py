@@ -136,3 +136,24 @@ def test_writes_into_out(device):
     assert got.data_ptr() == out.data_ptr()
     want = token_advantage(responses, mask, rewards, index, backend="reference")
     torch.testing.assert_close(out.cpu(), want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad, message", [(-5, r"token ids >= 0 where the mask is 1, found -7"),
+                                          (2**31, r"token ids must be < 2\*\*31, found 2147483650")])
+def test_token_id_range_is_checked_by_the_table_build(bad, message, device):
+    """The API leaves the id check to the backend (CHECKS_TOKEN_IDS): same errors, padding ignored."""
+    import ktae_kernels.triton as backend
+
+    assert backend.CHECKS_TOKEN_IDS
+    _, responses, mask, rewards, index = random_cases(seed=6, small=True)[0]
+    responses, mask = responses.clone(), mask.clone()
+    mask[0, -1] = False
+    responses[0, -1] = -(2**40)  # under mask 0: never read
+    ok = token_advantage(*on(device, responses, mask, rewards, index), backend="triton")
+    torch.testing.assert_close(ok.cpu(), token_advantage(responses, mask, rewards, index, backend="reference"),
+                               rtol=0, atol=1e-6)
+    mask[1, 0] = mask[2, 1] = True
+    responses[1, 0], responses[2, 1] = bad, bad - 2 if bad < 0 else bad + 2
+    for api in (token_advantage, key_token_scores):
+        with pytest.raises(ValueError, match=message):
+            api(*on(device, responses, mask, rewards, index), backend="triton")

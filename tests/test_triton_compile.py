@@ -38,7 +38,7 @@ KERNELS = [
     (tables._insert_kernel,
      dict(**TOKENS, rank_ptr=ptr("i32"), inc_ptr=ptr("i64"), keys_ptr=ptr("i32"), occ_ptr=ptr("i64"),
           bits_ptr=ptr("i32"), words="i32", order_ptr=ptr("i32"), offset_ptr=ptr("i64"), log_cap_ptr=ptr("i32"),
-          fill_ptr=ptr("i32"), overflow_ptr=ptr("i32"), probe_limit="i32"),
+          fill_ptr=ptr("i32"), overflow_ptr=ptr("i32"), probe_limit="i32", bad_ptr=ptr("i64")),
      [dict(ROWS=r, COLS=c, PREDICATED=p) for (r, c), p in itertools.product([(1, 1024), (64, 16)], [True, False])]),
     (tables._flatten_kernel,
      dict(order_ptr=ptr("i32"), offset_ptr=ptr("i64"), fill_ptr=ptr("i32"), row_start_ptr=ptr("i64"),

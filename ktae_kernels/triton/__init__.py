@@ -28,6 +28,10 @@ from .tables import build_hash_tables, interpreting, occupied_rows, row_counts
 
 __all__ = ["key_token_scores", "token_advantage", "fisher_exact_pvalues", "profile", "interpreting"]
 
+#: the token-id range check is folded into the table build (``tables.check_ids``), so the API skips
+#: its own pass over the ids.
+CHECKS_TOKEN_IDS = True
+
 
 @contextlib.contextmanager
 def _on_device(device: torch.device) -> Iterator[None]:

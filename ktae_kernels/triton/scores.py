@@ -31,7 +31,7 @@ from ..api import MAX_TOKEN_ID
 from ..config import KTAEConfig
 from ..method import TF_EPS
 from ..torch_backend import GroupStats
-from .tables import HashTables, RowCounts, Rows, load_row_counts, row_counts
+from .tables import HashTables, RowCounts, Rows, load_row_counts, row_counts, upload
 
 #: indices into the float64 constant vector of the score and advantage kernels (``kernel_constants``),
 #: then the ignored token ids.
@@ -63,13 +63,7 @@ class TableLookup:
 
 def device_constants(values: list[float], device: torch.device | str) -> Tensor:
     """float64 ``values`` on ``device`` in one copy that does not wait for the device's queue."""
-    return _upload(torch.tensor(values, dtype=torch.float64), torch.device(device))
-
-
-def _upload(t: Tensor, device: torch.device) -> Tensor:
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+    return upload(torch.tensor(values, dtype=torch.float64), torch.device(device))
 
 
 @triton.jit
@@ -162,7 +156,7 @@ def table_lookup(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAE
             table = method.table_statistics(grid, config)
             index = torch.stack([grid.offset, grid.stride])
             values = torch.stack([table.p_value, table.F, table.IG, table.h, table.strength])
-            return TableLookup(_upload(index, device), _upload(values, device)), counts
+            return TableLookup(upload(index, device), upload(values, device)), counts
     if counts is None:
         counts = row_counts(tables, rows)
     tab_rows = method.Rows(group=rows.group.long(), token=counts.token, a=counts.a, b=counts.b,

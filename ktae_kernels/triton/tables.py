@@ -36,6 +36,9 @@ from ..types import Batch
 
 EMPTY = -1
 _EMPTY = tl.constexpr(EMPTY)
+#: the largest token id (``api.MAX_TOKEN_ID``).
+MAX_ID = 2**31 - 1
+_MAX_ID = tl.constexpr(MAX_ID)
 #: a compare value no slot ever holds (keys are >= EMPTY): a compare-and-swap with it never writes.
 _NEVER = tl.constexpr(-2)
 #: first guess of a group's distinct tokens, as a fraction of its masked tokens (slice = 2x this).
@@ -191,7 +194,7 @@ def load_row_counts(keys_ptr, occ_ptr, bits_ptr, correct_bits_ptr, words, slot, 
 @triton.jit
 def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, rank_ptr, inc_ptr,
                    keys_ptr, occ_ptr, bits_ptr, words, order_ptr,
-                   offset_ptr, log_cap_ptr, fill_ptr, overflow_ptr, probe_limit,
+                   offset_ptr, log_cap_ptr, fill_ptr, overflow_ptr, probe_limit, bad_ptr,
                    ROWS: tl.constexpr, COLS: tl.constexpr, PREDICATED: tl.constexpr):
     """A ``[ROWS, COLS]`` tile of rollouts x positions (grid ``(cdiv(B, ROWS), cdiv(L, COLS))``) into
     the rollouts' group tables.
@@ -205,7 +208,16 @@ def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, rank_ptr, inc_ptr,
     pos = row.to(tl.int64) * L + col
     real = row < B
     present = tl.load(mask_ptr + pos, mask=real & (col < L), other=0) != 0
-    tok = tl.load(resp_ptr + pos, mask=present, other=0).to(tl.int32)
+    tok64 = tl.load(resp_ptr + pos, mask=present, other=0)
+    # the API's id range check, folded in: bad[0] = the least negative id, bad[1] = the largest id
+    # past 2**31 - 1 (the host raises after the kernel); such positions are left out
+    low = present & (tok64 < 0)
+    high = present & (tok64 > _MAX_ID)
+    if tl.max((low | high).to(tl.int32)) > 0:
+        tl.atomic_min(bad_ptr + tl.zeros_like(lane), tok64, mask=low, sem="relaxed")
+        tl.atomic_max(bad_ptr + 1 + tl.zeros_like(lane), tok64, mask=high, sem="relaxed")
+        present = present & ~low & ~high
+    tok = tok64.to(tl.int32)
     g = tl.load(group_ptr + row, mask=real, other=0)
     g_tile = g + tl.zeros_like(lane).to(g.dtype)  # the group of every lane, [ROWS, COLS]
     base = tl.load(offset_ptr + g, mask=real, other=0)
@@ -296,15 +308,33 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
                          f"got a group of {biggest}")
     words = max(triton.cdiv(largest, 32), 1)
     rank, inc, correct_bits = _rollout_layout(batch, stats, words)
-    tables, overflow = _insert(batch, guess, slots, words, rank, inc, correct_bits, _FIRST_PROBE_LIMIT)
+    tables, overflow, bad = _insert(batch, guess, slots, words, rank, inc, correct_bits, _FIRST_PROBE_LIMIT)
     log_cap = torch.where(overflow != 0, safe, guess)
-    grown, slots, *fill = torch.cat([overflow.any().reshape(1), _slots(log_cap).reshape(1), tables.fill]).tolist()
+    grown, slots, low, high, *fill = torch.cat([overflow.any().reshape(1), _slots(log_cap).reshape(1), bad,
+                                                tables.fill]).tolist()
+    check_ids(low, high)
     if grown:
-        tables, overflow = _insert(batch, log_cap, slots, words, rank, inc, correct_bits, _UNLIMITED)
+        tables, overflow, _ = _insert(batch, log_cap, slots, words, rank, inc, correct_bits, _UNLIMITED)
         lost, *fill = torch.cat([overflow.any().reshape(1), tables.fill]).tolist()
         if lost:  # cannot happen: a slice of twice the group's tokens stays at most half full
             raise RuntimeError("triton backend: a rebuilt hash table overflowed")
     return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0), host_counts=host_counts)
+
+
+def upload(t: Tensor, device: torch.device) -> Tensor:
+    """CPU ``t`` on ``device`` without waiting for the device's queue (pinned, non-blocking copy)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def check_ids(low: int, high: int) -> None:
+    """Raise as ``api.check_token_ids`` does, from the least negative and the largest too-large id
+    the insert kernel saw under the mask (0 and ``MAX_ID`` when there were none)."""
+    if low < 0:
+        raise ValueError(f"`responses` must hold token ids >= 0 where the mask is 1, found {low}")
+    if high > MAX_ID:
+        raise ValueError(f"`responses` token ids must be < 2**31, found {high}")
 
 
 def _slots(log_cap: Tensor) -> Tensor:
@@ -344,9 +374,11 @@ def _rollout_layout(batch: Batch, stats: GroupStats, words: int) -> tuple[Tensor
 
 
 def _insert(batch: Batch, log_cap: Tensor, slots: int, words: int, rank: Tensor, inc: Tensor, correct_bits: Tensor,
-            probe_limit: int) -> tuple[HashTables, Tensor]:
+            probe_limit: int) -> tuple[HashTables, Tensor, Tensor]:
     """Fresh tables of ``2**log_cap`` slots per group (``slots`` in all), filled with every masked
-    token; and the per-group overflow flag (int32 ``[n]``): that group's table is incomplete."""
+    token; the per-group overflow flag (int32 ``[n]``): that group's table is incomplete; and the
+    out-of-range ids (int64 ``[2]``: the least id if negative, else 0; the largest id if above
+    ``MAX_ID``, else ``MAX_ID``)."""
     device = batch.device
     cap = 1 << log_cap.long()
     offset = torch.cumsum(cap, 0) - cap
@@ -356,16 +388,17 @@ def _insert(batch: Batch, log_cap: Tensor, slots: int, words: int, rank: Tensor,
     order = torch.empty(slots, dtype=torch.int32, device=device)
     fill = torch.zeros(batch.n_groups, dtype=torch.int32, device=device)
     overflow = torch.zeros_like(fill)
+    bad = upload(torch.tensor([0, MAX_ID], dtype=torch.int64), device)
     B, L = batch.responses.shape
     if B and L:
         rows, cols = tile_shape(L)
         _insert_kernel[(triton.cdiv(B, rows), triton.cdiv(L, cols))](
             batch.responses.contiguous(), batch.mask.contiguous().view(torch.uint8), B, L, batch.group, rank, inc,
-            keys, occ, bits, words, order, offset, log_cap, fill, overflow, probe_limit,
+            keys, occ, bits, words, order, offset, log_cap, fill, overflow, probe_limit, bad,
             ROWS=rows, COLS=cols, PREDICATED=not interpreting())
     tables = HashTables(keys=keys, occ=occ, bits=bits, order=order, correct_bits=correct_bits, offset=offset,
                         log_cap=log_cap, fill=fill, words=words, largest=0, n_rows=0, max_fill=0)
-    return tables, overflow
+    return tables, overflow, bad
 
 
 def occupied_rows(tables: HashTables, sort: bool) -> Rows:
