@@ -89,7 +89,7 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
             result = _result(shape, name, timing, tokens)
             result.floor_s = floor
             if result.status == "ok" and not contender.per_group and hit is None:
-                result.peak_extra_bytes = peak_extra_bytes(lambda: contender.run(batch), device)
+                result.peak_extra_bytes = peak_extra_bytes(lambda b=batch: contender.run(b), device)
             output = timing.output if isinstance(timing, Timing) else None
             if name == "reference" and output is not None:
                 reference = (result.groups, output.cpu())

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import ktae_kernels.cpu as cpu
 from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
