@@ -78,11 +78,27 @@ def test_undersized_tables_are_rebuilt(device, monkeypatch):
     monkeypatch.setattr(tables, "_FIRST_GUESS", 0.01)
     monkeypatch.setattr(tables, "_FIRST_PROBE_LIMIT", 1)
     calls = []
-    insert = tables._insert
-    monkeypatch.setattr(tables, "_insert", lambda *args: calls.append(args[-1]) or insert(*args))
+    regrow = tables._regrow
+    monkeypatch.setattr(tables, "_regrow", lambda *args: calls.append(args[2].cpu()) or regrow(*args))
     _, responses, mask, rewards, index = random_cases(seed=2, small=True)[2]
     check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
-    assert calls[:2] == [1, tables._UNLIMITED]
+    assert calls and all(bool(c.any()) for c in calls)
+
+
+def test_only_the_groups_that_overflow_are_rebuilt(device, monkeypatch):
+    """Group 0 holds only distinct ids (more than its first slice takes), group 1 three ids."""
+    rng = np.random.default_rng(8)
+    G, L = 4, 40
+    responses = torch.as_tensor(np.concatenate([rng.permutation(10**5)[:G * L].reshape(G, L),
+                                                rng.integers(0, 3, size=(G, L))]))
+    mask = torch.ones_like(responses, dtype=torch.bool)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0] * 2)
+    index = torch.arange(2 * G) // G
+    calls = []
+    regrow = tables._regrow
+    monkeypatch.setattr(tables, "_regrow", lambda *args: calls.append(args[2].cpu().tolist()) or regrow(*args))
+    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
+    assert calls and all(c == [1, 0] for c in calls)
 
 
 def test_tables_are_sparse(device):
@@ -95,8 +111,9 @@ def test_tables_are_sparse(device):
     assert built.keys.shape[0] <= 4 * masked + 16 * batch.n_groups < batch.n_groups * 151_936
     assert built.n_rows == len({(int(g), int(t)) for g, t in zip(index[:, None].expand_as(responses)[mask],
                                                                  responses[mask])})
-    occupied = (built.keys != tables.EMPTY).sum().item()
-    assert occupied == built.n_rows
+    # the groups' live slices (a rebuilt group abandons its first slice)
+    live = [built.keys[o:o + (1 << c)] for o, c in zip(built.offset.tolist(), built.log_cap.tolist())]
+    assert sum(int((k != tables.EMPTY).sum()) for k in live) == built.n_rows
 
 
 def test_profile_stages():

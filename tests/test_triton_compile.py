@@ -38,8 +38,10 @@ KERNELS = [
     (tables._insert_kernel,
      dict(**TOKENS, rank_ptr=ptr("i32"), inc_ptr=ptr("i64"), keys_ptr=ptr("i32"), occ_ptr=ptr("i64"),
           bits_ptr=ptr("i32"), words="i32", order_ptr=ptr("i32"), offset_ptr=ptr("i64"), log_cap_ptr=ptr("i32"),
-          fill_ptr=ptr("i32"), overflow_ptr=ptr("i32"), probe_limit="i32", bad_ptr=ptr("i64")),
-     [dict(ROWS=r, COLS=c, PREDICATED=p) for (r, c), p in itertools.product([(1, 1024), (64, 16)], [True, False])]),
+          fill_ptr=ptr("i32"), overflow_ptr=ptr("i32"), probe_limit="i32", bad_ptr=ptr("i64"),
+          row_map_ptr=ptr("i64")),
+     [dict(ROWS=r, COLS=c, PREDICATED=p, MAPPED=m)
+      for (r, c), p, m in itertools.product([(1, 1024), (64, 16)], [True, False], [False, True])]),
     (tables._flatten_kernel,
      dict(order_ptr=ptr("i32"), offset_ptr=ptr("i64"), fill_ptr=ptr("i32"), row_start_ptr=ptr("i64"),
           slot_ptr=ptr("i64"), group_ptr=ptr("i32")), [dict(BLOCK=2048)]),
@@ -146,4 +148,4 @@ def test_kernels_compile_for_sm90_and_use_no_replicated_atomic_result(tmp_path):
         pytest.skip("this triton wheel has no bundled ptxas")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "flagged the #7402 pattern" in done.stdout
-    assert done.stdout.count("compiled") == 4 + 1 + 1 + 1 + 4 + 2
+    assert done.stdout.count("compiled") == 8 + 1 + 1 + 1 + 4 + 2

@@ -19,7 +19,9 @@ counters with one 64-bit atomic, and sets its rollout's presence bit unless a lo
 
 Nothing is vocabulary-sized. Slices start from a guess of ``2 * _FIRST_GUESS`` times the group's
 masked tokens; a group whose slice gets more than 3/4 full, or whose probes run past a limit, stops
-early and is rebuilt once with a slice of at least twice its masked tokens, which always suffices.
+early and is rebuilt once with a slice of at least twice its masked tokens, which always suffices:
+only the overflowed groups' rollouts are inserted again (``_regrow``), into slices appended after
+the others, so an overflow costs in proportion to the groups that overflow.
 """
 from __future__ import annotations
 
@@ -194,19 +196,23 @@ def load_row_counts(keys_ptr, occ_ptr, bits_ptr, correct_bits_ptr, words, slot, 
 @triton.jit
 def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, rank_ptr, inc_ptr,
                    keys_ptr, occ_ptr, bits_ptr, words, order_ptr,
-                   offset_ptr, log_cap_ptr, fill_ptr, overflow_ptr, probe_limit, bad_ptr,
-                   ROWS: tl.constexpr, COLS: tl.constexpr, PREDICATED: tl.constexpr):
+                   offset_ptr, log_cap_ptr, fill_ptr, overflow_ptr, probe_limit, bad_ptr, row_map_ptr,
+                   ROWS: tl.constexpr, COLS: tl.constexpr, PREDICATED: tl.constexpr, MAPPED: tl.constexpr):
     """A ``[ROWS, COLS]`` tile of rollouts x positions (grid ``(cdiv(B, ROWS), cdiv(L, COLS))``) into
-    the rollouts' group tables.
+    the rollouts' group tables; with ``MAPPED``, tile row ``r`` is rollout ``row_map[r]`` (B of them).
 
     ``overflow[g]`` is set, and the group's rows stop probing, once its table is over 3/4 full or a
     lane used up ``probe_limit`` probes; the host then rebuilds it larger.
     """
-    row = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     col = tl.program_id(1) * COLS + tl.arange(0, COLS)[None, :]
     lane = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    pos = row.to(tl.int64) * L + col
-    real = row < B
+    real = r < B
+    if MAPPED:
+        row = tl.load(row_map_ptr + r, mask=real, other=0)
+    else:
+        row = r.to(tl.int64)
+    pos = row * L + col
     present = tl.load(mask_ptr + pos, mask=real & (col < L), other=0) != 0
     tok64 = tl.load(resp_ptr + pos, mask=present, other=0)
     # the API's id range check, folded in: bad[0] = the least negative id, bad[1] = the largest id
@@ -309,12 +315,11 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
     words = max(triton.cdiv(largest, 32), 1)
     rank, inc, correct_bits = _rollout_layout(batch, stats, words)
     tables, overflow, bad = _insert(batch, guess, slots, words, rank, inc, correct_bits, _FIRST_PROBE_LIMIT)
-    log_cap = torch.where(overflow != 0, safe, guess)
-    grown, slots, low, high, *fill = torch.cat([overflow.any().reshape(1), _slots(log_cap).reshape(1), bad,
-                                                tables.fill]).tolist()
+    grown_cap = torch.where(overflow != 0, 1 << safe.long(), 0)
+    extra, low, high, *fill = torch.cat([grown_cap.sum().reshape(1), bad, tables.fill]).tolist()
     check_ids(low, high)
-    if grown:
-        tables, overflow, _ = _insert(batch, log_cap, slots, words, rank, inc, correct_bits, _UNLIMITED)
+    if extra:
+        tables, overflow = _regrow(batch, tables, overflow, safe, grown_cap, extra, rank, inc)
         lost, *fill = torch.cat([overflow.any().reshape(1), tables.fill]).tolist()
         if lost:  # cannot happen: a slice of twice the group's tokens stays at most half full
             raise RuntimeError("triton backend: a rebuilt hash table overflowed")
@@ -394,11 +399,40 @@ def _insert(batch: Batch, log_cap: Tensor, slots: int, words: int, rank: Tensor,
         rows, cols = tile_shape(L)
         _insert_kernel[(triton.cdiv(B, rows), triton.cdiv(L, cols))](
             batch.responses.contiguous(), batch.mask.contiguous().view(torch.uint8), B, L, batch.group, rank, inc,
-            keys, occ, bits, words, order, offset, log_cap, fill, overflow, probe_limit, bad,
-            ROWS=rows, COLS=cols, PREDICATED=not interpreting())
+            keys, occ, bits, words, order, offset, log_cap, fill, overflow, probe_limit, bad, batch.group,
+            ROWS=rows, COLS=cols, PREDICATED=not interpreting(), MAPPED=False)
     tables = HashTables(keys=keys, occ=occ, bits=bits, order=order, correct_bits=correct_bits, offset=offset,
                         log_cap=log_cap, fill=fill, words=words, largest=0, n_rows=0, max_fill=0)
     return tables, overflow, bad
+
+
+def _regrow(batch: Batch, tables: HashTables, overflow: Tensor, safe: Tensor, grown_cap: Tensor, extra: int,
+            rank: Tensor, inc: Tensor) -> tuple[HashTables, Tensor]:
+    """Rebuild the groups that overflowed, and only them: each gets a fresh slice of ``2**safe[g]``
+    slots appended after the others (``extra`` slots in all, ``grown_cap`` per group) and only its
+    rollouts are inserted again; the other groups' tables stay as they are (the abandoned slices
+    are never read again). Returns the tables and the new overflow flags."""
+    device = batch.device
+    over = overflow != 0
+    old = tables.keys.shape[0]
+    offset = torch.where(over, old + torch.cumsum(grown_cap, 0) - grown_cap, tables.offset)
+    log_cap = torch.where(over, safe, tables.log_cap)
+    fill = torch.where(over, 0, tables.fill).to(torch.int32)
+    keys = torch.cat([tables.keys, torch.full((extra,), EMPTY, dtype=torch.int32, device=device)])
+    occ = torch.cat([tables.occ, torch.zeros(extra, dtype=torch.int64, device=device)])
+    bits = torch.cat([tables.bits, torch.zeros(extra * tables.words, dtype=torch.int32, device=device)])
+    order = torch.cat([tables.order, torch.empty(extra, dtype=torch.int32, device=device)])
+    overflow = torch.zeros_like(overflow)
+    row_map = torch.nonzero(over[batch.group]).flatten()  # the overflowed groups' rollouts
+    n_map, L = row_map.shape[0], batch.responses.shape[1]
+    bad = upload(torch.tensor([0, MAX_ID], dtype=torch.int64), device)
+    if n_map and L:
+        rows, cols = tile_shape(L)
+        _insert_kernel[(triton.cdiv(n_map, rows), triton.cdiv(L, cols))](
+            batch.responses.contiguous(), batch.mask.contiguous().view(torch.uint8), n_map, L, batch.group, rank, inc,
+            keys, occ, bits, tables.words, order, offset, log_cap, fill, overflow, _UNLIMITED, bad, row_map,
+            ROWS=rows, COLS=cols, PREDICATED=not interpreting(), MAPPED=True)
+    return replace(tables, keys=keys, occ=occ, bits=bits, order=order, offset=offset, log_cap=log_cap, fill=fill), overflow
 
 
 def occupied_rows(tables: HashTables, sort: bool) -> Rows:
