@@ -1,5 +1,7 @@
-"""TRL adapter against the installed TRL: a real GRPO training step on CPU with a tiny locally built
-model and tokenizer, and the Liger refusal. Groups split across processes: tests/test_distributed.py."""
+"""TRL adapter against the installed TRL: real GRPO training steps on CPU with a tiny locally built
+model and tokenizer: token advantages, ktae/ metrics in TRL's _metrics, the completions table, the
+sequence-level branches of OPSM and VESPO, and Liger (layer kernels only in TRL >= 1.16). Groups
+split across processes: tests/test_distributed.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -42,9 +44,10 @@ def _even_majority(completions, completion_ids, **kwargs):
 
 
 def _args(tmp_path, **extra) -> GRPOConfig:
-    return GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=G,
-                      max_completion_length=6, max_steps=1, learning_rate=1e-2, report_to="none", use_cpu=True,
-                      logging_steps=1, save_strategy="no", seed=0, dataloader_num_workers=0, **extra)
+    settings = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=G,
+                    max_completion_length=6, max_steps=1, learning_rate=1e-2, report_to="none", use_cpu=True,
+                    logging_steps=1, save_strategy="no", seed=0, dataloader_num_workers=0)
+    return GRPOConfig(**{**settings, **extra})
 
 
 class _Recording(KTAEGRPOTrainer):
@@ -52,8 +55,8 @@ class _Recording(KTAEGRPOTrainer):
 
     seen: list
 
-    def ktae_advantages(self, output):
-        result = super().ktae_advantages(output)
+    def ktae_advantages(self, output, rollout_advantage=None):
+        result = super().ktae_advantages(output, rollout_advantage)
         self.seen.append({"ids": output["completion_ids"].clone(), "mask": output["completion_mask"].clone(),
                           "trl": output["advantages"].clone(), "rewards": self._ktae_rewards_per_func.clone(),
                           "ktae": result.clone()})
@@ -81,7 +84,100 @@ def test_grpo_step_trains_on_token_advantages(tmp_path):
         assert torch.all(ktae[mask == 0] == 0)
 
 
-def test_liger_kernel_is_refused(tmp_path):
+def _prompts():
+    return datasets.Dataset.from_dict({"prompt": ["a b c", "d e f", "g h", "i j k l"]})
+
+
+def test_metrics_reach_trls_metrics_and_the_table_shows_ktae(tmp_path):
+    trainer = _Recording(_model(), reward_funcs=_even_majority, args=_args(tmp_path, max_steps=2),
+                         train_dataset=_prompts(), processing_class=_tokenizer(), ktae_metrics="scores")
+    trainer.seen = []
+    trainer.train()
+    names = {"ktae/score_abs_mean", "ktae/key_token_share", "ktae/mixed_group_share",
+             "ktae/distinct_tokens_per_group", "ktae/time_ms"}
+    steps = [entry for entry in trainer.state.log_history if "reward" in entry]
+    assert len(steps) == 2 and all(names <= set(entry) for entry in steps)
+    assert all(0 <= entry["ktae/key_token_share"] <= 1 and entry["ktae/time_ms"] > 0 for entry in steps)
+    last = trainer.seen[-1]
+    mask = last["mask"].float()
+    want = ((last["ktae"] * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+    assert list(trainer._logs["advantages"])[-len(want):] == pytest.approx(want, abs=1e-6)
+    assert list(trainer._logs["advantages"])[-len(want):] != pytest.approx(last["trl"].tolist(), abs=1e-6)
+
+
+def test_metrics_off_logs_nothing(tmp_path):
+    trainer = KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                              processing_class=_tokenizer(), ktae_metrics="off")
+    trainer.train()
+    assert not any(k.startswith("ktae/") for entry in trainer.state.log_history for k in entry)
+    with pytest.raises(ValueError, match="ktae_metrics"):
+        KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer(),
+                        ktae_metrics="all")
+
+
+class _SequenceBranches(_Recording):
+    """Records the advantages TRL's sequence-level branches (OPSM mask, VESPO weights) receive."""
+
+    branch: list
+
+    def get_off_policy_mask(self, advantages, *args, **kwargs):
+        out = super().get_off_policy_mask(advantages, *args, **kwargs)
+        self.branch.append(("opsm", advantages, self._ktae_sequence(advantages), out))
+        return out
+
+    def get_gamma_weights(self, advantages, *args, **kwargs):
+        out = super().get_gamma_weights(advantages, *args, **kwargs)
+        self.branch.append(("vespo", advantages, self._ktae_sequence(advantages), out))
+        return out
+
+
+@pytest.mark.parametrize("loss_type", ["vespo", "dapo"])
+def test_opsm_and_vespo_branch_on_the_rollout_sign(tmp_path, loss_type):
+    args = _args(tmp_path, loss_type=loss_type, off_policy_mask_threshold=0.0, num_iterations=2, max_steps=2)
+    trainer = _SequenceBranches(_model(), reward_funcs=_even_majority, args=args, train_dataset=_prompts(),
+                                processing_class=_tokenizer())
+    trainer.seen, trainer.branch = [], []
+    trainer.train()
+    kinds = {kind for kind, *_ in trainer.branch}
+    assert "opsm" in kinds and (loss_type != "vespo" or "vespo" in kinds)
+    trl_signs = torch.cat([s["trl"] for s in trainer.seen]).sign()
+    for kind, given, used, out in trainer.branch:
+        assert given.dim() == 2 and given.shape[1] > 1  # the token advantages TRL passes
+        assert used.shape == (given.shape[0], 1)
+        assert out.shape == (given.shape[0], 1)  # a per-sequence mask / weight, as TRL defines it
+        assert set(used.flatten().sign().tolist()) <= set(trl_signs.tolist())
+
+
+def test_liger_layer_kernels_keep_ktae_advantages(tmp_path, monkeypatch):
+    """TRL 1.16 with use_liger_kernel applies Liger's layer kernels only (stand-in here: they need a GPU)
+    and keeps its own loss, so KTAE's [B, T] advantages reach the loss unchanged: nothing to refuse."""
+    import transformers.trainer
+
+    from ktae_kernels.integrations.trl import liger_loss_takes_sequence_advantages
+
+    if liger_loss_takes_sequence_advantages():
+        pytest.skip("this TRL routes the loss through Liger's fused GRPO loss: refused (tested below)")
+    applied = []
+    monkeypatch.setattr(transformers.trainer, "apply_liger_kernel",
+                        lambda model, config: applied.append(dict(config or {})), raising=False)
+    trainer = _Recording(_model(), reward_funcs=_even_majority, args=_args(tmp_path, use_liger_kernel=True),
+                         train_dataset=_prompts(), processing_class=_tokenizer())
+    trainer.seen = []
+    losses = []
+    original = trainer._compute_loss
+    monkeypatch.setattr(trainer, "_compute_loss", lambda model, inputs: losses.append(inputs["advantages"]) or
+                        original(model, inputs))
+    trainer.train()
+    assert applied and applied[0].get("fused_linear_cross_entropy") is False
+    assert losses and all(a.dim() == 2 for a in losses)
+    assert torch.equal(torch.cat(losses).sort(0).values, torch.cat([s["ktae"] for s in trainer.seen]).sort(0).values)
+
+
+def test_liger_loss_of_older_trl_is_refused(tmp_path, monkeypatch):
+    class OldTRL(KTAEGRPOTrainer):
+        def compute_liger_loss(self, *args, **kwargs):  # what TRL < 1.16 had
+            raise AssertionError("not reached")
+
     with pytest.raises(ValueError, match="use_liger_kernel"):
-        KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path, use_liger_kernel=True),
-                        processing_class=_tokenizer())
+        OldTRL(_model(), reward_funcs=_even_majority, args=_args(tmp_path, use_liger_kernel=True),
+               processing_class=_tokenizer())

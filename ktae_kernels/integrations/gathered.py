@@ -14,6 +14,18 @@ from ..api import token_advantage
 from ..config import KTAEConfig
 
 
+def grpo_groups(rewards_per_func: Tensor, reward_weights: Tensor, *, num_generations: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(rewards, group, unscorable)`` of the gathered ``[N]`` rows: the weighted ``nansum`` reward (as
+    TRL logs it), the group id (``row // num_generations``; a row that no reward function scored, all
+    NaN, is a group of its own with a negative id) and the unscorable flags."""
+    N = rewards_per_func.shape[0]
+    rows = torch.arange(N, device=rewards_per_func.device)
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * reward_weights.to(rewards_per_func.device).unsqueeze(0)).nansum(dim=1)
+    group = torch.where(unscorable, -(rows + 1), rows // num_generations)
+    return rewards, group, unscorable
+
+
 def grpo_token_advantages(completion_ids: Tensor, loss_mask: Tensor, rewards_per_func: Tensor, reward_weights: Tensor,
                           advantages: Tensor | None, *, process_index: int, num_generations: int,
                           config: KTAEConfig, backend: str = "auto", process_group: Any = None) -> Tensor:
@@ -24,7 +36,7 @@ def grpo_token_advantages(completion_ids: Tensor, loss_mask: Tensor, rewards_per
         rewards_per_func: ``[N, n_funcs]`` rewards of all processes (TRL gathers them), NaN where a
             function did not score; a row's reward is the weighted ``nansum``, as TRL logs it.
         reward_weights: ``[n_funcs]``.
-        advantages: this process's ``[B]`` TRL rollout advantages, used as ``A_i``; None: ``config.baseline``.
+        advantages: this process's ``[B]`` rollout advantages ``A_i`` (TRL's); None: ``config.baseline``.
         process_index, num_generations: this process's slice is rows ``process_index * B ...`` of the
             gathered batch, and a group is ``num_generations`` consecutive gathered rows.
         process_group: the group of all processes when there are several, else None.
@@ -32,11 +44,8 @@ def grpo_token_advantages(completion_ids: Tensor, loss_mask: Tensor, rewards_per
     """
     B = completion_ids.shape[0]
     start = process_index * B
-    rows = torch.arange(start, start + B, device=completion_ids.device)
-    own = rewards_per_func[start:start + B]
-    unscorable = torch.isnan(own).all(dim=1)
-    rewards = (own * reward_weights.to(own.device).unsqueeze(0)).nansum(dim=1)
-    group = torch.where(unscorable, -(rows + 1), rows // num_generations)  # unscorable: a group of its own
-    mask = loss_mask.bool() & ~unscorable[:, None]
-    return token_advantage(completion_ids, mask, rewards, group, config=config, backend=backend,
+    rewards, group, unscorable = grpo_groups(rewards_per_func, reward_weights, num_generations=num_generations)
+    own = slice(start, start + B)
+    mask = loss_mask.bool() & ~unscorable[own, None].to(loss_mask.device)
+    return token_advantage(completion_ids, mask, rewards[own], group[own], config=config, backend=backend,
                            rollout_advantage=advantages, process_group=process_group)
