@@ -1,0 +1,89 @@
+"""The GPU backends on a real GPU beyond the per-backend tests: a non-default stream, a device other
+than the current one, a batch whose groups overflow every table; and, anywhere, that bench/gpu.sh
+parses and bench/gpu_check.py runs (its --dry-run: tiny shapes, Triton interpreter, on the CPU).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ktae_kernels import token_advantage
+from ktae_kernels.backends import available_backends
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_BACKENDS = [b for b in ("triton", "cuda") if torch.cuda.is_available() and b in available_backends("cuda")]
+needs_gpu = pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the built extension)")
+
+
+def _batch(device, groups=6, G=16, L=1024, vocab=20_000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    B = groups * G
+    responses = torch.randint(0, vocab, (B, L), generator=gen)
+    mask = torch.arange(L)[None, :] < torch.randint(1, L + 1, (B, 1), generator=gen)
+    rewards = (torch.rand(B, generator=gen) < 0.5).float()
+    index = torch.arange(B) // G
+    return [t.to(device) for t in (responses, mask, rewards, index)]
+
+
+def test_gpu_sh_parses():
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    done = subprocess.run(["bash", "-n", str(ROOT / "bench" / "gpu.sh")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_gpu_check_dry_run(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"TRITON_INTERPRET": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--dry-run", "--skip-timings", "--out", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "checks passed" in done.stdout and "FAIL" not in done.stdout
+    assert list(tmp_path.glob("*-gpu-check-dry-run.json"))
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_non_default_stream_and_out(backend):
+    args = _batch("cuda")
+    want = token_advantage(*args, backend="torch")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        busy = torch.randn(2048, 2048, device="cuda")
+        for _ in range(4):
+            busy = busy @ busy
+        responses = args[0].clone()  # written on this stream, right before the call
+        out = torch.empty(responses.shape, dtype=torch.float32, device="cuda")
+        got = token_advantage(responses, *args[1:], backend=backend, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_runs_on_the_batch_device_not_the_current_one(backend):
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    args = _batch(last, groups=2)
+    want = token_advantage(*args, backend="torch")
+    with torch.cuda.device(0):
+        got = token_advantage(*args, backend=backend)
+    assert got.device == last
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_groups_with_many_distinct_ids_raced_by_many_programs(backend):
+    # 64 x 2048 uniform ids over 50k per group: ~45k distinct ids, far past any first table guess
+    args = _batch("cuda", groups=4, G=64, L=2048, vocab=50_000, seed=1)
+    want = token_advantage(*args, backend="torch")
+    torch.testing.assert_close(token_advantage(*args, backend=backend), want, rtol=0, atol=1e-6)
