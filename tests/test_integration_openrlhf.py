@@ -149,3 +149,64 @@ def test_install_replaces_the_trainer_experience_maker(monkeypatch):
     assert trainer_module.RemoteExperienceMaker is again
     assert again.__bases__ == (ktae_openrlhf.KTAEExperienceMakerMixin, FakeRemoteExperienceMaker)
     assert first.ktae_config == KTAEConfig(top=0.5) and first.ktae_backend == "torch"
+
+
+def test_task_scores_label_correct_and_metrics_reach_info():
+    """OpenRLHF's binary ``scores`` split correct / wrong even when the shaped ``rewards`` say otherwise."""
+    rollouts = _rollouts(seed=3, prompts=3)
+    experiences = _group_norm(_experiences(rollouts, list(range(len(rollouts))), 6))
+    for e in experiences:
+        e.scores = e.rewards.clone()
+        e.rewards = e.rewards - 1.5  # e.g. length penalties: every shaped reward < 0
+    config = KTAEConfig()
+    term = ktae_openrlhf.add_key_token_scores(experiences, n_samples_per_prompt=N, config=config, metrics="scores")
+    A = max(e.action_mask.shape[1] for e in experiences)
+    ids = torch.cat([torch.nn.functional.pad(e.sequences[:, -e.action_mask.shape[1]:], (0, A - e.action_mask.shape[1]))
+                     for e in experiences])
+    mask = torch.cat([torch.nn.functional.pad(e.action_mask, (0, A - e.action_mask.shape[1])) for e in experiences])
+    rewards = torch.cat([e.rewards for e in experiences])
+    scores = torch.cat([e.scores for e in experiences])
+    group = torch.tensor([i // N for e in experiences for i in e.index])
+    zero = torch.zeros(len(rewards), dtype=torch.float64)
+    assert torch.equal(term, token_advantage(ids, mask, rewards, group, rollout_advantage=zero, correct=scores > 0))
+    assert not torch.equal(term, token_advantage(ids, mask, rewards, group, rollout_advantage=zero))
+    from ktae_kernels import key_token_scores
+    from ktae_kernels.metrics import ktae_metrics
+
+    want = ktae_metrics(key_token_scores(ids, mask, rewards, group, correct=scores > 0))
+    for e in experiences:
+        for name, value in want.items():
+            assert e.info[name].shape == (e.action_mask.shape[0],)
+            assert float(e.info[name][0]) == pytest.approx(value, rel=1e-6)
+        assert "ktae/time_ms" in e.info
+
+
+def _fake_openrlhf(monkeypatch):
+    trainer_module = types.ModuleType("openrlhf.trainer.ppo_trainer")
+    trainer_module.RemoteExperienceMaker = FakeRemoteExperienceMaker
+    package = types.ModuleType("openrlhf.trainer")
+    package.ppo_trainer = trainer_module
+    monkeypatch.setitem(sys.modules, "openrlhf", types.ModuleType("openrlhf"))
+    monkeypatch.setitem(sys.modules, "openrlhf.trainer", package)
+    monkeypatch.setitem(sys.modules, "openrlhf.trainer.ppo_trainer", trainer_module)
+    return trainer_module
+
+
+def test_settings_reach_the_worker_with_ignore_token_ids(monkeypatch):
+    """Both worker_process_setup_hook forms carry a full KTAEConfig, ignore_token_ids included."""
+    import pickle
+
+    trainer_module = _fake_openrlhf(monkeypatch)
+    config = KTAEConfig(ignore_token_ids=(151643, 7), beta=2.0)
+    hook = pickle.loads(pickle.dumps(ktae_openrlhf.setup_hook(config, backend="torch", metrics="scores")))
+    maker = hook()
+    assert trainer_module.RemoteExperienceMaker is maker
+    assert (maker.ktae_config, maker.ktae_backend, maker.ktae_metrics) == (config, "torch", "scores")
+    monkeypatch.setenv("KTAE_OPENRLHF", '{"ignore_token_ids": [151643, 7], "beta": 2.0, "backend": "torch"}')
+    maker = ktae_openrlhf.install()  # the string form: "ktae_kernels.integrations.openrlhf.install"
+    assert (maker.ktae_config, maker.ktae_backend, maker.ktae_metrics) == (config, "torch", "advantages")
+    monkeypatch.setenv("KTAE_OPENRLHF", '{"alhpa": 1}')
+    with pytest.raises(ValueError, match="KTAE_OPENRLHF has unknown keys \\['alhpa'\\]"):
+        ktae_openrlhf.install()
+    with pytest.raises(ValueError, match="metrics"):
+        ktae_openrlhf.setup_hook(metrics="all")
