@@ -24,7 +24,7 @@ enum Mode : int {
 // A hash-table slot key no token id can take (ids are < 2^31).
 constexpr uint32_t kEmptyKey = 0xFFFFFFFFu;
 // Upper bound of threads per block (the kernels' __launch_bounds__).
-constexpr int kMaxThreads = 512;
+constexpr int kMaxThreads = 1024;
 // Tokens each thread loads per step of the table build and of the gather.
 constexpr int kUnroll = 4;
 

@@ -39,7 +39,7 @@ BUILD_COMMAND = 'TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install 
 
 # Kernel modes and constants, as in csrc/ktae_kernels.h.
 COUNT, ROWS, ADVANTAGE = 0, 1, 2
-MAX_THREADS = 512
+MAX_THREADS = 1024
 UNROLL = 4
 #: fewest threads per block and fewest slots of an automatically sized table.
 MIN_THREADS = 64

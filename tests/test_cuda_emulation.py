@@ -258,3 +258,11 @@ def test_table_slots_is_checked(emulator):
             cuda.key_token_scores(batch, KTAEConfig(), table_slots=bad, extension=emulator)
     with pytest.raises(ValueError, match="`table_slots` = 65536 needs"):
         cuda.key_token_scores(batch, KTAEConfig(), table_slots=65536, extension=emulator)
+
+
+def test_long_rollouts_use_blocks_of_more_than_512_threads(emulator):
+    # L = 3072: 768 threads a block (one pass of 4 tokens each), as the paper batch on a GPU
+    responses, mask, rewards, index = make_batch(np.random.default_rng(9), [3, 2], 3072, 400)
+    batch = normalise_batch(responses, mask, rewards, index)
+    assert cuda.block_threads(batch.responses.shape[1]) == 768
+    check(emulator, "long-rollouts", batch, KTAEConfig())

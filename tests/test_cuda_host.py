@@ -46,7 +46,7 @@ def test_shared_capacity_fits_the_largest_group_or_the_device():
 
 
 @pytest.mark.parametrize("length, threads", [(0, 64), (16, 64), (256, 64), (1000, 256), (2048, 512),
-                                             (3072, 384), (4096, 512), (100_000, 512)])
+                                             (3072, 768), (4096, 1024), (5000, 640), (100_000, 1024)])
 def test_block_threads(length, threads):
     assert cuda.block_threads(length) == threads
     assert threads % 32 == 0 and cuda.MIN_THREADS <= threads <= cuda.MAX_THREADS
