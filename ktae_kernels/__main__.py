@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\n".join(_aligned(responses, mask, adv, rollout, f"{kind}, A = {base[rollout]:+.3f}")))
 
     print("\nTime of one token_advantage call on this batch (after a warm-up call):")
-    for backend in ("reference", "torch"):
+    for backend in (b for b in ("reference", "torch", "cpu") if b in available_backends()):
         token_advantage(responses, mask, rewards, index, config=config, backend=backend)
         start = time.perf_counter()
         token_advantage(responses, mask, rewards, index, config=config, backend=backend)
