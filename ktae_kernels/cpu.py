@@ -4,8 +4,8 @@ groups (``method.group_counts``, ``[B]``-sized) -> statistics of every table the
 (``method.table_statistics``, cached per distinct group shapes and config) -> one kernel call that, per
 group and on one thread, counts the tokens into a table indexed by token id, scores each distinct id
 from the table statistics plus its BM25 term, and writes the group's advantages while its ids are
-still in cache. Groups run in parallel on ``torch.get_num_threads()`` threads; the result does not
-depend on the thread count.
+still in cache. Groups run in parallel on ``torch.get_num_threads()`` threads (fewer for small
+batches); the result does not depend on the thread count.
 
 When the full grid of tables is large (big groups) or ``fisher="upstream"`` (whose p-value depends on
 the rows present), a first kernel call lists the rows, ``method.row_statistics`` computes exactly the
@@ -75,8 +75,14 @@ def _unit_column_stride(t: Tensor) -> Tensor:
     return t if t.shape[1] <= 1 or t.stride(1) == 1 else t.contiguous()
 
 
-def _threads() -> int:
-    return max(torch.get_num_threads(), 1)
+#: positions per thread below which more threads cost more (waking them) than they save.
+POSITIONS_PER_THREAD = 1 << 16
+
+
+def _threads(batch: Batch) -> int:
+    """``torch.get_num_threads()``, fewer for small batches (at most one per group)."""
+    B, L = batch.responses.shape
+    return max(1, min(torch.get_num_threads(), batch.n_groups, B * L // POSITIONS_PER_THREAD))
 
 
 def _raise_bad_ids(batch: Batch) -> None:
@@ -94,7 +100,7 @@ def _list_rows(inputs: _Inputs) -> tuple[method.Rows, Tensor, Tensor]:
     cols = torch.empty(5, capacity, dtype=torch.int64)
     n_rows, T_c, T_w = (torch.zeros(n, dtype=torch.int64) for _ in range(3))
     ok = load_extension().rows(*inputs.arguments(), offset.data_ptr(), *(c.data_ptr() for c in cols),
-                               n_rows.data_ptr(), T_c.data_ptr(), T_w.data_ptr(), _threads())
+                               n_rows.data_ptr(), T_c.data_ptr(), T_w.data_ptr(), _threads(batch))
     if not ok:
         _raise_bad_ids(batch)
     shift = offset - (torch.cumsum(n_rows, 0) - n_rows)  # group g's rows start at offset[g] in `cols`
@@ -142,7 +148,7 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     ok = load_extension().advantage(
         *inputs.arguments(), offset.data_ptr(), stride.data_ptr(), strength.data_ptr(), h.data_ptr(),
         ignore.data_ptr(), ignore.numel(), base.data_ptr(), config.k1, config.b, config.alpha + config.beta,
-        config.top, math.nextafter(config.top, 0.0), config.weight, config.use_tf, out.data_ptr(), _threads())
+        config.top, math.nextafter(config.top, 0.0), config.weight, config.use_tf, out.data_ptr(), _threads(batch))
     if not ok:
         _raise_bad_ids(batch)
     return out

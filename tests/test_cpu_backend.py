@@ -27,8 +27,10 @@ CONFIGS = {
 
 
 @pytest.fixture
-def threads():
-    """Run a test body at a given torch thread count, restoring it afterwards."""
+def threads(monkeypatch):
+    """Set the torch thread count (restored afterwards); the kernel then uses exactly that many
+    threads whenever there are that many groups, however small the batch."""
+    monkeypatch.setattr(cpu, "POSITIONS_PER_THREAD", 1)
     before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
