@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Iterator
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -290,18 +292,53 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
     return scores, row_offset, fits, host_counts
 
 
-def _table_lookup(plan: _Plan, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """The per-table statistics the advantage pass looks up (``table_index``: int64 ``[2, n_groups]``
-    grid offset and stride; ``table_values``: float64 ``[2, size]`` Cohen's h and strength), computed
-    whole on the host; None with ``fisher="upstream"`` or a grid over ``FULL_GRID_WORK``."""
+#: statistics of recently seen sets of ``(n_c, n_w)`` (a training run sees the same few again and again).
+_GRID_CACHE: "OrderedDict[tuple, tuple[Tensor, np.ndarray]]" = OrderedDict()
+_GRID_CACHE_SIZE = 64
+
+
+def grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """Every table a group of ``n_c`` correct and ``n_w`` wrong rollouts can have, with its statistics,
+    for the groups' counts (int64 CPU ``[n_groups]``), on ``device``: ``index`` int64 ``[2, n_groups]``
+    (each group's grid offset and stride ``n_w + 1``) and ``values`` float64 ``[5, size]`` (``p_value,
+    F, IG, h, strength`` of ``method.table_statistics``); the table ``(a, b)`` of group ``g`` is
+    column ``index[0, g] + a * index[1, g] + b``. None with ``fisher="upstream"`` (its p-value depends
+    on the rows) or a grid over ``FULL_GRID_WORK``.
+
+    Computed once per set of distinct ``(n_c, n_w)`` and config (a small cache), so a call usually
+    costs a ``numpy.unique`` over the groups and one pinned, non-blocking upload of ``index``.
+    Shared by the triton backend.
+    """
     if config.fisher != "exact":
         return None
-    grid = method.table_grid(plan.n_c, plan.n_w)
-    if method.grid_work(grid) > FULL_GRID_WORK:
-        return None
-    table = method.table_statistics(grid, config)
-    return (_upload(torch.stack([grid.offset, grid.stride]).contiguous(), device),
-            _upload(torch.stack([table.h, table.strength]).contiguous(), device))
+    counts_c, counts_w = n_c.numpy(), n_w.numpy()
+    blocks, inverse = np.unique(counts_c * (1 << 32) + counts_w, return_inverse=True)
+    key = (config, blocks.tobytes(), str(device))
+    hit = _GRID_CACHE.get(key)
+    if hit is None:
+        block_c, block_w = torch.from_numpy(blocks >> 32), torch.from_numpy(blocks & 0xFFFFFFFF)
+        grid = method.table_grid(block_c, block_w)
+        if method.grid_work(grid) > FULL_GRID_WORK:
+            return None
+        table = method.table_statistics(grid, config)
+        values = torch.stack([table.p_value, table.F, table.IG, table.h, table.strength]).contiguous()
+        hit = (_upload(values, device), grid.offset.numpy())
+        _GRID_CACHE[key] = hit
+        while len(_GRID_CACHE) > _GRID_CACHE_SIZE:
+            _GRID_CACHE.popitem(last=False)
+    else:
+        _GRID_CACHE.move_to_end(key)
+    values, block_start = hit
+    index = np.stack([block_start[inverse.reshape(-1)], counts_w + 1]).astype(np.int64)
+    return _upload(torch.from_numpy(index), device), values
+
+
+def _table_lookup(plan: _Plan, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
+    """The per-table statistics the advantage pass looks up (``table_index``: int64 ``[2, n_groups]``
+    grid offset and stride; ``table_values``: float64 ``[2, size]`` Cohen's h and strength), or None
+    (``grid_statistics``)."""
+    found = grid_statistics(plan.n_c, plan.n_w, config, device)
+    return None if found is None else (found[0], found[1][3:5])
 
 
 def _advantage(plan: _Plan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None) -> Tensor:

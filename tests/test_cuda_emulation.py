@@ -181,6 +181,7 @@ def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, m
 
 def test_large_grids_and_upstream_score_the_rows_first(emulator, monkeypatch):
     monkeypatch.setattr(cuda, "FULL_GRID_WORK", 0)
+    monkeypatch.setattr(cuda, "_GRID_CACHE", type(cuda._GRID_CACHE)())
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     ext = Recorder(emulator)

@@ -5,10 +5,12 @@ The Fisher p-value, ``F``, ``IG`` and Cohen's ``h`` depend only on the table ``(
 so they are computed once per distinct table by ``ktae_kernels.method.table_statistics`` (a group
 of G rollouts has at most ``(n_c + 1)(n_w + 1)`` tables, 81 for G = 16) and looked up by every row
 at ``offset[g] + a * stride[g] + b``. When the whole grid of the batch's ``(n_c, n_w)`` is small
-(the usual case, ``_FULL_GRID_WORK``) it is computed on the CPU from the group counts the table
-build already brought to the host, and reaches the device in one non-blocking copy; otherwise (very
-large groups, or ``fisher="upstream"``, whose p-value depends on the group's rows) only the tables
-the rows use are computed, on the device, from the rows' counts (``method.row_statistics``).
+(the usual case, ``cuda.FULL_GRID_WORK``) it is computed on the CPU from the group counts the table
+build already brought to the host, cached per set of distinct ``(n_c, n_w)`` and reaches the
+device in one non-blocking copy (``cuda.grid_statistics``, shared with the cuda backend);
+otherwise (very large groups, or ``fisher="upstream"``, whose p-value depends on the group's rows)
+only the tables the rows use are computed, on the device, from the rows' counts
+(``method.row_statistics``).
 
 The kernel then does the only per-row maths, in float64: ``x = h + BM25 TF ratio``,
 ``key = strength * x / (alpha + beta)``, ``score = top * tanh(key / 2)`` kept strictly inside
@@ -28,6 +30,7 @@ from torch import Tensor
 
 from .. import method
 from ..api import MAX_TOKEN_ID
+from ..cuda import grid_statistics
 from ..config import KTAEConfig
 from ..method import TF_EPS
 from ..torch_backend import GroupStats
@@ -37,8 +40,6 @@ from .tables import HashTables, RowCounts, Rows, load_row_counts, row_counts, up
 #: then the ignored token ids.
 _ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, WEIGHT, _IGNORE = (tl.constexpr(i) for i in range(9))
 _BLOCK = 128
-#: largest grid (in Fisher support points, ``method.grid_work``) computed whole on the CPU.
-_FULL_GRID_WORK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -149,14 +150,10 @@ def table_lookup(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAE
     """The per-table statistics the rows look up, and the rows' counts if they had to be read
     (``counts``: already read ones, reused)."""
     device = tables.keys.device
-    if config.fisher == "exact" and tables.host_counts is not None:
-        n_c, n_w = tables.host_counts
-        grid = method.table_grid(n_c, n_w)
-        if method.grid_work(grid) <= _FULL_GRID_WORK:
-            table = method.table_statistics(grid, config)
-            index = torch.stack([grid.offset, grid.stride])
-            values = torch.stack([table.p_value, table.F, table.IG, table.h, table.strength])
-            return TableLookup(upload(index, device), upload(values, device)), counts
+    if tables.host_counts is not None:
+        found = grid_statistics(*tables.host_counts, config, device)
+        if found is not None:
+            return TableLookup(*found), counts
     if counts is None:
         counts = row_counts(tables, rows)
     tab_rows = method.Rows(group=rows.group.long(), token=counts.token, a=counts.a, b=counts.b,
