@@ -1,0 +1,160 @@
+"""examples/: the TRL example runs (shortened); the verl launch script's overrides compose with verl's real
+config tree, pass verl's own validation and drive one advantage step of verl's v1 trainer on a batch built
+as verl builds it; the MATH data preparation yields rows verl's reward scores; the OpenRLHF launcher
+builds the Ray runtime_env OpenRLHF's contract needs (OpenRLHF itself needs flash-attn: not installed)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ktae_kernels import KTAEConfig, token_advantage
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------- TRL
+def test_trl_example_runs_shortened(tmp_path, capsys):
+    pytest.importorskip("trl", reason="trl not installed: pip install -e '.[trl]'")
+    example = _load(EXAMPLES / "trl_grpo_ktae.py", "trl_grpo_ktae")
+    summary = example.main(["--max-steps", "4", "--warmup-steps", "30", "--prompts-per-step", "4",
+                            "--output-dir", str(tmp_path)])
+    names = {"ktae/score_abs_mean", "ktae/key_token_share", "ktae/mixed_group_share",
+             "ktae/distinct_tokens_per_group", "ktae/time_ms"}
+    assert names <= set(summary) and "reward" in summary
+    printed = capsys.readouterr().out
+    assert "ktae/score_abs_mean=" in printed and "done in" in printed
+
+
+# --------------------------------------------------------------------------------------------- verl
+def _overrides(algo: str) -> list[str]:
+    env = {**os.environ, "KTAE_PRINT_OVERRIDES": "1", "DATA": "/data/ktae_math", "MODEL": "/models/qwen2.5-math-7b"}
+    out = subprocess.run(["bash", str(EXAMPLES / "verl" / "run_ktae.sh"), algo], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    return [line for line in out.splitlines() if line]
+
+
+def _compose(overrides: list[str]):
+    verl = pytest.importorskip("verl", reason="verl not installed: pip install -e '.[verl]'")
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose("ppo_trainer", overrides=overrides)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dapo"])
+def test_verl_script_overrides_compose_and_validate(algo):
+    from omegaconf import OmegaConf
+
+    overrides = _overrides(algo)
+    config = _compose(overrides)
+    OmegaConf.to_container(config, resolve=True)  # every interpolation resolves
+    for override in overrides:
+        key, value = override.lstrip("+").split("=", 1)
+        assert OmegaConf.select(config, key) is not None, f"{key} does not resolve in verl's config"
+    assert config.algorithm.adv_estimator == "ktae"
+    assert config.trainer.v1.trainer_mode == "sync" and config.trainer.use_v1  # verl's own trainer
+    assert config.actor_rollout_ref.rollout.n == 16 and config.data.max_response_length == 3072
+    assert list(config.algorithm.ktae.ignore_token_ids) == [151643]
+    if algo == "dapo":
+        assert config.actor_rollout_ref.actor.clip_ratio_high == 0.28 and config.algorithm.filter_groups.enable
+        assert config.reward.reward_kwargs.overlong_buffer_cfg.len == 512
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+
+    validate_config(config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    bad = _compose(overrides + ["+algorithm.ktae.alhpa=1.0"])
+    with pytest.raises(ValueError, match="alhpa"):
+        validate_config(bad, use_reference_policy=need_reference_policy(bad), use_critic=need_critic(bad))
+
+
+class _FakeTransferQueue:
+    def __init__(self, store):
+        self.store, self.put = store, None
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        return self.store.select(*[f for f in select_fields if f in self.store.keys()])
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        self.put = fields
+        return _Meta(keys)
+
+
+class _Meta:
+    def __init__(self, keys):
+        self.keys, self.partition_id, self.extra_info = keys, "train", {}
+
+    def __len__(self):
+        return len(self.keys)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dapo"])
+def test_verl_script_config_drives_one_advantage_step(monkeypatch, algo):
+    """verl's v1 ``_compute_advantage`` with the script's config on 2 prompts x 16 rollouts of up to 3072
+    Qwen-vocabulary tokens, stored per row in the TransferQueue as verl's agent loop stores them."""
+    config = _compose(_overrides(algo))
+    trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base", reason="verl v1 deps missing: '.[verl]'")
+    from tensordict import TensorDict
+    from tensordict.tensorclass import NonTensorStack
+
+    G, T, vocab, eos = config.actor_rollout_ref.rollout.n, config.data.max_response_length, 151936, 151643
+    g = torch.Generator().manual_seed(0)
+    B = 2 * G
+    lengths = torch.randint(16, T + 1, (B,), generator=g)
+    lengths[0] = T
+    responses = torch.randint(0, 2000, (B, T), generator=g)  # a few thousand distinct ids, as real text
+    responses[torch.arange(B), lengths - 1] = eos
+    correct = torch.rand(B, generator=g) < 0.5
+    scores = torch.zeros(B, T)
+    score = correct.float() if algo == "grpo" else correct.float() * 2 - 1  # math: 1/0; DAPO's math: +1/-1
+    scores[torch.arange(B), lengths - 1] = score
+    uid = np.array([f"prompt-{i // G}" for i in range(B)], dtype=object)
+    rows = lambda t: torch.nested.as_nested_tensor([r[:n] for r, n in zip(t, lengths.tolist())], layout=torch.jagged)  # noqa: E731
+    store = TensorDict({"responses": rows(responses), "response_mask": rows(torch.ones(B, T, dtype=torch.long)),
+                        "rm_scores": rows(scores), "uid": NonTensorStack(*uid.tolist())}, batch_size=B)
+    fake = _FakeTransferQueue(store)
+    monkeypatch.setattr(trainer_base, "tq", fake)
+    trainer = object.__new__(trainer_base.get_trainer_cls(config.trainer.v1.trainer_mode))
+    trainer.config = config
+    metrics = {}
+    trainer._compute_advantage(_Meta([f"{u}_{i}_0" for i, u in enumerate(uid)]), metrics=metrics)
+    got = fake.put["advantages"].to_padded_tensor(padding=0.0)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    expected = token_advantage(responses, mask, scores, uid, config=KTAEConfig(ignore_token_ids=(eos,)),
+                               correct=score > 0)
+    assert got.shape == (B, T)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert {"ktae/score_abs_mean", "ktae/key_token_share", "ktae/mixed_group_share", "ktae/time_ms"} <= set(metrics)
+
+
+def test_math_rows_are_scored_by_verls_reward():
+    pytest.importorskip("verl", reason="verl not installed: pip install -e '.[verl]'")
+    from verl.utils.reward_score import default_compute_score
+
+    prep = _load(EXAMPLES / "verl" / "prepare_math.py", "prepare_math")
+    records = [{"problem": "What is $2+3$?", "solution": "We add: $2+3=\\boxed{5}$.", "level": "Level 3",
+                "type": "Algebra"},
+               {"problem": "Easy?", "solution": "$\\boxed{1}$", "level": "Level 1", "type": "Algebra"},
+               {"problem": "Find $x$.", "solution": "So $x=\\boxed{\\frac{1}{2}}$.", "level": "Level 5",
+                "type": "Algebra"}]
+    rows = prep.train_rows(records)
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["5", "\\frac{1}{2}"]
+    assert rows[0]["prompt"][0]["role"] == "user" and "\\boxed{}" in rows[0]["prompt"][0]["content"]
+    for row in rows + prep.test_rows([{"problem": "p", "answer": "7", "level": 4, "subject": "Geometry"}]):
+        truth = row["reward_model"]["ground_truth"]
+        assert default_compute_score(row["data_source"], f"so the answer is \\boxed{{{truth}}}", truth) == 1.0
+        assert default_compute_score(row["data_source"], "so the answer is \\boxed{42}", truth) == 0.0
