@@ -158,3 +158,69 @@ def test_math_rows_are_scored_by_verls_reward():
         truth = row["reward_model"]["ground_truth"]
         assert default_compute_score(row["data_source"], f"so the answer is \\boxed{{{truth}}}", truth) == 1.0
         assert default_compute_score(row["data_source"], "so the answer is \\boxed{42}", truth) == 0.0
+
+
+def test_openrlhf_rows_from_math():
+    prep = _load(EXAMPLES / "verl" / "prepare_math.py", "prepare_math")
+    rows = prep.openrlhf_rows(prep.test_rows([{"problem": "What is $1+1$?", "answer": "2"}]))
+    assert rows == [{"prompt": f"What is $1+1$? {prep.INSTRUCTION}", "label": "2"}]
+
+
+# ----------------------------------------------------------------------------------------- OpenRLHF
+def test_openrlhf_reward_func_follows_the_contract():
+    reward = _load(EXAMPLES / "openrlhf" / "reward_func.py", "reward_func")
+    prompts = ["Q1 ", "Q2 ", "Q3 "]
+    queries = ["Q1 so \\boxed{\\dfrac{1}{2}}.", "Q2 \\boxed{3}", "Q3 no answer"]
+    out = reward.reward_func(queries, prompts, ["\\frac{1}{2}", "4", "1"])
+    assert set(out) == {"rewards", "scores", "extra_logs"}
+    assert out["scores"].tolist() == [1.0, 0.0, 0.0] and out["rewards"].shape == (3,)
+
+
+def _fake_openrlhf(tmp_path, monkeypatch):
+    """A stand-in ``openrlhf`` package: ``cli.train_ppo_ray`` records its argv and whether Ray was
+    initialised; ``trainer.ppo_trainer`` holds a RemoteExperienceMaker for ``install`` to replace."""
+    cli = tmp_path / "openrlhf" / "cli"
+    trainer = tmp_path / "openrlhf" / "trainer"
+    cli.mkdir(parents=True)
+    trainer.mkdir(parents=True)
+    for d in (tmp_path / "openrlhf", cli, trainer):
+        (d / "__init__.py").write_text("")
+    (cli / "train_ppo_ray.py").write_text(
+        "import sys\nimport ray\nRUNS = sys.modules['openrlhf'].__dict__.setdefault('RUNS', [])\n"
+        "if __name__ == '__main__':\n    RUNS.append((list(sys.argv), ray.is_initialized()))\n")
+    (trainer / "ppo_trainer.py").write_text("class RemoteExperienceMaker:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "openrlhf" or m.startswith("openrlhf.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_openrlhf_launcher_carries_a_full_config_to_the_workers(tmp_path, monkeypatch):
+    import pickle
+
+    ray = pytest.importorskip("ray")
+    _fake_openrlhf(tmp_path, monkeypatch)
+    launcher = _load(EXAMPLES / "openrlhf" / "train_ktae_ray.py", "train_ktae_ray")
+    env = {**os.environ, "KTAE_PRINT_ARGS": "1"}
+    printed = subprocess.run(["bash", str(EXAMPLES / "openrlhf" / "run_ktae.sh")], env=env, capture_output=True,
+                             text=True, check=True).stdout.splitlines()
+    started = {}
+    monkeypatch.setattr(ray, "init", lambda **kw: started.update(kw))
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(started))
+    launcher.main(printed)
+    import openrlhf
+
+    (argv, initialised), = openrlhf.RUNS
+    assert initialised and argv[1:] == printed[printed.index("--") + 1:]
+    assert "--algo.advantage.estimator" in argv and "group_norm" in argv
+    hook = pickle.loads(pickle.dumps(started["runtime_env"]["worker_process_setup_hook"]))  # as Ray ships it
+    maker = hook()  # what each worker runs at start-up
+    from openrlhf.trainer import ppo_trainer
+
+    from ktae_kernels.integrations.openrlhf import KTAEExperienceMakerMixin
+
+    assert ppo_trainer.RemoteExperienceMaker is maker and issubclass(maker, KTAEExperienceMakerMixin)
+    assert maker.ktae_config == KTAEConfig(ignore_token_ids=(151643,)) and maker.ktae_metrics == "advantages"
+    with pytest.raises(SystemExit, match="group outcome advantage"):
+        launcher.main(["--", "--algo.advantage.estimator", "gae"])
+    with pytest.raises(ValueError, match="--ktae has unknown keys"):
+        launcher.main(["--ktae", '{"alhpa": 1}', "--", "--algo.advantage.estimator", "group_norm"])

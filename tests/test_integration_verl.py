@@ -153,13 +153,15 @@ def test_validate_config_rejects_a_typo_before_anything_starts():
 
 @pytest.mark.slow
 def test_main_ppo_fails_on_a_typo_before_ray_starts():
-    """``python -m verl.trainer.main_ppo`` as a user runs it: the typo stops it in the Hydra driver."""
+    """``python -m verl.trainer.main_ppo`` as a user runs it: the typo stops it where verl validates its
+    config, before any worker starts or any generation."""
     proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=ktae",
                            "+algorithm.ktae.alhpa=2.0", "trainer.n_gpus_per_node=1"],
                           capture_output=True, text=True, timeout=240, env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode != 0
     assert "algorithm.ktae has unknown keys ['alhpa']" in proc.stderr + proc.stdout
-    assert "ray.init" not in proc.stderr and "Started a local Ray instance" not in proc.stderr + proc.stdout
+    if tuple(int(x) for x in verl.__version__.split(".")[:2]) >= (0, 9):  # 0.9 validates in the Hydra driver;
+        assert "Started a local Ray instance" not in proc.stderr + proc.stdout  # older: in the TaskRunner actor
 
 
 # ------------------------------------------------------------------------------------ v1 trainer modes
@@ -283,7 +285,8 @@ def test_v1_kl_in_reward_labels_by_task_score(monkeypatch):
 def test_v1_multi_output_sessions_group_final_outputs_as_verls_grpo(monkeypatch):
     """Agent loops with several outputs per session: groups hold the final outputs only; the other
     outputs get their session's A_i and the (uid, token) scores of the final outputs' tables."""
-    from verl.trainer.ppo.v1.utils import compute_advantage_for_multi_trajectories
+    v1_utils = pytest.importorskip("verl.trainer.ppo.v1.utils", reason="verl < 0.9 has no v1 trainer")
+    compute_advantage_for_multi_trajectories = v1_utils.compute_advantage_for_multi_trajectories
 
     responses, mask, scores, uid = _verl_batch(seed=3)
     B = len(uid)

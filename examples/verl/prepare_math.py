@@ -3,7 +3,8 @@
     python examples/verl/prepare_math.py --out ~/data/ktae_math
 
 writes ``train.parquet`` (MATH train split, levels 3-5: about 5.6k problems after the level filter)
-and ``test.parquet`` (MATH-500). Each row is what verl's ``RLHFDataset`` and its rule reward expect:
+and ``test.parquet`` (MATH-500), plus ``train.jsonl`` / ``test.jsonl`` with ``prompt`` and ``label``
+for OpenRLHF (``--data.input_key prompt --data.label_key label``; examples/openrlhf/run_ktae.sh). Each row is what verl's ``RLHFDataset`` and its rule reward expect:
 ``data_source`` (verl's ``default_compute_score`` scores "DigitalLearningGmbH/MATH-lighteval" and
 "HuggingFaceH4/MATH-500" with its MATH checker: 1.0 when the last ``\\boxed{}`` matches),
 ``prompt`` (chat messages), ``ability``, ``reward_model.ground_truth`` and ``extra_info``.
@@ -62,6 +63,11 @@ def test_rows(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                         level=str(r.get("level", "")), subject=r.get("subject")) for i, r in enumerate(records)]
 
 
+def openrlhf_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, str]]:
+    """verl rows -> OpenRLHF prompt-dataset rows: the user message as ``prompt``, the answer as ``label``."""
+    return [{"prompt": r["prompt"][0]["content"], "label": r["reward_model"]["ground_truth"]} for r in rows]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="MATH levels 3-5 + MATH-500 as verl parquet files")
     parser.add_argument("--out", default=os.path.expanduser("~/data/ktae_math"))
@@ -73,6 +79,8 @@ def main() -> None:
     test = test_rows(datasets.load_dataset(TEST_SOURCE, split="test"))
     datasets.Dataset.from_list(train).to_parquet(os.path.join(args.out, "train.parquet"))
     datasets.Dataset.from_list(test).to_parquet(os.path.join(args.out, "test.parquet"))
+    datasets.Dataset.from_list(openrlhf_rows(train)).to_json(os.path.join(args.out, "train.jsonl"))
+    datasets.Dataset.from_list(openrlhf_rows(test)).to_json(os.path.join(args.out, "test.jsonl"))
     print(f"wrote {len(train)} train rows (levels 3-5) and {len(test)} test rows to {args.out}")
 
 
