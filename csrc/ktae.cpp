@@ -48,7 +48,7 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
             int64_t words, int64_t shared_capacity,
             const OptTensor& ws_keys, const OptTensor& ws_counts, const OptTensor& ws_presence,
             const OptTensor& ws_offset, const OptTensor& ws_capacity,
-            const std::vector<double>& params, bool use_tf, const Tensor& status,
+            const std::vector<double>& params, bool use_tf, const Tensor& bad_ids, const Tensor& status,
             const OptTensor& row_offset, const OptTensor& row_ints,
             const OptTensor& base, const OptTensor& advantage, const OptTensor& given_token,
             const OptTensor& given_score, int64_t threads, int64_t shared_bytes, int64_t stream) {
@@ -72,6 +72,7 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   check(ignore_ids, "ignore_ids", at::kLong, {ignore_ids.numel()}, device);
   check(block_group, "block_group", at::kLong, {n_items}, device);
   check(status, "status", at::kLong, {n_groups}, device);
+  check(bad_ids, "bad_ids", at::kLong, {2}, device);
   TORCH_CHECK(blocks >= 1 && blocks <= std::max<int64_t>(n_items, 1) && blocks <= std::numeric_limits<int32_t>::max(),
               "ktae_kernels._C: `blocks` must be in [1, len(block_group)], got ", blocks);
   TORCH_CHECK(words >= 1, "ktae_kernels._C: `words` must be >= 1, got ", words);
@@ -102,6 +103,7 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   args.weight = params[5];
   args.use_tf = use_tf;
   args.status = ptr<int64_t>(status);
+  args.bad_ids = reinterpret_cast<long long*>(ptr<int64_t>(bad_ids));
 
   if (shared_table) {
     TORCH_CHECK(shared_capacity >= 2 && (shared_capacity & (shared_capacity - 1)) == 0,
@@ -190,7 +192,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("skip_done"), py::arg("words"), py::arg("shared_capacity"),
         py::arg("ws_keys"), py::arg("ws_counts"),
         py::arg("ws_presence"), py::arg("ws_offset"),
-        py::arg("ws_capacity"), py::arg("params"), py::arg("use_tf"), py::arg("status"),
+        py::arg("ws_capacity"), py::arg("params"), py::arg("use_tf"), py::arg("bad_ids"), py::arg("status"),
         py::arg("row_offset"), py::arg("row_ints"), py::arg("base"),
         py::arg("advantage"), py::arg("given_token"),
         py::arg("given_score"), py::arg("threads"), py::arg("shared_bytes"),

@@ -36,6 +36,7 @@ namespace {
 constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 constexpr double kTfEps = 1e-5;  // method.TF_EPS
+constexpr int64_t kMaxTokenId = 2147483647;  // api.MAX_TOKEN_ID
 
 // Block-wide scalars at the start of dynamic shared memory (see header_bytes).
 struct BlockState {
@@ -112,9 +113,12 @@ __device__ void clear_table(const Table& t, int words) {
 }
 
 // One pass over a rollout: this thread's kUnroll positions start + u * blockDim.x + threadIdx.x,
-// all loads issued before any is used. Positions past the end read nothing and are not valid.
-__device__ __forceinline__ void load_tile(const int64_t* tokens, const bool* mask, int64_t length,
+// all loads issued before any is used. Positions past the end read nothing and are not valid; a
+// token id is read only where the mask is set. An id outside [0, 2^31) under the mask is left out
+// and recorded in bad_ids (the host raises after the kernel: the API's id check, folded in).
+__device__ __forceinline__ void load_tile(const KernelArgs& args, const int64_t* tokens, const bool* mask,
                                           int64_t start, int64_t (&token)[kUnroll], bool (&valid)[kUnroll]) {
+  const int64_t length = args.length;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
@@ -124,6 +128,14 @@ __device__ __forceinline__ void load_tile(const int64_t* tokens, const bool* mas
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
     token[u] = valid[u] ? tokens[pos] : 0;  // padding ids are never read
+    if (token[u] < 0 || token[u] > kMaxTokenId) {
+      if (token[u] < 0) {
+        atomicMin(args.bad_ids, static_cast<long long>(token[u]));
+      } else {
+        atomicMax(args.bad_ids + 1, static_cast<long long>(token[u]));
+      }
+      valid[u] = false;
+    }
   }
 }
 
@@ -147,7 +159,7 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
       if (__shfl_sync(kFullWarp, load_volatile(&state->overflow), 0) != 0u) return;
       int64_t token[kUnroll];
       bool valid[kUnroll];
-      load_tile(tokens, mask, length, start, token, valid);
+      load_tile(args, tokens, mask, start, token, valid);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const uint32_t key = valid[u] ? static_cast<uint32_t>(token[u]) : kEmptyKey;
@@ -304,7 +316,7 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
     for (int64_t start = 0; start < length; start += step) {
       int64_t token[kUnroll];
       bool valid[kUnroll];
-      load_tile(tokens, mask, length, start, token, valid);
+      load_tile(args, tokens, mask, start, token, valid);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;

@@ -83,6 +83,7 @@ struct KernelArgs {
   double alpha, beta, k1, bm25_b, top, weight;
   bool use_tf;
   // outputs
+  long long* bad_ids;          // [2] least id < 0 under the mask (else 0), largest id > 2^31 - 1 (else 2^31 - 1)
   int64_t* status;             // [n_groups] distinct ids of the group, -1 when its table overflowed
   const int64_t* row_offset;   // [n_groups + 1] (kRows; kAdvantage with given scores)
   int64_t* row_ints;           // [kRowInts, n_rows] (kRows)

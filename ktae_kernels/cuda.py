@@ -11,8 +11,9 @@ for it: its blocks skip the groups that completed. ``fisher="upstream"`` (and ba
 tables is too large to compute whole) score the rows first and pass their scores in.
 
 Host synchronisations of ``token_advantage``: one device -> host copy of the group sizes (they size
-the tables and the statistics); everything else is enqueued (host -> device copies from pinned
-memory).
+the tables and the statistics) before the kernels, and the read of the out-of-range ids the kernels
+saw after them (the API's range check folded in: ``CHECKS_TOKEN_IDS``, no separate pass over the
+ids); everything else is enqueued (host -> device copies from pinned memory).
 
 The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
 """
@@ -55,6 +56,20 @@ FALLBACK_BYTES = 256 * 2**20
 #: largest grid of tables (Fisher support points, ``method.grid_work``) whose statistics are computed
 #: whole on the host; larger ones score the rows first.
 FULL_GRID_WORK = 1 << 20
+
+
+#: the token-id range check is folded into the kernels (``check_id_range`` after them), so the API
+#: skips its own pass over the ids.
+CHECKS_TOKEN_IDS = True
+
+
+def check_id_range(low: int, high: int) -> None:
+    """Raise as ``api.check_token_ids`` does, from the least negative and the largest too-large id a
+    kernel saw under the mask (0 and ``MAX_TOKEN_ID`` when there were none)."""
+    if low < 0:
+        raise ValueError(f"`responses` must hold token ids >= 0 where the mask is 1, found {low}")
+    if high > MAX_TOKEN_ID:
+        raise ValueError(f"`responses` token ids must be < 2**31, found {high}")
 
 
 def max_keys(capacity: int) -> int:
@@ -197,6 +212,7 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int
         correct=stats.correct.contiguous(),
         group_counts=torch.stack([stats.n_c, stats.n_w, stats.T_c, stats.T_w]).contiguous(),
         ignore_ids=_upload(torch.tensor(ignore, dtype=torch.int64), device),
+        bad_ids=_upload(torch.tensor([0, MAX_TOKEN_ID], dtype=torch.int64), device),
         words=words,
         shared_capacity=capacity,
         params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight],
@@ -278,7 +294,8 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
     counts = _table_pass(plan, COUNT, plan.group_tokens)
     row_offset = torch.zeros(plan.n_groups + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=row_offset[1:])
-    host_counts = counts.tolist()  # sizes the rows
+    *host_counts, low, high = torch.cat([counts, plan.common["bad_ids"]]).tolist()  # sizes the rows
+    check_id_range(low, high)
     n_rows = sum(host_counts)
     ints = torch.empty(8, n_rows, dtype=torch.int64, device=device)
     room = max_keys(plan.capacity) if plan.capacity else -1
@@ -356,6 +373,8 @@ def _advantage(plan: _Plan, batch: Batch, config: KTAEConfig, given: Tensor | No
     else:
         outputs.update(table_index=lookup[0], table_values=lookup[1])
         _table_pass(plan, ADVANTAGE, plan.group_tokens, **outputs)
+        # the id check folded into the kernels: this read replaces the API's pass over the ids
+        check_id_range(*plan.common["bad_ids"].tolist())
     return out
 
 

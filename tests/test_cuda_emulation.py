@@ -267,3 +267,25 @@ def test_long_rollouts_use_blocks_of_more_than_512_threads(emulator):
     batch = normalise_batch(responses, mask, rewards, index)
     assert cuda.block_threads(batch.responses.shape[1]) == 768
     check(emulator, "long-rollouts", batch, KTAEConfig())
+
+
+@pytest.mark.parametrize("bad, message", [(-5, r"token ids >= 0 where the mask is 1, found -7"),
+                                          (2**31, r"token ids must be < 2\*\*31, found 2147483650")])
+def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message):
+    """The API leaves the id check to the backend (CHECKS_TOKEN_IDS): same errors, padding ignored."""
+    assert cuda.CHECKS_TOKEN_IDS
+    name, responses, mask, rewards, index = CASES[0]
+    responses, mask = responses.clone(), mask.clone()
+    mask[0, -1] = False
+    responses[0, -1] = -(2**40)  # under mask 0: never read
+    batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
+    torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator),
+                               reference.token_advantage(batch, KTAEConfig(), None), rtol=0.0, atol=1e-6)
+    mask[1, 0] = mask[2, 1] = True
+    responses[1, 0], responses[2, 1] = bad, bad - 2 if bad < 0 else bad + 2
+    batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
+    for config in (KTAEConfig(), KTAEConfig(fisher="upstream")):
+        with pytest.raises(ValueError, match=message):
+            cuda.token_advantage(batch, config, None, extension=emulator)
+        with pytest.raises(ValueError, match=message):
+            cuda.key_token_scores(batch, config, extension=emulator)

@@ -165,6 +165,18 @@ inline unsigned atomicAdd(unsigned* address, unsigned value) {
 inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
   return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
 }
+inline long long atomicMin(long long* address, long long value) {
+  long long seen = __atomic_load_n(address, __ATOMIC_SEQ_CST);
+  while (value < seen && !__atomic_compare_exchange_n(address, &seen, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return seen;
+}
+inline long long atomicMax(long long* address, long long value) {
+  long long seen = __atomic_load_n(address, __ATOMIC_SEQ_CST);
+  while (value > seen && !__atomic_compare_exchange_n(address, &seen, value, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  }
+  return seen;
+}
 inline unsigned atomicOr(unsigned* address, unsigned value) {
   return __atomic_fetch_or(address, value, __ATOMIC_SEQ_CST);
 }

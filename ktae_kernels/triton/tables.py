@@ -336,10 +336,9 @@ def upload(t: Tensor, device: torch.device) -> Tensor:
 def check_ids(low: int, high: int) -> None:
     """Raise as ``api.check_token_ids`` does, from the least negative and the largest too-large id
     the insert kernel saw under the mask (0 and ``MAX_ID`` when there were none)."""
-    if low < 0:
-        raise ValueError(f"`responses` must hold token ids >= 0 where the mask is 1, found {low}")
-    if high > MAX_ID:
-        raise ValueError(f"`responses` token ids must be < 2**31, found {high}")
+    from ..cuda import check_id_range
+
+    check_id_range(low, high)
 
 
 def _slots(log_cap: Tensor) -> Tensor:
