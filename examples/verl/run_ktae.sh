@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GRPO + KTAE or DAPO + KTAE with verl (>= 0.9.1), the paper's setting: Qwen2.5-Math-7B, MATH levels 3-5,
+# GRPO + KTAE or DAPO + KTAE with verl (>= 0.9; the v1 trainer and its config tree), the paper's setting: Qwen2.5-Math-7B, MATH levels 3-5,
 # G = 16 rollouts per prompt, 1024 prompts per step, responses up to 3072 tokens, lr 1e-6, temperature 1.0;
 # DAPO: clip 0.2 / 0.28, token-mean loss, overlong buffer 512, groups filtered on accuracy.
 #
