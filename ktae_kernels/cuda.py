@@ -310,7 +310,7 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
 
 
 #: statistics of recently seen sets of ``(n_c, n_w)`` (a training run sees the same few again and again).
-_GRID_CACHE: "OrderedDict[tuple, tuple[Tensor, np.ndarray]]" = OrderedDict()
+_GRID_CACHE: "OrderedDict[tuple, tuple[Tensor, np.ndarray, torch.cuda.Event | None]]" = OrderedDict()
 _GRID_CACHE_SIZE = 64
 
 
@@ -338,14 +338,22 @@ def grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig, device: torch.
         if method.grid_work(grid) > FULL_GRID_WORK:
             return None
         table = method.table_statistics(grid, config)
-        values = torch.stack([table.p_value, table.F, table.IG, table.h, table.strength]).contiguous()
-        hit = (_upload(values, device), grid.offset.numpy())
+        values = _upload(torch.stack([table.p_value, table.F, table.IG, table.h, table.strength]).contiguous(), device)
+        ready = None
+        if device.type == "cuda":  # later calls may come on other streams: they wait for the upload
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        hit = (values, grid.offset.numpy(), ready)
         _GRID_CACHE[key] = hit
         while len(_GRID_CACHE) > _GRID_CACHE_SIZE:
             _GRID_CACHE.popitem(last=False)
     else:
         _GRID_CACHE.move_to_end(key)
-    values, block_start = hit
+    values, block_start, ready = hit
+    if ready is not None:
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(ready)
+        values.record_stream(stream)  # not reused while this stream may still read it
     index = np.stack([block_start[inverse.reshape(-1)], counts_w + 1]).astype(np.int64)
     return _upload(torch.from_numpy(index), device), values
 
