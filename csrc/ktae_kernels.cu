@@ -260,7 +260,8 @@ __device__ void sort_table(const Table& t, int words) {
   }
 }
 
-// The score of (group g, token) from the given sorted rows (fisher="upstream").
+// The score of (group g, token) from the given sorted rows (fisher="upstream", or a grid of tables
+// too large to compute whole).
 __device__ double given_score(const KernelArgs& args, int64_t g, uint32_t token) {
   int64_t lo = args.row_offset[g], hi = args.row_offset[g + 1];
   while (lo < hi) {

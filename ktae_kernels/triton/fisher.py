@@ -1,5 +1,8 @@
 """Two-sided Fisher exact p-values in float64 log space, as a Triton device function and kernel.
 
+Standalone (``fisher_exact_pvalues``): the backend's score kernel no longer computes a p-value per
+row, it looks up the per-table statistics of ``ktae_kernels.method`` (see ``scores.py``).
+
 Same definition as ``ktae_kernels.fisher._pvalue_grid`` (scipy's ``fisher_exact``, two-sided): the
 hypergeometric mass of every table of the support whose probability does not exceed the observed
 one, with scipy's relative tolerance, normalised by the support's own sum. Log-factorials come from
