@@ -181,3 +181,16 @@ def test_liger_loss_of_older_trl_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="use_liger_kernel"):
         OldTRL(_model(), reward_funcs=_even_majority, args=_args(tmp_path, use_liger_kernel=True),
                processing_class=_tokenizer())
+
+
+def test_own_baseline_instead_of_trls_advantage(tmp_path):
+    config = KTAEConfig(baseline="mean")
+    trainer = _Recording(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                         processing_class=_tokenizer(), ktae_config=config, ktae_use_trl_advantage=False)
+    trainer.seen = []
+    trainer.train()
+    for step in trainer.seen:
+        ids, mask = step["ids"], step["mask"]
+        rewards = step["rewards"].nansum(dim=1)
+        expected = token_advantage(ids, mask, rewards, torch.arange(ids.shape[0]) // G, config=config)
+        torch.testing.assert_close(step["ktae"], expected, rtol=0, atol=1e-6)
