@@ -18,8 +18,9 @@ correctness (each against ``backend="torch"`` on the same device; integer column
 
 timings (CUDA events, median of ``--repeats``): each backend's ``token_advantage`` on the paper
 batch, through the API and on a validated batch with a reused ``out``; Triton's stages
-(``triton.profile``); the CUDA backend's host preparation and kernels; the achieved bandwidth of the
-unavoidable I/O against a measured device copy.
+(``triton.profile``); the CUDA backend's host preparation and kernels, and its time with blocks of
+at most 256 / 512 / 1024 threads; the achieved bandwidth of the unavoidable I/O against a measured
+device copy.
 
 Writes ``<out>/<device>-<date>-gpu-check.json`` (and ``.png``); exit status 1 when a check failed.
 ``--dry-run`` runs tiny shapes on the CPU (Triton interpreter; no cuda backend) to check the script.
@@ -310,6 +311,7 @@ def timings(bench_batch, backends: list[str], repeats: int, device: torch.device
                 row["stages_ms"] = ktae_kernels.triton.profile(batch, config, rep_ms=50)
         if name == "cuda":
             row["stages_s"] = cuda_stages(batch, config, repeats)
+            row["backend_s_by_max_threads"] = cuda_threads_sweep(impl, batch, config, out, repeats)
         result["backends"][name] = row
         print(f"  {name:<7} api {1e3 * api_s:8.3f} ms, backend {1e3 * backend_s:8.3f} ms, "
               f"{row['achieved_gb_s']:.0f} GB/s ({100 * row['share_of_copy']:.1f}% of copy)", flush=True)
@@ -333,6 +335,21 @@ def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
     stages["shared_capacity"] = plan.capacity
     stages["threads"] = plan.common["threads"]
     return stages
+
+
+def cuda_threads_sweep(impl, batch, config: KTAEConfig, out: torch.Tensor, repeats: int) -> dict:
+    """The cuda backend's time with blocks of at most 256 / 512 / 1024 threads (``cuda.MAX_THREADS``:
+    more threads a block, or more blocks per SM where registers allow)."""
+    from ktae_kernels import cuda
+
+    saved, times = cuda.MAX_THREADS, {}
+    try:
+        for threads in (256, 512, 1024):
+            cuda.MAX_THREADS = threads
+            times[threads] = cuda_time(lambda: impl.token_advantage(batch, config, None, out), repeats)
+    finally:
+        cuda.MAX_THREADS = saved
+    return times
 
 
 def plot(report: dict, path: Path) -> None:
