@@ -90,15 +90,16 @@ def _from_advantages(advantages: Tensor, mask: Tensor | None, rollout_advantage:
                      correct: Tensor | None, weight: float, key_threshold: float) -> dict[str, float]:
     if mask is None or rollout_advantage is None or group is None or correct is None:
         raise ValueError("ktae_metrics from advantages needs mask, rollout_advantage, group and correct")
-    mask = mask.bool()
-    base = torch.as_tensor(rollout_advantage, device=advantages.device).to(torch.float32)
+    base = torch.as_tensor(rollout_advantage, device=advantages.device).to(advantages.dtype)
     values: dict[str, float] = {}
-    if weight != 0:
-        magnitude = (advantages.float() - base[:, None]).abs_().div_(abs(weight))
-        magnitude = magnitude.masked_fill_(~mask, 0.0)
-        tokens = mask.sum()
-        values["score_abs_mean"] = _ratio(magnitude.sum(dtype=torch.float64), tokens)
-        values["key_token_share"] = _ratio((magnitude >= key_threshold).logical_and_(mask).sum(), tokens)
+    tokens = mask.sum()
+    if weight != 0:  # |score| * |weight| = |advantage - A_i| on masked tokens; few passes over [B, L]
+        magnitude = advantages.sub(base[:, None]).abs_().mul_(mask)
+        values["score_abs_mean"] = _ratio(magnitude.sum() / abs(weight), tokens)
+        key = magnitude >= key_threshold * abs(weight)
+        if key_threshold <= 0:  # zeros off the mask would count
+            key = key.logical_and_(mask.bool())
+        values["key_token_share"] = _ratio(key.sum(), tokens)
     else:  # no score reaches the advantages
         values["score_abs_mean"] = values["key_token_share"] = 0.0
     values["mixed_group_share"] = _mixed_share(group, correct)
