@@ -18,8 +18,8 @@ correctness (each against ``backend="torch"`` on the same device; integer column
 
 timings (CUDA events, median of ``--repeats``): each backend's ``token_advantage`` on the paper
 batch, through the API and on a validated batch with a reused ``out``; Triton's stages
-(``triton.profile``); the CUDA backend's host preparation and kernels, and its time with blocks of
-at most 256 / 512 / 1024 threads; the achieved bandwidth of the unavoidable I/O against a measured
+(``triton.profile``); the CUDA backend's host preparation and kernels, and its time by launch shape
+(threads a block, slot layout, blocks per SM); the achieved bandwidth of the unavoidable I/O against a measured
 device copy.
 
 Writes ``<out>/<device>-<date>-gpu-check.json`` (and ``.png``); exit status 1 when a check failed.
@@ -338,17 +338,20 @@ def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
 
 
 def cuda_threads_sweep(impl, batch, config: KTAEConfig, out: torch.Tensor, repeats: int) -> dict:
-    """The cuda backend's time with blocks of at most 256 / 512 / 1024 threads (``cuda.MAX_THREADS``:
-    more threads a block, or more blocks per SM where registers allow)."""
+    """The cuda backend's time by launch shape: at most 256 / 512 / 1024 threads a block
+    (``cuda.MAX_THREADS``), the wide or packed slot (``cuda.PACKED``), one or two blocks per SM
+    (``cuda.BLOCKS_PER_SM``), to choose the defaults from."""
     from ktae_kernels import cuda
 
-    saved, times = cuda.MAX_THREADS, {}
+    saved, times = (cuda.MAX_THREADS, cuda.BLOCKS_PER_SM, cuda.PACKED), {}
     try:
-        for threads in (256, 512, 1024):
-            cuda.MAX_THREADS = threads
-            times[threads] = cuda_time(lambda: impl.token_advantage(batch, config, None, out), repeats)
+        for threads, blocks, packed in ((256, 1, True), (512, 1, True), (1024, 1, True), (1024, 1, False),
+                                        (512, 2, True)):
+            cuda.MAX_THREADS, cuda.BLOCKS_PER_SM, cuda.PACKED = threads, blocks, packed
+            key = f"threads<={threads} blocks/SM={blocks} {'packed' if packed else 'wide'}"
+            times[key] = cuda_time(lambda: impl.token_advantage(batch, config, None, out), repeats)
     finally:
-        cuda.MAX_THREADS = saved
+        cuda.MAX_THREADS, cuda.BLOCKS_PER_SM, cuda.PACKED = saved
     return times
 
 

@@ -45,7 +45,7 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
             const Tensor& members, const Tensor& starts, const Tensor& correct,
             const Tensor& group_counts, const OptTensor& table_index, const OptTensor& table_values,
             const Tensor& ignore_ids, const Tensor& block_group, int64_t blocks, bool skip_done,
-            int64_t words, int64_t shared_capacity,
+            int64_t words, int64_t shared_capacity, bool packed,
             const OptTensor& ws_keys, const OptTensor& ws_counts, const OptTensor& ws_presence,
             const OptTensor& ws_offset, const OptTensor& ws_capacity,
             const std::vector<double>& params, bool use_tf, const Tensor& bad_ids, const Tensor& status,
@@ -108,9 +108,11 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   if (shared_table) {
     TORCH_CHECK(shared_capacity >= 2 && (shared_capacity & (shared_capacity - 1)) == 0,
                 "ktae_kernels._C: `shared_capacity` must be a power of two >= 2, got ", shared_capacity);
-    TORCH_CHECK(shared_bytes >= ktae::shared_table_bytes(shared_capacity, words),
+    TORCH_CHECK(!packed || words == 1, "ktae_kernels._C: `packed` tables need `words` == 1");
+    TORCH_CHECK(shared_bytes >= ktae::shared_table_bytes(shared_capacity, words, packed),
                 "ktae_kernels._C: `shared_bytes` is too small for the shared table");
     args.shared_capacity = shared_capacity;
+    args.packed = packed;
   } else {
     const char* when = "for a global-memory table";
     const Tensor& keys = required(ws_keys, "ws_keys", when);
@@ -189,7 +191,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("shared_table"), py::arg("responses"), py::arg("mask"), py::arg("members"),
         py::arg("starts"), py::arg("correct"), py::arg("group_counts"), py::arg("table_index"),
         py::arg("table_values"), py::arg("ignore_ids"), py::arg("block_group"), py::arg("blocks"),
-        py::arg("skip_done"), py::arg("words"), py::arg("shared_capacity"),
+        py::arg("skip_done"), py::arg("words"), py::arg("shared_capacity"), py::arg("packed"),
         py::arg("ws_keys"), py::arg("ws_counts"),
         py::arg("ws_presence"), py::arg("ws_offset"),
         py::arg("ws_capacity"), py::arg("params"), py::arg("use_tf"), py::arg("bad_ids"), py::arg("status"),
@@ -199,7 +201,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("stream"));
   m.def("max_shared_bytes", &max_shared_bytes, "Opt-in dynamic shared memory per block of a device.",
         py::arg("device"));
-  m.def("shared_table_bytes", &ktae::shared_table_bytes, py::arg("capacity"), py::arg("words"));
+  m.def("shared_table_bytes", &ktae::shared_table_bytes, py::arg("capacity"), py::arg("words"),
+        py::arg("packed") = false);
+  m.attr("PACKED_MAX_TOKENS") = ktae::kPackedMaxTokens;
   m.def("header_bytes", &ktae::header_bytes, py::arg("words"));
   m.def("max_keys", &ktae::max_keys, py::arg("capacity"));
   m.attr("MAX_THREADS") = ktae::kMaxThreads;

@@ -44,11 +44,16 @@ struct BlockState {
   uint32_t overflow;  // nonzero once the table holds more than max_keys ids (or is full)
 };
 
+// Two slot layouts. Wide: counts = f_c | f_w << 32 and `words` presence words per slot apart.
+// Packed (one presence word, fewer than 2^16 tokens in the group; 12 bytes a slot, so that two
+// blocks of 8192 slots share an SM): counts = f_c | f_w << 16 | presence << 32, one 8-byte word.
+// Either way each slot's 8-byte counts word later holds its score's bits (kAdvantage).
 struct Table {
   uint32_t* keys;                // [capacity], kEmptyKey where free
-  unsigned long long* counts;    // [capacity] f_c | f_w << 32; later the score's bits (kAdvantage)
-  uint32_t* presence;            // [words][capacity] bit r: rollout r of the group holds the key
+  unsigned long long* counts;    // [capacity], see above
+  uint32_t* presence;            // wide: [words][capacity] bit r: rollout r of the group holds the key
   uint32_t capacity;             // power of two
+  bool packed;
 };
 
 struct GroupCounts {
@@ -108,7 +113,9 @@ __device__ void clear_table(const Table& t, int words) {
   for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
     t.keys[s] = kEmptyKey;
     t.counts[s] = 0ull;
-    for (int w = 0; w < words; ++w) t.presence[static_cast<size_t>(w) * t.capacity + s] = 0u;
+    if (!t.packed) {
+      for (int w = 0; w < words; ++w) t.presence[static_cast<size_t>(w) * t.capacity + s] = 0u;
+    }
   }
 }
 
@@ -153,7 +160,7 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
     const int64_t* tokens = args.responses + rollout * length;
     const bool* mask = args.mask + rollout * length;
     const bool is_correct = args.correct[rollout];
-    uint32_t* presence = t.presence + static_cast<size_t>(r >> 5) * t.capacity;
+    const size_t presence_row = static_cast<size_t>(r >> 5) * t.capacity;  // wide layout
     const uint32_t bit = 1u << (r & 31);
     for (int64_t start = 0; start < length; start += step) {
       if (__shfl_sync(kFullWarp, load_volatile(&state->overflow), 0) != 0u) return;
@@ -167,10 +174,17 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
         if (key == kEmptyKey || lane != static_cast<unsigned>(__ffs(peers) - 1)) continue;
         const uint32_t slot = find_or_insert(t, key, state);
         if (kKeysOnly || slot == kNoSlot) continue;
-        // the half that changes (f_c low, f_w high; little-endian), counts stay below 2^31
-        atomicAdd(reinterpret_cast<uint32_t*>(t.counts + slot) + (is_correct ? 0 : 1),
-                  static_cast<uint32_t>(__popc(peers)));
-        atomicOr(presence + slot, bit);
+        // 32-bit atomics on the half that changes (little-endian): wide, f_c low and f_w high
+        // (below 2^31 each); packed, f_c | f_w << 16 (below 2^16 each: no carry) and presence high
+        auto* halves = reinterpret_cast<uint32_t*>(t.counts + slot);
+        const uint32_t n = static_cast<uint32_t>(__popc(peers));
+        if (t.packed) {
+          atomicAdd(halves, is_correct ? n : n << 16);
+          atomicOr(halves + 1, bit);
+        } else {
+          atomicAdd(halves + (is_correct ? 0 : 1), n);
+          atomicOr(t.presence + presence_row + slot, bit);
+        }
       }
     }
   }
@@ -179,12 +193,20 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
 __device__ SlotCounts slot_counts(const Table& t, uint32_t slot, const uint32_t* correct_bits,
                                   int words) {
   SlotCounts c{0, 0, 0u, 0u};
+  const unsigned long long f = t.counts[slot];
+  if (t.packed) {
+    const uint32_t present = static_cast<uint32_t>(f >> 32);
+    c.a = __popc(present & correct_bits[0]);
+    c.b = __popc(present & ~correct_bits[0]);
+    c.f_c = static_cast<uint32_t>(f & 0xFFFFull);
+    c.f_w = static_cast<uint32_t>((f >> 16) & 0xFFFFull);
+    return c;
+  }
   for (int w = 0; w < words; ++w) {
     const uint32_t present = t.presence[static_cast<size_t>(w) * t.capacity + slot];
     c.a += __popc(present & correct_bits[w]);
     c.b += __popc(present & ~correct_bits[w]);
   }
-  const unsigned long long f = t.counts[slot];
   c.f_c = static_cast<uint32_t>(f & 0xFFFFFFFFull);
   c.f_w = static_cast<uint32_t>(f >> 32);
   return c;
@@ -234,7 +256,7 @@ __device__ void swap_slots(const Table& t, uint32_t i, uint32_t j, int words) {
   const unsigned long long c = t.counts[i];
   t.counts[i] = t.counts[j];
   t.counts[j] = c;
-  for (int w = 0; w < words; ++w) {
+  for (int w = 0; !t.packed && w < words; ++w) {
     uint32_t* p = t.presence + static_cast<size_t>(w) * t.capacity;
     const uint32_t v = p[i];
     p[i] = p[j];
@@ -340,11 +362,11 @@ __device__ Table block_table(const KernelArgs& args, unsigned char* smem, int64_
     const uint32_t capacity = static_cast<uint32_t>(args.shared_capacity);
     auto* counts = reinterpret_cast<unsigned long long*>(smem + header_bytes(args.words));
     auto* keys = reinterpret_cast<uint32_t*>(counts + capacity);
-    return Table{keys, counts, keys + capacity, capacity};
+    return Table{keys, counts, args.packed ? nullptr : keys + capacity, capacity, args.packed};
   }
   const int64_t offset = args.ws_offset[item];
   return Table{args.ws_keys + offset, args.ws_counts + offset,
-               args.ws_presence + offset * args.words, static_cast<uint32_t>(args.ws_capacity[item])};
+               args.ws_presence + offset * args.words, static_cast<uint32_t>(args.ws_capacity[item]), false};
 }
 
 // One group (block_group[item]) from the table build to its outputs. Every branch that returns

@@ -36,10 +36,14 @@ KTAE_HOST_DEVICE inline constexpr int64_t max_keys(int64_t capacity) { return ca
 KTAE_HOST_DEVICE inline constexpr int64_t header_bytes(int64_t words) { return (8 + 4 * words + 7) / 8 * 8; }
 
 // Dynamic shared memory of a block whose table lives in shared memory: the header, then per slot
-// an 8-byte counter pair, a 4-byte key and `words` 4-byte presence words.
-KTAE_HOST_DEVICE inline constexpr int64_t shared_table_bytes(int64_t capacity, int64_t words) {
-  return header_bytes(words) + capacity * (12 + 4 * words);
+// an 8-byte counter word, a 4-byte key and, unless `packed` (one presence word kept in the counter
+// word, see ktae_kernels.cu), `words` 4-byte presence words.
+KTAE_HOST_DEVICE inline constexpr int64_t shared_table_bytes(int64_t capacity, int64_t words, bool packed = false) {
+  return header_bytes(words) + capacity * (packed ? 12 : 12 + 4 * words);
 }
+
+// Most masked tokens of a group whose shared table may use the packed layout (16-bit counters).
+constexpr int64_t kPackedMaxTokens = 65535;
 
 // Row columns written in kRows mode (the KeyTokenScores integer row fields, in this order).
 constexpr int kRowInts = 8;  // group, token, a, b, c, d, f_c, f_w
@@ -74,6 +78,8 @@ struct KernelArgs {
   // [words * ws_offset[i], words * (ws_offset[i] + ws_capacity[i])) of ws_presence (items of one
   // block may share slots: it takes them one after another).
   int64_t shared_capacity;
+  bool packed;                 // the shared tables use the packed slot layout (words == 1, every
+                               // group below kPackedMaxTokens masked tokens)
   uint32_t* ws_keys;
   unsigned long long* ws_counts;
   uint32_t* ws_presence;

@@ -53,6 +53,13 @@ MAX_GROUP_TOKENS = 2**30
 #: owns one table-sized slice and takes its groups one after another.
 FALLBACK_BLOCKS = 64
 FALLBACK_BYTES = 256 * 2**20
+#: shared tables sized so that this many blocks fit an SM (1 or 2); with 2, blocks have at most 512
+#: threads (registers) and tables at most half an SM's shared memory.
+BLOCKS_PER_SM = 1
+#: the packed 12-byte slot (16-bit counters, the presence word beside them) when every group has one
+#: presence word and fewer than ``PACKED_MAX_TOKENS`` masked tokens.
+PACKED = True
+PACKED_MAX_TOKENS = 65535
 #: largest grid of tables (Fisher support points, ``method.grid_work``) whose statistics are computed
 #: whole on the host; larger ones score the rows first.
 FULL_GRID_WORK = 1 << 20
@@ -95,30 +102,42 @@ def header_bytes(words: int) -> int:
     return (8 + 4 * words + 7) // 8 * 8
 
 
-def shared_table_bytes(capacity: int, words: int) -> int:
-    """Dynamic shared memory of a block whose table of ``capacity`` slots lives in shared memory."""
-    return header_bytes(words) + capacity * (12 + 4 * words)
+def shared_table_bytes(capacity: int, words: int, packed: bool = False) -> int:
+    """Dynamic shared memory of a block whose table of ``capacity`` slots lives in shared memory
+    (``packed``: 12 bytes a slot, see csrc/ktae_kernels.cu)."""
+    return header_bytes(words) + capacity * (12 if packed else 12 + 4 * words)
 
 
-def choose_shared_capacity(max_group_tokens: int, words: int, shared_limit: int) -> int:
+def choose_shared_capacity(max_group_tokens: int, words: int, shared_limit: int, packed: bool = False) -> int:
     """Slots of the shared-memory tables: enough for every id of the largest group if that fits in
     ``shared_limit`` bytes, else the largest power of two that fits; 0 when not even
     ``MIN_CAPACITY`` slots fit (every group then uses a global-memory table)."""
     capacity = table_capacity(max_group_tokens)
-    while capacity >= MIN_CAPACITY and shared_table_bytes(capacity, words) > shared_limit:
+    while capacity >= MIN_CAPACITY and shared_table_bytes(capacity, words, packed) > shared_limit:
         capacity //= 2
     return capacity if capacity >= MIN_CAPACITY else 0
 
 
-def block_threads(length: int) -> int:
+def shared_limit(opt_in_bytes: int, blocks_per_sm: int) -> int:
+    """Shared memory a block may take so that ``blocks_per_sm`` blocks fit an SM, from the opt-in
+    limit per block (an SM holds the opt-in limit plus 1 KB, and each block reserves 1 KB, on sm_80
+    and sm_90)."""
+    if blocks_per_sm <= 1:
+        return opt_in_bytes
+    return (opt_in_bytes + 1024) // blocks_per_sm - 1024
+
+
+def block_threads(length: int, max_threads: int | None = None) -> int:
     """Threads per block for rollouts of ``length`` positions.
 
     Each pass of a block covers ``threads * UNROLL`` positions of one rollout: use as few passes as
-    ``MAX_THREADS`` allows, split evenly, in whole warps, and at least ``MIN_THREADS``.
+    ``max_threads`` (default ``MAX_THREADS``) allows, split evenly, in whole warps, and at least
+    ``MIN_THREADS``.
     """
-    passes = max(1, -(-length // (MAX_THREADS * UNROLL)))
+    most = MAX_THREADS if max_threads is None else max_threads
+    passes = max(1, -(-length // (most * UNROLL)))
     per_pass = -(-length // (passes * UNROLL))
-    return min(MAX_THREADS, max(MIN_THREADS, -(-per_pass // 32) * 32))
+    return min(most, max(MIN_THREADS, -(-per_pass // 32) * 32))
 
 
 def key_token_scores(batch: Batch, config: KTAEConfig, *, table_slots: int | None = None,
@@ -198,11 +217,12 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int
         raise ValueError(f"`responses`: the cuda backend takes at most 2**30 masked tokens per group, "
                          f"a group holds {max_tokens}")
     words = presence_words(max_size)
-    limit = ext.max_shared_bytes(_device_index(device))
+    packed = PACKED and words == 1 and max_tokens <= PACKED_MAX_TOKENS
+    opt_in = ext.max_shared_bytes(_device_index(device))
     if table_slots is None:
-        capacity = choose_shared_capacity(max_tokens, words, limit)
+        capacity = choose_shared_capacity(max_tokens, words, shared_limit(opt_in, BLOCKS_PER_SM), packed)
     else:
-        capacity = _check_table_slots(table_slots, words, limit)
+        capacity = _check_table_slots(table_slots, words, opt_in, packed)
     ignore = [i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID]
     common = dict(
         responses=batch.responses.contiguous(),
@@ -215,19 +235,20 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int
         bad_ids=_upload(torch.tensor([0, MAX_TOKEN_ID], dtype=torch.int64), device),
         words=words,
         shared_capacity=capacity,
+        packed=packed,
         params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight],
         use_tf=config.use_tf,
-        threads=block_threads(batch.responses.shape[1]),
+        threads=block_threads(batch.responses.shape[1], MAX_THREADS if BLOCKS_PER_SM <= 1 else min(MAX_THREADS, 512)),
         stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0,
     )
     return _Plan(ext, common, stats, n, group_tokens, host[1 + n:1 + 2 * n], host[1 + 2 * n:], words, capacity)
 
 
-def _check_table_slots(slots: object, words: int, limit: int) -> int:
+def _check_table_slots(slots: object, words: int, limit: int, packed: bool) -> int:
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2 or slots & (slots - 1):
         raise ValueError(f"`table_slots` must be a power of two >= 2, got {slots!r}")
-    if shared_table_bytes(slots, words) > limit:
-        raise ValueError(f"`table_slots` = {slots} needs {shared_table_bytes(slots, words)} bytes of "
+    if shared_table_bytes(slots, words, packed) > limit:
+        raise ValueError(f"`table_slots` = {slots} needs {shared_table_bytes(slots, words, packed)} bytes of "
                          f"shared memory, the device allows {limit}")
     return slots
 
@@ -250,7 +271,7 @@ def _launch(plan: _Plan, mode: int, groups: list[int], status: Tensor, *, capaci
     block_group = _upload(torch.tensor(groups, dtype=torch.int64), device)
     if capacities is None:
         blocks, skip_done = len(groups), False
-        shared_bytes = shared_table_bytes(plan.capacity, plan.words)
+        shared_bytes = shared_table_bytes(plan.capacity, plan.words, plan.common["packed"])
     else:
         widest = max(capacities)
         per_block = widest * (12 + 4 * plan.words)

@@ -133,6 +133,8 @@ def test_emulator_agrees_with_the_host_mirror_of_the_kernel_constants(emulator):
         assert emulator.header_bytes(words) == cuda.header_bytes(words)
         for capacity in (2, 32, 1024, 8192):
             assert emulator.shared_table_bytes(capacity, words) == cuda.shared_table_bytes(capacity, words)
+            assert emulator.shared_table_bytes(capacity, words, True) == cuda.shared_table_bytes(capacity, words, True)
+    assert emulator.PACKED_MAX_TOKENS == cuda.PACKED_MAX_TOKENS
     assert [emulator.max_keys(c) for c in (2, 4, 32, 8192)] == [cuda.max_keys(c) for c in (2, 4, 32, 8192)]
 
 
@@ -232,7 +234,8 @@ def test_binding_rejects_bad_arguments_naming_them(emulator):
     status = torch.empty(batch.n_groups, dtype=torch.int64)
     groups = torch.arange(batch.n_groups)
     common = dict(plan.common, block_group=groups, blocks=batch.n_groups, skip_done=False,
-                  shared_bytes=cuda.shared_table_bytes(plan.capacity, plan.words), **dict.fromkeys(cuda._OPTIONAL))
+                  shared_bytes=cuda.shared_table_bytes(plan.capacity, plan.words, plan.common["packed"]),
+                  **dict.fromkeys(cuda._OPTIONAL))
     with pytest.raises(RuntimeError, match="`status` must be Long"):
         emulator.launch(mode=cuda.COUNT, shared_table=True, status=status.int(), **common)
     with pytest.raises(RuntimeError, match="`mask` must have shape"):
@@ -289,3 +292,28 @@ def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message):
             cuda.token_advantage(batch, config, None, extension=emulator)
         with pytest.raises(ValueError, match=message):
             cuda.key_token_scores(batch, config, extension=emulator)
+
+
+@pytest.mark.parametrize("packed, blocks_per_sm", [(False, 1), (True, 2), (False, 2)])
+@pytest.mark.parametrize("name", ["G16-zipf", "G4-mixed-shuffled", "huge-counts"])
+def test_slot_layouts_and_two_blocks_per_sm(emulator, monkeypatch, name, packed, blocks_per_sm):
+    # the wide layout where the packed one is the default, and tables sized for two blocks per SM
+    monkeypatch.setattr(cuda, "PACKED", packed)
+    monkeypatch.setattr(cuda, "BLOCKS_PER_SM", blocks_per_sm)
+    _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
+    batch = normalise_batch(responses, mask, rewards, index)
+    assert cuda._prepare(emulator, batch, KTAEConfig(), None).common["packed"] == packed
+    check(emulator, name, batch, KTAEConfig())
+    check(emulator, name, batch, KTAEConfig(), table_slots=16)
+
+
+def test_packed_slots_only_where_counts_fit_16_bits(emulator):
+    B, L = 2, 33_000  # 66,000 masked tokens in one group: f_c could pass 2^16 - 1
+    big = normalise_batch(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
+                          torch.tensor([1.0, 0.0]), torch.zeros(B, dtype=torch.int64))
+    assert not cuda._prepare(emulator, big, KTAEConfig(), None).common["packed"]
+    name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G40-two-words")
+    wide = normalise_batch(responses, mask, rewards, index)  # two presence words
+    assert not cuda._prepare(emulator, wide, KTAEConfig(), None).common["packed"]
+    name, responses, mask, rewards, index = CASES[0]
+    assert cuda._prepare(emulator, normalise_batch(responses, mask, rewards, index), KTAEConfig(), None).common["packed"]

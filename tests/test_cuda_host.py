@@ -45,6 +45,17 @@ def test_shared_capacity_fits_the_largest_group_or_the_device():
     assert cuda.choose_shared_capacity(10**6, 2000, H200_SHARED) == 0
 
 
+def test_packed_slots_and_two_blocks_per_sm():
+    # 12 bytes a slot: the paper's 8192-slot table (its groups hold ~2.5-4.7k distinct ids) in 96 KB,
+    # so two blocks share an H200 SM (228 KB, 1 KB reserved a block)
+    two = cuda.shared_limit(H200_SHARED, 2)
+    assert two == 115712 and cuda.shared_limit(H200_SHARED, 1) == H200_SHARED
+    assert cuda.shared_table_bytes(8192, 1, packed=True) == 16 + 8192 * 12 <= two
+    assert cuda.choose_shared_capacity(16 * 3072, 1, two, packed=True) == 8192
+    assert cuda.choose_shared_capacity(16 * 3072, 1, two) == 4096
+    assert cuda.choose_shared_capacity(16 * 3072, 1, H200_SHARED, packed=True) == 16384
+
+
 @pytest.mark.parametrize("length, threads", [(0, 64), (16, 64), (256, 64), (1000, 256), (2048, 512),
                                              (3072, 768), (4096, 1024), (5000, 640), (100_000, 1024)])
 def test_block_threads(length, threads):
