@@ -177,7 +177,8 @@ def _mode_config(mode, estimator):
     extra = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=1",
              "actor_rollout_ref.rollout.checkpoint_engine.backend=nccl", "data.train_batch_size=1024",
              "actor_rollout_ref.actor.ppo_mini_batch_size=256"] if mode == "separate_async" else []
-    return _compose(f"trainer.v1.trainer_mode={mode}", f"algorithm.adv_estimator={estimator}", *extra)
+    ktae = ["+algorithm.ktae.beta=2.0", "+algorithm.ktae.ignore_token_ids=[151643]"] if estimator == "ktae" else []
+    return _compose(f"trainer.v1.trainer_mode={mode}", f"algorithm.adv_estimator={estimator}", *extra, *ktae)
 
 
 def _summary(trainer):
