@@ -184,7 +184,9 @@ def _mode_config(mode, estimator):
 def _summary(trainer):
     rb = trainer.replay_buffer
     simple = {k: v for k, v in vars(rb).items() if isinstance(v, (int, float, str, bool, type(None)))}
-    return type(trainer), type(rb), simple, trainer.parameter_sync_step, trainer.trainer_mode
+    section = OmegaConf.to_container(rb.trainer_config) if OmegaConf.is_config(rb.trainer_config) else rb.trainer_config
+    return (type(trainer), type(rb), simple, section, rb.sampler_kwargs, trainer.parameter_sync_step,
+            trainer.trainer_mode)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -197,8 +199,9 @@ def test_v1_trainer_is_verls_own_for_every_mode(mode):
     with_ktae = _summary(cls(_mode_config(mode, "ktae")))
     without = _summary(cls(_mode_config(mode, "grpo")))
     assert with_ktae == without
+    assert with_ktae[6] == mode and (with_ktae[1].__name__ == "ReplayBuffer") == (mode == "sync")
     if mode == "separate_async":
-        assert with_ktae[3] == 4  # verl's trainer.v1.separate_async.parameter_sync_step
+        assert with_ktae[5] == 4  # verl's trainer.v1.separate_async.parameter_sync_step
 
 
 class _FakeTransferQueue:
