@@ -23,7 +23,7 @@ from ..torch_backend import group_stats, rollout_advantage
 from ..types import Batch, KeyTokenScores
 from .advantage import token_advantages
 from .fisher import fisher_exact_pvalues
-from .scores import kernel_constants, score_rows, table_lookup
+from .scores import full_grid_lookup, kernel_constants, score_rows, table_lookup
 from .tables import build_hash_tables, interpreting, occupied_rows, row_counts
 
 __all__ = ["key_token_scores", "token_advantage", "fisher_exact_pvalues", "profile", "interpreting"]
@@ -81,7 +81,8 @@ class _Pipeline:
 def _pipeline(batch: Batch, config: KTAEConfig) -> _Pipeline:
     consts = kernel_constants(config, batch.device)
     stats = group_stats(batch, config)
-    tables = build_hash_tables(batch, stats)
+    # the per-table statistics are prepared on the host while the insert kernel runs
+    tables = build_hash_tables(batch, stats, lambda counts: full_grid_lookup(counts, config, batch.device))
     rows = occupied_rows(tables, sort=False)
     lookup, _ = table_lookup(tables, rows, stats, config)
     slot_score, _ = score_rows(tables, rows, stats, config, consts, lookup, write_rows=False)

@@ -145,15 +145,23 @@ def kernel_constants(config: KTAEConfig, device: torch.device) -> Tensor:
     return device_constants(values, device)
 
 
+def full_grid_lookup(host_counts: tuple[Tensor, Tensor], config: KTAEConfig, device: torch.device) -> TableLookup | None:
+    """The statistics of every table the groups of ``host_counts`` (``(n_c, n_w)`` on the CPU) can
+    have (``cuda.grid_statistics``), or None when they must come from the rows."""
+    found = grid_statistics(*host_counts, config, device)
+    return None if found is None else TableLookup(*found)
+
+
 def table_lookup(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAEConfig,
                  counts: RowCounts | None = None) -> tuple[TableLookup, RowCounts | None]:
     """The per-table statistics the rows look up, and the rows' counts if they had to be read
     (``counts``: already read ones, reused)."""
     device = tables.keys.device
-    if tables.host_counts is not None:
-        found = grid_statistics(*tables.host_counts, config, device)
-        if found is not None:
-            return TableLookup(*found), counts
+    found = tables.prepared if isinstance(tables.prepared, TableLookup) else None
+    if found is None and tables.host_counts is not None:
+        found = full_grid_lookup(tables.host_counts, config, device)
+    if found is not None:
+        return found, counts
     if counts is None:
         counts = row_counts(tables, rows)
     tab_rows = method.Rows(group=rows.group.long(), token=counts.token, a=counts.a, b=counts.b,

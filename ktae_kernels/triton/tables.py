@@ -26,6 +26,7 @@ the others, so an overflow costs in proportion to the groups that overflow.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 import triton
@@ -64,7 +65,8 @@ class HashTables:
     ``offset`` int64 / ``log_cap`` int32 / ``fill`` int32 ``[n_groups]`` on the device;
     ``correct_bits`` int32 ``[n_groups, words]``. Host ints: ``largest``, the largest group's size;
     ``n_rows`` = ``fill.sum()`` and ``max_fill``, which size the passes over occupied slots.
-    ``host_counts``: ``(n_c, n_w)``, int64 CPU ``[n_groups]``, brought over with the table sizes.
+    ``host_counts``: ``(n_c, n_w)``, int64 CPU ``[n_groups]``, brought over with the table sizes;
+    ``prepared``: what ``build_hash_tables``' ``while_inserting`` returned.
     """
 
     keys: Tensor
@@ -80,6 +82,7 @@ class HashTables:
     n_rows: int
     max_fill: int
     host_counts: tuple[Tensor, Tensor] | None = None
+    prepared: object = None
 
 
 @dataclass(frozen=True)
@@ -296,8 +299,12 @@ def _row_counts_kernel(slot_ptr, group_ptr, n_rows, keys_ptr, occ_ptr, bits_ptr,
 # ----------------------------------------------------------------------------- host side
 
 
-def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
-    """Hash tables of every group of ``batch`` (``stats`` from ``torch_backend.group_stats``)."""
+def build_hash_tables(batch: Batch, stats: GroupStats,
+                      while_inserting: Callable[[tuple[Tensor, Tensor]], object] | None = None) -> HashTables:
+    """Hash tables of every group of ``batch`` (``stats`` from ``torch_backend.group_stats``).
+
+    ``while_inserting(host_counts)``: host work run while the insert kernel runs (before the host
+    waits for it), given ``(n_c, n_w)`` on the CPU; its result is kept as ``prepared``."""
     tokens = stats.T_c + stats.T_w
     guess = _log2_ceil(torch.ceil(tokens * (2 * _FIRST_GUESS)).long())
     safe = _log2_ceil(2 * tokens)
@@ -315,6 +322,7 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
     words = max(triton.cdiv(largest, 32), 1)
     rank, inc, correct_bits = _rollout_layout(batch, stats, words)
     tables, overflow, bad = _insert(batch, guess, slots, words, rank, inc, correct_bits, _FIRST_PROBE_LIMIT)
+    prepared = while_inserting(host_counts) if while_inserting is not None else None
     grown_cap = torch.where(overflow != 0, 1 << safe.long(), 0)
     extra, low, high, *fill = torch.cat([grown_cap.sum().reshape(1), bad, tables.fill]).tolist()
     check_ids(low, high)
@@ -323,7 +331,8 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
         lost, *fill = torch.cat([overflow.any().reshape(1), tables.fill]).tolist()
         if lost:  # cannot happen: a slice of twice the group's tokens stays at most half full
             raise RuntimeError("triton backend: a rebuilt hash table overflowed")
-    return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0), host_counts=host_counts)
+    return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0), host_counts=host_counts,
+                   prepared=prepared)
 
 
 def upload(t: Tensor, device: torch.device) -> Tensor:
