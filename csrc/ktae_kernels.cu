@@ -2,9 +2,9 @@
 //
 // Phase 1 (build): the block reads its rollouts' tokens once (coalesced, kUnroll loads in flight per
 //   thread; a token id is loaded only where the mask is set) and inserts each masked id into an
-//   open-addressing hash table (linear probing): a key, an occurrence counter pair (f_c in the low 32
-//   bits, f_w in the high 32 bits, each bumped by a 32-bit atomic on its own half) and one presence
-//   bit per rollout. Lanes of a warp holding the same id are merged with __match_any_sync, so a
+//   open-addressing hash table (linear probing): a key, an occurrence counter pair (f_c and f_w, each
+//   bumped by a 32-bit atomic on its own part of an 8-byte word) and one presence bit per rollout
+//   (in the same word for the packed 12-byte slot of small groups, see Table). Lanes of a warp holding the same id are merged with __match_any_sync, so a
 //   frequent token costs one atomic per warp, not one per lane. The table lives in shared memory
 //   when the host finds room; a group whose distinct ids exceed 3/4 of it sets an overflow flag and
 //   is redone by a global-memory pass sized to the group, which the host launches right after
