@@ -24,6 +24,7 @@ from verl.trainer.ppo import core_algos  # noqa: E402
 from cases import random_cases  # noqa: E402
 
 VERL_VERSION = tuple(int(x) for x in verl.__version__.split(".")[:2])
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from ktae_kernels import KTAEConfig, key_token_scores, token_advantage  # noqa: E402
 from ktae_kernels.integrations import verl as ktae_verl  # noqa: E402
 from ktae_kernels.metrics import ktae_metrics  # noqa: E402
@@ -158,14 +159,16 @@ def test_validate_config_rejects_a_typo_before_anything_starts():
 
 
 @pytest.mark.slow
-def test_main_ppo_fails_on_a_typo_before_ray_starts():
+def test_main_ppo_fails_on_a_typo_before_ray_starts(tmp_path):
     """``python -m verl.trainer.main_ppo`` as a user runs it: the typo stops it where verl validates its
     config, before any worker starts or any generation."""
     if VERL_VERSION < (0, 6):
         pytest.skip(f"verl {verl.__version__} has no hook to load KTAE into main_ppo (0.6+)")
     proc = subprocess.run([sys.executable, "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=ktae",
                            "+algorithm.ktae.alhpa=2.0", "trainer.n_gpus_per_node=1"],
-                          capture_output=True, text=True, timeout=240, env={**os.environ, "RAY_ADDRESS": ""})
+                          capture_output=True, text=True, timeout=240, cwd=tmp_path,  # Hydra writes outputs/ there
+                          env={**os.environ, "RAY_ADDRESS": "",
+                               "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode != 0
     assert "algorithm.ktae has unknown keys ['alhpa']" in proc.stderr + proc.stdout
     if VERL_VERSION >= (0, 9):  # 0.9 validates in the Hydra driver;
