@@ -18,8 +18,9 @@ correctness (each against ``backend="torch"`` on the same device; integer column
 
 timings (CUDA events, median of ``--repeats``): each backend's ``token_advantage`` on the paper
 batch, through the API and on a validated batch with a reused ``out``; Triton's stages
-(``triton.profile``); the CUDA backend's host preparation and kernels, and its time by launch shape
-(threads a block, slot layout, blocks per SM); the achieved bandwidth of the unavoidable I/O against a measured
+(``triton.profile``) and its time by first table-size guess; the CUDA backend's host preparation
+and kernels, and its time by launch shape (threads a block, slot layout, blocks per SM); the
+achieved bandwidth of the unavoidable I/O against a measured
 device copy.
 
 Writes ``<out>/<device>-<date>-gpu-check.json`` (and ``.png``); exit status 1 when a check failed.
@@ -306,9 +307,11 @@ def timings(bench_batch, backends: list[str], repeats: int, device: torch.device
         row = {"api_s": api_s, "backend_s": backend_s,
                "achieved_gb_s": io_bytes(positions) / backend_s / 1e9,
                "share_of_copy": io_bytes(positions) / backend_s / 1e9 / copy}
-        if name == "triton" and device.type == "cuda":
-            with contextlib.suppress(Exception):
-                row["stages_ms"] = ktae_kernels.triton.profile(batch, config, rep_ms=50)
+        if name == "triton":
+            if device.type == "cuda":
+                with contextlib.suppress(Exception):
+                    row["stages_ms"] = ktae_kernels.triton.profile(batch, config, rep_ms=50)
+            row["backend_s_by_first_guess"] = triton_guess_sweep(impl, batch, config, out, repeats)
         if name == "cuda":
             row["stages_s"] = cuda_stages(batch, config, repeats)
             row["backend_s_by_max_threads"] = cuda_threads_sweep(impl, batch, config, out, repeats)
@@ -335,6 +338,24 @@ def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
     stages["shared_capacity"] = plan.capacity
     stages["threads"] = plan.common["threads"]
     return stages
+
+
+def triton_guess_sweep(impl, batch, config: KTAEConfig, out: torch.Tensor, repeats: int) -> dict:
+    """The triton backend's time and table slots by first table-size guess (``tables._FIRST_GUESS``,
+    distinct ids as a fraction of masked tokens: smaller tables to clear and probe, more rebuilds)."""
+    from ktae_kernels.torch_backend import group_stats
+    from ktae_kernels.triton import tables
+
+    saved, result = tables._FIRST_GUESS, {}
+    try:
+        for guess in (0.0625, 0.125, 0.25):
+            tables._FIRST_GUESS = guess
+            built = tables.build_hash_tables(batch, group_stats(batch, config))
+            seconds = cuda_time(lambda: impl.token_advantage(batch, config, None, out), repeats)
+            result[str(guess)] = {"seconds": seconds, "slots": int(built.keys.shape[0]), "rows": built.n_rows}
+    finally:
+        tables._FIRST_GUESS = saved
+    return result
 
 
 def cuda_threads_sweep(impl, batch, config: KTAEConfig, out: torch.Tensor, repeats: int) -> dict:
