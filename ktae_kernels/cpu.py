@@ -14,7 +14,6 @@ tables they use, and the fused call follows. ``key_token_scores`` uses the row l
 """
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 from types import ModuleType
@@ -30,8 +29,6 @@ from .types import Batch, KeyTokenScores
 
 #: the kernels check that masked ids lie in [0, 2**31) while counting; the API skips its own pass.
 CHECKS_TOKEN_IDS = True
-#: fill the whole table grid up front when it costs at most this many support points (else list rows first).
-FULL_GRID_WORK = 1 << 16
 BUILD_HINT = ("`pip install .` builds it on a machine with a C++17 compiler (g++ or clang++); "
               "reinstall with one on PATH, e.g. `pip install --force-reinstall --no-deps .`")
 
@@ -110,27 +107,13 @@ def _list_rows(inputs: _Inputs) -> tuple[method.Rows, Tensor, Tensor]:
     return method.Rows(group=group, token=token, a=a, b=b, f_c=f_c, f_w=f_w), T_c, T_w
 
 
-@functools.lru_cache(maxsize=64)
-def _full_grid(shapes: tuple[tuple[int, int], ...], config: KTAEConfig) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-    """For distinct group shapes ``(n_c, n_w)``: per shape its grid offset and stride, and the grid's
-    ``strength`` and ``h`` (float64); None when the grid is too large to fill up front."""
-    n_c = torch.tensor([s[0] for s in shapes], dtype=torch.int64)
-    n_w = torch.tensor([s[1] for s in shapes], dtype=torch.int64)
-    grid = method.table_grid(n_c, n_w)
-    if method.grid_work(grid) > FULL_GRID_WORK:
-        return None
-    stats = method.table_statistics(grid, config)
-    return grid.offset, grid.stride, stats.strength, stats.h
-
-
 def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per group its grid offset and stride, and the grid's ``strength`` and ``h``."""
-    if config.fisher == "exact":
-        shapes, which = torch.unique(torch.stack([counts.n_c, counts.n_w], 1), dim=0, return_inverse=True)
-        full = _full_grid(tuple(map(tuple, shapes.tolist())), config)
-        if full is not None:
-            offset, stride, strength, h = full
-            return offset[which], stride[which], strength, h
+    """Per group its grid offset and stride, and the grid's ``strength`` and ``h``: the whole grid when
+    it is small (``method.full_grid_statistics``), else exactly the tables of the rows listed first."""
+    full = method.full_grid_statistics(counts.n_c, counts.n_w, config)
+    if full is not None:
+        offset, stride, stats = full
+        return offset, stride, stats.strength.contiguous(), stats.h.contiguous()
     rows, _, _ = _list_rows(inputs)
     grid, stats, _ = method.row_statistics(rows, counts.n_c, counts.n_w, config)
     return grid.offset, grid.stride, stats.strength, stats.h
@@ -138,7 +121,9 @@ def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
     counts = method.group_counts(batch, config)
-    out = torch.empty(batch.responses.shape, dtype=torch.float32) if out is None else out
+    if out is None:
+        out = torch.empty(batch.responses.shape, dtype=torch.float32)
+        load_extension().advise_huge(out.data_ptr(), out.nbytes)  # fewer page faults on the first write
     if batch.n_groups == 0 or batch.responses.shape[1] == 0:
         return out.zero_()
     inputs = _Inputs(batch, counts)

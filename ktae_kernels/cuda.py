@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Iterator
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -60,9 +59,6 @@ BLOCKS_PER_SM = 1
 #: presence word and fewer than ``PACKED_MAX_TOKENS`` masked tokens.
 PACKED = True
 PACKED_MAX_TOKENS = 65535
-#: largest grid of tables (Fisher support points, ``method.grid_work``) whose statistics are computed
-#: whole on the host; larger ones score the rows first.
-FULL_GRID_WORK = 1 << 20
 
 
 #: the token-id range check is folded into the kernels (``check_id_range`` after them), so the API
@@ -330,53 +326,44 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
     return scores, row_offset, fits, host_counts
 
 
-#: statistics of recently seen sets of ``(n_c, n_w)`` (a training run sees the same few again and again).
-_GRID_CACHE: "OrderedDict[tuple, tuple[Tensor, np.ndarray, torch.cuda.Event | None]]" = OrderedDict()
+#: device copies of recently used grids (a training run sees the same few sets of group shapes again).
+_GRID_CACHE: "OrderedDict[tuple, tuple[Tensor, torch.cuda.Event | None]]" = OrderedDict()
 _GRID_CACHE_SIZE = 64
 
 
 def grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """Every table a group of ``n_c`` correct and ``n_w`` wrong rollouts can have, with its statistics,
-    for the groups' counts (int64 CPU ``[n_groups]``), on ``device``: ``index`` int64 ``[2, n_groups]``
-    (each group's grid offset and stride ``n_w + 1``) and ``values`` float64 ``[5, size]`` (``p_value,
-    F, IG, h, strength`` of ``method.table_statistics``); the table ``(a, b)`` of group ``g`` is
-    column ``index[0, g] + a * index[1, g] + b``. None with ``fisher="upstream"`` (its p-value depends
-    on the rows) or a grid over ``FULL_GRID_WORK``.
-
-    Computed once per set of distinct ``(n_c, n_w)`` and config (a small cache), so a call usually
-    costs a ``numpy.unique`` over the groups and one pinned, non-blocking upload of ``index``.
-    Shared by the triton backend.
+    """``method.full_grid_statistics`` on ``device``: ``index`` int64 ``[2, n_groups]`` (each group's grid
+    offset and stride ``n_w + 1``) and ``values`` float64 ``[5, size]`` (``p_value, F, IG, h,
+    strength``); the table ``(a, b)`` of group ``g`` is column ``index[0, g] + a * index[1, g] + b``.
+    None where the statistics must come from the rows. The device copy of a grid is cached, so a call
+    usually costs the host lookup and one pinned, non-blocking upload of ``index``. Shared by the
+    triton backend.
     """
-    if config.fisher != "exact":
+    full = method.full_grid_statistics(n_c, n_w, config)
+    if full is None:
         return None
-    counts_c, counts_w = n_c.numpy(), n_w.numpy()
-    blocks, inverse = np.unique(counts_c * (1 << 32) + counts_w, return_inverse=True)
-    key = (config, blocks.tobytes(), str(device))
+    offset, stride, table = full
+    shapes = tuple(sorted(set(zip(n_c.tolist(), n_w.tolist()))))  # the grid's blocks, in its order
+    key = (config, shapes, str(device))
     hit = _GRID_CACHE.get(key)
     if hit is None:
-        block_c, block_w = torch.from_numpy(blocks >> 32), torch.from_numpy(blocks & 0xFFFFFFFF)
-        grid = method.table_grid(block_c, block_w)
-        if method.grid_work(grid) > FULL_GRID_WORK:
-            return None
-        table = method.table_statistics(grid, config)
         values = _upload(torch.stack([table.p_value, table.F, table.IG, table.h, table.strength]).contiguous(), device)
         ready = None
         if device.type == "cuda":  # later calls may come on other streams: they wait for the upload
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-        hit = (values, grid.offset.numpy(), ready)
+        hit = (values, ready)
         _GRID_CACHE[key] = hit
         while len(_GRID_CACHE) > _GRID_CACHE_SIZE:
             _GRID_CACHE.popitem(last=False)
     else:
         _GRID_CACHE.move_to_end(key)
-    values, block_start, ready = hit
+    values, ready = hit
     if ready is not None:
         stream = torch.cuda.current_stream(device)
         stream.wait_event(ready)
         values.record_stream(stream)  # not reused while this stream may still read it
-    index = np.stack([block_start[inverse.reshape(-1)], counts_w + 1]).astype(np.int64)
-    return _upload(torch.from_numpy(index), device), values
+    return _upload(torch.stack([offset, stride]).contiguous(), device), values
 
 
 def _table_lookup(plan: _Plan, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:

@@ -18,9 +18,11 @@ Python, so that the two can be checked against each other.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -146,6 +148,38 @@ def table_statistics(grid: TableGrid, config: KTAEConfig, needed: Tensor | None 
     full[0] = 1.0
     full[:, rows] = torch.stack(values)
     return TableStats(*full.unbind(0))
+
+
+#: the largest grid (Fisher support points, ``grid_work``) that ``full_grid_statistics`` fills whole.
+FULL_GRID_WORK = 1 << 20
+
+
+def full_grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[Tensor, Tensor, TableStats] | None:
+    """The statistics of every table groups of ``n_c`` correct and ``n_w`` wrong rollouts (int64
+    ``[n_groups]``) can have, before any counting: per group its grid offset and stride (int64 CPU
+    ``[n_groups]``) and the grid's ``TableStats`` (CPU). Each block ``(n_c, n_w)`` is computed once per
+    config and cached (a run sees the same few blocks at every step). None with ``fisher="upstream"``
+    (its p-value depends on the rows present) or a grid of more than ``FULL_GRID_WORK``.
+    """
+    if config.fisher != "exact":
+        return None
+    c, w = n_c.cpu().numpy().astype(np.int64), n_w.cpu().numpy().astype(np.int64)
+    blocks, which = np.unique(np.stack([c, w], axis=1), axis=0, return_inverse=True)
+    sizes = (blocks[:, 0] + 1) * (blocks[:, 1] + 1)
+    if int((sizes * (blocks.min(axis=1) + 1)).sum()) > FULL_GRID_WORK:
+        return None
+    values = torch.cat([_block_statistics(int(bc), int(bw), config) for bc, bw in blocks], dim=1) \
+        if len(blocks) else torch.zeros(5, 0, dtype=torch.float64)
+    start = np.cumsum(sizes) - sizes
+    return torch.from_numpy(start[which.reshape(-1)]), torch.from_numpy(w + 1), TableStats(*values.unbind(0))
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_statistics(n_c: int, n_w: int, config: KTAEConfig) -> Tensor:
+    """float64 ``[5, (n_c + 1)(n_w + 1)]``: ``p_value, F, IG, h, strength`` of one block's tables."""
+    grid = table_grid(torch.tensor([n_c]), torch.tensor([n_w]))
+    stats = table_statistics(grid, config)
+    return torch.stack([stats.p_value, stats.F, stats.IG, stats.h, stats.strength])
 
 
 def upstream_width(a: Tensor, b: Tensor, n_c: Tensor, group: Tensor, n_groups: int) -> Tensor:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 
 import ktae_kernels.cpu as cpu
 from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
-from ktae_kernels import BackendUnavailableError, KTAEConfig, available_backends, key_token_scores, token_advantage
+from ktae_kernels import BackendUnavailableError, KTAEConfig, available_backends, key_token_scores, method, token_advantage
 from ktae_kernels.backends import get_backend
 from test_properties import batches, configs
 
@@ -56,6 +56,15 @@ def test_matches_reference_at_one_and_two_threads(case, config, threads):
     assert torch.equal(one, two), "the result depends on the thread count"
     # same float64 operations as the torch backend: bitwise equal
     assert torch.equal(one, token_advantage(responses, mask, rewards, index, config=config, backend="torch"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_rows_first_path_matches_reference(case, monkeypatch):
+    """Past ``method.FULL_GRID_WORK`` the rows are listed first and only their tables computed."""
+    monkeypatch.setattr(method, "FULL_GRID_WORK", 0)
+    _, responses, mask, rewards, index = case
+    torch.testing.assert_close(token_advantage(responses, mask, rewards, index, backend="cpu"),
+                               token_advantage(responses, mask, rewards, index, backend="reference"), rtol=0, atol=1e-6)
 
 
 @settings(max_examples=40, deadline=None)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import KTAEConfig, cuda, reference
+from ktae_kernels import KTAEConfig, cuda, method, reference
 from ktae_kernels.api import normalise_batch
 from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
 
@@ -182,7 +182,7 @@ def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, m
 
 
 def test_large_grids_and_upstream_score_the_rows_first(emulator, monkeypatch):
-    monkeypatch.setattr(cuda, "FULL_GRID_WORK", 0)
+    monkeypatch.setattr(method, "FULL_GRID_WORK", 0)
     monkeypatch.setattr(cuda, "_GRID_CACHE", type(cuda._GRID_CACHE)())
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)

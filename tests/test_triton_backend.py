@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cases import adversarial_cases, assert_scores_match, make_batch, random_cases, triton_devices
-from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
+from ktae_kernels import KTAEConfig, key_token_scores, method, token_advantage
 
 pytest.importorskip("triton")
 DEVICES = triton_devices()
@@ -137,10 +137,10 @@ def test_empty_batches(B, L, device):
 
 
 def test_large_grids_take_the_per_row_table_statistics(device, monkeypatch):
-    """Past ``_FULL_GRID_WORK`` only the tables the rows use are computed, from the rows' counts."""
+    """Past ``method.FULL_GRID_WORK`` only the tables the rows use are computed, from the rows' counts."""
     from ktae_kernels import cuda
 
-    monkeypatch.setattr(cuda, "FULL_GRID_WORK", 0)
+    monkeypatch.setattr(method, "FULL_GRID_WORK", 0)
     monkeypatch.setattr(cuda, "_GRID_CACHE", type(cuda._GRID_CACHE)())
     _, responses, mask, rewards, index = random_cases(seed=4, small=True)[1]
     check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)

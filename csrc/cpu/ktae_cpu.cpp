@@ -24,6 +24,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 namespace {
 
@@ -74,7 +77,17 @@ struct Workspace {
   std::vector<int64_t> tokens;
   std::vector<double> scores;
   std::vector<double> memo;  // score by (a, b, f_c, f_w) for small counts, NaN when not computed yet
-  std::vector<uint32_t> position_slot;  // the slot of each masked position of the group, in order
+  std::unique_ptr<uint32_t[]> position_slot;  // the slot of each masked position of the group, in order
+  int64_t position_capacity = 0;
+
+  // Room for the slots of `positions` positions (contents undefined).
+  uint32_t* position_slots(int64_t positions) {
+    if (positions > position_capacity) {
+      position_slot.reset(new uint32_t[size_t(positions)]);
+      position_capacity = positions;
+    }
+    return position_slot.get();
+  }
 
   Workspace() : slot(kDenseIds, 0) {}
 
@@ -87,7 +100,6 @@ struct Workspace {
     entries.clear();
     last.clear();
     tokens.clear();
-    position_slot.clear();
   }
 };
 
@@ -135,6 +147,7 @@ template <bool kBits>
 GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
   GroupTotals tot;
   uint64_t correct_bits = 0;
+  uint32_t* position = ws.position_slots((in.start[g + 1] - in.start[g]) * in.L);
   for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
     const int64_t i = in.order[k], local = k - in.start[g];
     const int64_t* ids = in.ids + i * in.ids_stride;
@@ -159,7 +172,7 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
         ws.tokens.push_back(id);
         s = uint32_t(ws.entries.size());
       }
-      ws.position_slot.push_back(s);
+      *position++ = s;
       Entry& e = ws.entries[s - 1];
       if (kBits) {
         e.pres |= bit;
@@ -237,7 +250,7 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
 // (the masked positions' slots were recorded in order while counting: no second read of the ids).
 void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
   const double* scores = ws.scores.data() - 1;  // indexed by slot (1 + entry index)
-  const uint32_t* slot = ws.position_slot.data();
+  const uint32_t* slot = ws.position_slot.get();
   for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
     const int64_t i = in.order[k];
     const uint8_t* m = in.mask + i * in.mask_stride;
@@ -371,6 +384,24 @@ PyObject* floor_pass(PyObject*, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+// advise_huge(address, bytes): ask Linux to back a fresh output buffer with transparent huge pages,
+// so the first write faults in 2 MB pages instead of 4 KB ones (a no-op elsewhere). Returns whether
+// the hint was taken.
+PyObject* advise_huge(PyObject*, PyObject* args) {
+  unsigned long long address, bytes;
+  if (!PyArg_ParseTuple(args, "KK", &address, &bytes)) return nullptr;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
+  const uintptr_t start = (uintptr_t(address) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (uintptr_t(address) + uintptr_t(bytes)) & ~(kHuge - 1);
+  if (end > start && madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE) == 0) Py_RETURN_TRUE;
+#else
+  (void)address;
+  (void)bytes;
+#endif
+  Py_RETURN_FALSE;
+}
+
 PyObject* openmp(PyObject*, PyObject*) {
 #ifdef _OPENMP
   Py_RETURN_TRUE;
@@ -383,6 +414,7 @@ PyMethodDef kMethods[] = {
     {"advantage", advantage, METH_VARARGS, "Fused count, score and write of the [B, L] advantages."},
     {"rows", rows, METH_VARARGS, "Per-group (token, a, b, f_c, f_w) rows sorted by token, and T_c, T_w."},
     {"floor", floor_pass, METH_VARARGS, "The memory floor: read ids and mask once, write float32 once."},
+    {"advise_huge", advise_huge, METH_VARARGS, "Hint huge pages for a fresh output buffer (Linux)."},
     {"openmp", openmp, METH_NOARGS, "Whether the module was built with OpenMP."},
     {nullptr, nullptr, 0, nullptr},
 };

@@ -5,7 +5,7 @@ The Fisher p-value, ``F``, ``IG`` and Cohen's ``h`` depend only on the table ``(
 so they are computed once per distinct table by ``ktae_kernels.method.table_statistics`` (a group
 of G rollouts has at most ``(n_c + 1)(n_w + 1)`` tables, 81 for G = 16) and looked up by every row
 at ``offset[g] + a * stride[g] + b``. When the whole grid of the batch's ``(n_c, n_w)`` is small
-(the usual case, ``cuda.FULL_GRID_WORK``) it is computed on the CPU from the group counts the table
+(the usual case, ``method.FULL_GRID_WORK``) it is computed on the CPU from the group counts the table
 build already brought to the host, cached per set of distinct ``(n_c, n_w)`` and reaches the
 device in one non-blocking copy (``cuda.grid_statistics``, shared with the cuda backend);
 otherwise (very large groups, or ``fisher="upstream"``, whose p-value depends on the group's rows)
