@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     def save(results, copy_gb_s=None, complete=False):  # after every shape, so a killed run leaves its results
         write_json(stem.with_suffix(".json"), {
             **head, "complete": complete, "results": result_json(results),
-            "paper_batch": paper_summary(results, copy_gb_s), "copy_gb_s": copy_gb_s,
+            "paper_batch": paper_summary(results, copy_gb_s, device.type), "copy_gb_s": copy_gb_s,
             "load_average_1min_at_save": load_average(),
             "wall_time_s": time.perf_counter() - start,
         })
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(results))
     print()
-    print(format_paper_summary(paper_summary(results, copy_gb_s)))
+    print(format_paper_summary(paper_summary(results, copy_gb_s, device.type)))
     print(f"\nwall time {time.perf_counter() - start:.0f} s")
     save(results, copy_gb_s, complete=True)
     if not args.no_plot:

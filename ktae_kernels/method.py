@@ -57,7 +57,7 @@ def group_counts(batch: Batch, config: KTAEConfig) -> GroupCounts:
     """Correct flags and the number of rollouts, correct and wrong ones per group."""
     correct = correct_flags(batch, config)
     g, n = batch.group, batch.n_groups
-    size = torch.bincount(g, minlength=n)
+    size = torch.zeros(n, dtype=torch.int64, device=g.device).index_add_(0, g, torch.ones_like(g))  # no host sync
     n_c = torch.zeros(n, dtype=torch.int64, device=g.device).index_add_(0, g, correct.long())
     return GroupCounts(correct, size, n_c, size - n_c)
 

@@ -1,6 +1,6 @@
 """verl adapter: the "ktae" advantage estimator, fed with what verl does not pass to estimators.
 
-Setup: ``pip install "ktae_kernels[verl]"``, then only ``algorithm.adv_estimator=ktae`` (plus optional
+Setup (from a clone; the package is not on PyPI): ``pip install -e ".[verl]"``, then only ``algorithm.adv_estimator=ktae`` (plus optional
 ``+algorithm.ktae.<KTAEConfig field>=...``, ``+algorithm.ktae.backend=...``,
 ``+algorithm.ktae.metrics=advantages|scores|off``). Keep verl's own trainer, any
 ``trainer.v1.trainer_mode`` (sync, colocate_async, separate_async) or the legacy trainer.
