@@ -66,40 +66,52 @@ struct Params {
   int use_tf;
 };
 
+// A growable array whose contents are undefined until written.
+template <typename T>
+struct Buffer {
+  std::unique_ptr<T[]> data;
+  int64_t capacity = 0;
+
+  T* ensure(int64_t n) {
+    if (n > capacity) {
+      data.reset(new T[size_t(n)]);
+      capacity = n;
+    }
+    return data.get();
+  }
+};
+
 // A thread's counting table: token id -> 1 + index of the id's entry in the current group (0: not
 // seen yet), in a 4-byte dense map for small ids and a hash map above; the group's entries, token
 // ids and weighted scores are compact arrays in first-seen order. `slot` is all-zero between groups.
 struct Workspace {
   std::vector<uint32_t> slot;
   std::unordered_map<int64_t, uint32_t> sparse;
-  std::vector<Entry> entries;
-  std::vector<int64_t> last;  // groups of more than kBitsRollouts rollouts: the last rollout of each entry
-  std::vector<int64_t> tokens;
+  Buffer<Entry> entries;
+  Buffer<int64_t> last;       // groups of more than kBitsRollouts rollouts: the last rollout of each entry
+  Buffer<int64_t> tokens;
+  Buffer<uint32_t> position;  // the slot of each masked position of the group, in order
+  int64_t n_entries = 0;
   std::vector<double> scores;
   std::vector<double> memo;  // score by (a, b, f_c, f_w) for small counts, NaN when not computed yet
-  std::unique_ptr<uint32_t[]> position_slot;  // the slot of each masked position of the group, in order
-  int64_t position_capacity = 0;
-
-  // Room for the slots of `positions` positions (contents undefined).
-  uint32_t* position_slots(int64_t positions) {
-    if (positions > position_capacity) {
-      position_slot.reset(new uint32_t[size_t(positions)]);
-      position_capacity = positions;
-    }
-    return position_slot.get();
-  }
 
   Workspace() : slot(kDenseIds, 0) {}
 
-  uint32_t& find(int64_t id) { return id < kDenseIds ? slot[id] : sparse[id]; }
+  // Room for a group of `positions` positions: at most that many entries, plus one spare that
+  // counting writes ahead into.
+  void begin_group(int64_t positions) {
+    entries.ensure(positions + 1);
+    last.ensure(positions + 1);
+    tokens.ensure(positions + 1);
+    position.ensure(positions);
+    n_entries = 0;
+  }
 
   void reset() {
-    for (int64_t id : tokens)
-      if (id < kDenseIds) slot[id] = 0;
+    for (int64_t j = 0; j < n_entries; ++j)
+      if (tokens.data[j] < kDenseIds) slot[size_t(tokens.data[j])] = 0;
     sparse.clear();
-    entries.clear();
-    last.clear();
-    tokens.clear();
+    n_entries = 0;
   }
 };
 
@@ -142,12 +154,30 @@ struct GroupTotals {
 inline uint64_t lo(uint64_t v) { return v & 0xffffffffu; }
 inline uint64_t hi(uint64_t v) { return v >> 32; }
 
+// Rollout bits -> a | b << 32. The portable build has no POPCNT instruction; on x86-64 a second
+// clone uses it where the processor has it (chosen once, at load time).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+__attribute__((target_clones("popcnt", "default")))
+#endif
+void bits_to_counts(Entry* entries, int64_t n, uint64_t correct_bits) {
+  for (int64_t j = 0; j < n; ++j)
+    entries[j].pres = uint64_t(__builtin_popcountll(entries[j].pres & correct_bits)) |
+                      (uint64_t(__builtin_popcountll(entries[j].pres & ~correct_bits)) << 32);
+}
+
 // Count one group's masked tokens into `ws`: presence as rollout bits (kBits) or with last-seen stamps.
+// A new id's entry is written ahead into the spare entry for every token and kept only when the id
+// is new: no branch on the (frequent, unpredictable) first occurrences.
 template <bool kBits>
 GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
   GroupTotals tot;
   uint64_t correct_bits = 0;
-  uint32_t* position = ws.position_slots((in.start[g + 1] - in.start[g]) * in.L);
+  ws.begin_group((in.start[g + 1] - in.start[g]) * in.L);
+  Entry* entries = ws.entries.data.get();
+  int64_t* tokens = ws.tokens.data.get();
+  int64_t* last = ws.last.data.get();
+  uint32_t* position = ws.position.data.get();
+  int64_t n_entries = 0;
   for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
     const int64_t i = in.order[k], local = k - in.start[g];
     const int64_t* ids = in.ids + i * in.ids_stride;
@@ -165,19 +195,21 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
         continue;
       }
       ++n;
-      uint32_t& s = ws.find(id);
-      if (s == 0) {
-        ws.entries.push_back(Entry{0, 0});
-        if (!kBits) ws.last.push_back(-1);
-        ws.tokens.push_back(id);
-        s = uint32_t(ws.entries.size());
-      }
-      *position++ = s;
-      Entry& e = ws.entries[s - 1];
+      uint32_t& s = id < kDenseIds ? ws.slot[size_t(id)] : ws.sparse[id];
+      const uint32_t found = s;
+      entries[n_entries] = Entry{0, 0};
+      tokens[n_entries] = id;
+      if (!kBits) last[n_entries] = -1;
+      const bool fresh = found == 0;
+      const uint32_t here = fresh ? uint32_t(n_entries + 1) : found;
+      n_entries += fresh ? 1 : 0;
+      s = here;
+      *position++ = here;
+      Entry& e = entries[here - 1];
       if (kBits) {
         e.pres |= bit;
       } else {
-        int64_t& seen = ws.last[s - 1];
+        int64_t& seen = last[here - 1];
         e.pres += (seen != k) ? inc : 0;
         seen = k;
       }
@@ -186,10 +218,8 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     (is_c ? tot.T_c : tot.T_w) += n;
     tot.n_c += is_c ? 1 : 0;
   }
-  if (kBits)  // rollout bits -> a | b << 32
-    for (Entry& e : ws.entries)
-      e.pres = uint64_t(__builtin_popcountll(e.pres & correct_bits)) |
-               (uint64_t(__builtin_popcountll(e.pres & ~correct_bits)) << 32);
+  ws.n_entries = n_entries;
+  if (kBits) bits_to_counts(entries, n_entries, correct_bits);
   return tot;
 }
 
@@ -206,7 +236,7 @@ inline double bm25_tf(uint64_t f, int64_t T, double avg, const Params& p) {
   return (q * (p.k1 + 1.0)) / (q + K);
 }
 
-// weight * score of every distinct id of group g, into ws.scores, as method.score_rows.
+// The score of one (group, token) row, as method.score_rows.
 inline double score_of(int64_t entry, uint64_t occ, const GroupTotals& tot, double avg, const Params& p) {
   double x = p.h[entry];
   if (p.use_tf) {
@@ -229,9 +259,9 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
   const int64_t memo_size = (tot.n_c + 1) * stride * int64_t(kMemoCount * kMemoCount);
   const bool memo = memo_size <= kMemoLimit;
   if (memo) ws.memo.assign(size_t(memo_size), std::nan(""));
-  ws.scores.resize(ws.entries.size());
-  for (size_t j = 0; j < ws.entries.size(); ++j) {
-    const Entry& e = ws.entries[j];
+  ws.scores.resize(size_t(ws.n_entries));
+  for (int64_t j = 0; j < ws.n_entries; ++j) {
+    const Entry& e = ws.entries.data[j];
     const int64_t table = int64_t(lo(e.pres)) * stride + int64_t(hi(e.pres));
     double score;
     if (memo && lo(e.occ) < kMemoCount && hi(e.occ) < kMemoCount) {
@@ -241,8 +271,8 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
     } else {
       score = score_of(offset + table, e.occ, tot, avg, p);
     }
-    if (p.n_ignore && std::binary_search(p.ignore, p.ignore + p.n_ignore, ws.tokens[j])) score = 0.0;
-    ws.scores[j] = score * p.weight;
+    if (p.n_ignore && std::binary_search(p.ignore, p.ignore + p.n_ignore, ws.tokens.data[j])) score = 0.0;
+    ws.scores[size_t(j)] = score * p.weight;
   }
 }
 
@@ -250,7 +280,7 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
 // (the masked positions' slots were recorded in order while counting: no second read of the ids).
 void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
   const double* scores = ws.scores.data() - 1;  // indexed by slot (1 + entry index)
-  const uint32_t* slot = ws.position_slot.get();
+  const uint32_t* slot = ws.position.data.get();
   for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
     const int64_t i = in.order[k];
     const uint8_t* m = in.mask + i * in.mask_stride;
@@ -263,12 +293,13 @@ void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, flo
 
 // Rows of group g sorted by token id: token, a, b, f_c, f_w written from `row`.
 int64_t emit_rows(Workspace& ws, int64_t row, int64_t* const cols[5]) {
-  std::vector<uint32_t> by_token(ws.entries.size());
+  const int64_t* tokens = ws.tokens.data.get();
+  std::vector<uint32_t> by_token(size_t(ws.n_entries));
   for (size_t j = 0; j < by_token.size(); ++j) by_token[j] = uint32_t(j);
-  std::sort(by_token.begin(), by_token.end(), [&](uint32_t x, uint32_t y) { return ws.tokens[x] < ws.tokens[y]; });
+  std::sort(by_token.begin(), by_token.end(), [&](uint32_t x, uint32_t y) { return tokens[x] < tokens[y]; });
   for (uint32_t j : by_token) {
-    const Entry& e = ws.entries[j];
-    cols[0][row] = ws.tokens[j];
+    const Entry& e = ws.entries.data[j];
+    cols[0][row] = tokens[j];
     cols[1][row] = int64_t(lo(e.pres));
     cols[2][row] = int64_t(hi(e.pres));
     cols[3][row] = int64_t(lo(e.occ));
