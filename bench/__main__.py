@@ -21,7 +21,7 @@ import torch
 
 import ktae_kernels
 from bench import data
-from bench.contenders import ALL_NAMES, BENCH_CONFIG, UPSTREAM
+from bench.contenders import ALL_NAMES, BENCH_CONFIG, REUSE_OUT, UPSTREAM
 from bench.data import Shape
 from bench.grid import PAPER_SHAPE, PRESETS, budget_for
 from bench.machine import load_average, machine_info, machine_slug, today
@@ -77,11 +77,12 @@ def _shape(text: str) -> Shape:
 
 
 def default_backends(device: torch.device) -> list[str]:
-    """The upstream-style loop and every library backend available on ``device`` (Triton on CUDA only)."""
+    """The upstream-style loop and every library backend available on ``device`` (Triton on CUDA only),
+    each ``+out`` variant with its backend."""
     names = set(ktae_kernels.available_backends(device)) | {UPSTREAM}
     if device.type != "cuda":
         names.discard("triton")
-    return [n for n in ALL_NAMES if n in names]
+    return [n for n in ALL_NAMES if n.removesuffix(REUSE_OUT) in names]
 
 
 def settings(args: argparse.Namespace, grid_name: str, shapes, device: torch.device, names: list[str], budget) -> dict:

@@ -20,7 +20,10 @@ from ktae_kernels.backends import BackendUnavailableError, get_backend
 
 UPSTREAM = "upstream-style"
 #: every contender name, in table order.
-ALL_NAMES: tuple[str, ...] = ("reference", UPSTREAM, "torch", "cpu", "triton", "cuda")
+ALL_NAMES: tuple[str, ...] = ("reference", UPSTREAM, "torch", "cpu", "cpu+out", "triton", "cuda")
+#: a backend name with this suffix writes into one preallocated ``out`` reused across calls (a trainer's
+#: pattern: no fresh output to fault in at every call).
+REUSE_OUT = "+out"
 #: the library configuration benchmarked: defaults, with Qwen's pad id ignored as upstream did.
 BENCH_CONFIG = ktae_kernels.KTAEConfig(ignore_token_ids=(PAD_ID,))
 
@@ -38,10 +41,20 @@ class Contender:
 
 
 def _library(name: str) -> Contender:
-    def run(batch: BenchBatch) -> Tensor:
-        return ktae_kernels.token_advantage(*batch.args(), config=BENCH_CONFIG, backend=name)
+    backend = name.removesuffix(REUSE_OUT)
+    buffers: dict[tuple, Tensor] = {}
 
-    return Contender(name, run, per_group=name == "reference")
+    def run(batch: BenchBatch) -> Tensor:
+        out = None
+        if name.endswith(REUSE_OUT):
+            key = (tuple(batch.responses.shape), batch.responses.device)
+            if key not in buffers:
+                buffers.clear()
+                buffers[key] = torch.empty(key[0], dtype=torch.float32, device=key[1])
+            out = buffers[key]
+        return ktae_kernels.token_advantage(*batch.args(), config=BENCH_CONFIG, backend=backend, out=out)
+
+    return Contender(name, run, per_group=backend == "reference")
 
 
 def _upstream() -> Contender:
@@ -63,6 +76,7 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
         return None
     if name == "triton" and device.type != "cuda":
         return "Triton is benchmarked on CUDA only (the CPU interpreter is a test tool)"
+    name = name.removesuffix(REUSE_OUT)
     if name not in ktae_kernels.available_backends(device):
         try:
             get_backend(name, device)
