@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ktae_kernels import KTAEConfig, token_advantage
+from verl_fakes import FakeTransferQueue, Meta
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -84,26 +85,6 @@ def test_verl_script_overrides_compose_and_validate(algo):
         validate_config(bad, use_reference_policy=need_reference_policy(bad), use_critic=need_critic(bad))
 
 
-class _FakeTransferQueue:
-    def __init__(self, store):
-        self.store, self.put = store, None
-
-    def kv_batch_get(self, keys, partition_id, select_fields):
-        return self.store.select(*[f for f in select_fields if f in self.store.keys()])
-
-    def kv_batch_put(self, keys, partition_id, fields):
-        self.put = fields
-        return _Meta(keys)
-
-
-class _Meta:
-    def __init__(self, keys):
-        self.keys, self.partition_id, self.extra_info = keys, "train", {}
-
-    def __len__(self):
-        return len(self.keys)
-
-
 @pytest.mark.parametrize("algo", ["grpo", "dapo"])
 def test_verl_script_config_drives_one_advantage_step(monkeypatch, algo):
     """verl's v1 ``_compute_advantage`` with the script's config on 2 prompts x 16 rollouts of up to 3072
@@ -128,12 +109,12 @@ def test_verl_script_config_drives_one_advantage_step(monkeypatch, algo):
     rows = lambda t: torch.nested.as_nested_tensor([r[:n] for r, n in zip(t, lengths.tolist())], layout=torch.jagged)  # noqa: E731
     store = TensorDict({"responses": rows(responses), "response_mask": rows(torch.ones(B, T, dtype=torch.long)),
                         "rm_scores": rows(scores), "uid": NonTensorStack(*uid.tolist())}, batch_size=B)
-    fake = _FakeTransferQueue(store)
+    fake = FakeTransferQueue(store)
     monkeypatch.setattr(trainer_base, "tq", fake)
     trainer = object.__new__(trainer_base.get_trainer_cls(config.trainer.v1.trainer_mode))
     trainer.config = config
     metrics = {}
-    trainer._compute_advantage(_Meta([f"{u}_{i}_0" for i, u in enumerate(uid)]), metrics=metrics)
+    trainer._compute_advantage(Meta([f"{u}_{i}_0" for i, u in enumerate(uid)]), metrics=metrics)
     got = fake.put["advantages"].to_padded_tensor(padding=0.0)
     mask = torch.arange(T)[None, :] < lengths[:, None]
     expected = token_advantage(responses, mask, scores, uid, config=KTAEConfig(ignore_token_ids=(eos,)),

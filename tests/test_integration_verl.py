@@ -22,6 +22,7 @@ from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 
 from cases import random_cases  # noqa: E402
+from verl_fakes import FakeTransferQueue, Meta  # noqa: E402
 
 VERL_VERSION = tuple(int(x) for x in verl.__version__.split(".")[:2])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -207,29 +208,6 @@ def test_v1_trainer_is_verls_own_for_every_mode(mode):
         assert with_ktae[5] == 4  # verl's trainer.v1.separate_async.parameter_sync_step
 
 
-class _FakeTransferQueue:
-    """The two TransferQueue calls verl's v1 ``_compute_advantage`` makes, over one TensorDict."""
-
-    def __init__(self, store):
-        self.store, self.put, self.gets = store, None, []
-
-    def kv_batch_get(self, keys, partition_id, select_fields):
-        self.gets.append(list(select_fields))
-        return self.store.select(*[f for f in select_fields if f in self.store.keys()])
-
-    def kv_batch_put(self, keys, partition_id, fields):
-        self.put = fields
-        return _Meta(keys)
-
-
-class _Meta:
-    def __init__(self, keys):
-        self.keys, self.partition_id, self.extra_info = keys, "train", {}
-
-    def __len__(self):
-        return len(self.keys)
-
-
 def _run_v1(monkeypatch, mode, responses, mask, scores, uid, keys, algorithm):
     """verl's real v1 ``_compute_advantage`` of ``mode`` over a fake TransferQueue; returns
     (advantages padded, metrics dict, fake queue)."""
@@ -241,14 +219,14 @@ def _run_v1(monkeypatch, mode, responses, mask, scores, uid, keys, algorithm):
     nested = lambda t: torch.nested.as_nested_tensor([row[:n] for row, n in zip(t, lengths)], layout=torch.jagged)  # noqa: E731
     store = TensorDict({"responses": nested(responses), "response_mask": nested(mask.long()),
                         "rm_scores": nested(scores), "uid": NonTensorStack(*uid.tolist())}, batch_size=len(uid))
-    fake = _FakeTransferQueue(store)
+    fake = FakeTransferQueue(store)
     monkeypatch.setattr(trainer_base, "tq", fake)
     trainer = object.__new__(trainer_base.get_trainer_cls(mode))  # _compute_advantage reads only the config
     trainer.config = OmegaConf.create({"algorithm": algorithm, "actor_rollout_ref": {"rollout": {"n": 4}}})
     if algorithm.use_kl_in_reward:
         trainer.kl_ctrl_in_reward = core_algos.FixedKLController(kl_coef=0.3)
     metrics = {}
-    trainer._compute_advantage(_Meta(keys), metrics=metrics)
+    trainer._compute_advantage(Meta(keys), metrics=metrics)
     return fake.put["advantages"].to_padded_tensor(padding=0.0), metrics, fake
 
 
@@ -283,12 +261,12 @@ def test_v1_kl_in_reward_labels_by_task_score(monkeypatch):
     store = TensorDict({"responses": nested(responses), "response_mask": nested(mask.long()),
                         "rm_scores": nested(scores), "old_log_probs": nested(old), "ref_log_prob": nested(ref),
                         "uid": NonTensorStack(*uid.tolist())}, batch_size=len(uid))
-    fake = _FakeTransferQueue(store)
+    fake = FakeTransferQueue(store)
     monkeypatch.setattr(trainer_base, "tq", fake)
     trainer = object.__new__(trainer_base.get_trainer_cls("sync"))
     trainer.config = OmegaConf.create({"algorithm": algorithm, "actor_rollout_ref": {"rollout": {"n": 4}}})
     trainer.kl_ctrl_in_reward = core_algos.FixedKLController(kl_coef=0.3)
-    trainer._compute_advantage(_Meta(keys), metrics={})
+    trainer._compute_advantage(Meta(keys), metrics={})
     got = fake.put["advantages"].to_padded_tensor(padding=0.0)
     rewards = fake.put["token_level_rewards"].to_padded_tensor(padding=0.0)
     T = got.shape[1]

@@ -316,6 +316,21 @@ T* ptr(unsigned long long address) {
 
 int clamp_threads(int n) { return n < 1 ? 1 : n; }
 
+// fn(g, workspace) -> whether group g held an out-of-range id, for every group, on `threads` OpenMP
+// threads (dynamic schedule), each with a workspace from the pool. Returns whether any group did.
+template <typename Fn>
+bool for_each_group(long long n_groups, int threads, Fn fn) {
+  int bad = 0;
+#pragma omp parallel num_threads(clamp_threads(threads)) reduction(| : bad)
+  {
+    std::unique_ptr<Workspace> owned = pool().take();
+#pragma omp for schedule(dynamic, 1)
+    for (long long g = 0; g < n_groups; ++g) bad |= fn(int64_t(g), *owned) ? 1 : 0;
+    pool().give(std::move(owned));
+  }
+  return bad != 0;
+}
+
 // advantage(ids, ids_stride, mask, mask_stride, L, order, start, n_groups, correct, offset, stride,
 //           strength, h, ignore, n_ignore, base, k1, b, alpha_beta, top, bound, weight, use_tf, out, threads)
 // -> True when every masked id was in range (else the output is incomplete).
@@ -334,25 +349,17 @@ PyObject* advantage(PyObject*, PyObject* args) {
                  ptr<const double>(h), ptr<const int64_t>(ignore), n_ignore, ptr<const double>(base),
                  k1, b, alpha_beta, top, bound, weight, use_tf};
   float* result = ptr<float>(out);
-  int bad = 0;
+  bool bad;
   Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel num_threads(clamp_threads(threads)) reduction(| : bad)
-  {
-    std::unique_ptr<Workspace> owned = pool().take();
-    Workspace& ws = *owned;
-#pragma omp for schedule(dynamic, 1)
-    for (long long g = 0; g < n_groups; ++g) {
-      const GroupTotals tot = count_group(in, g, ws);
-      if (tot.bad_id) {
-        bad = 1;  // an out-of-range id was never counted: do not look it up
-      } else {
-        score_group(g, tot, p, ws);
-        write_group(in, g, p, ws, result);
-      }
-      ws.reset();
+  bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
+    const GroupTotals tot = count_group(in, g, ws);
+    if (!tot.bad_id) {  // an out-of-range id was never counted: do not look it up
+      score_group(g, tot, p, ws);
+      write_group(in, g, p, ws, result);
     }
-    pool().give(std::move(owned));
-  }
+    ws.reset();
+    return tot.bad_id;
+  });
   Py_END_ALLOW_THREADS
   return PyBool_FromLong(!bad);
 }
@@ -373,23 +380,16 @@ PyObject* rows(PyObject*, PyObject* args) {
   int64_t* const cols[5] = {ptr<int64_t>(token), ptr<int64_t>(a), ptr<int64_t>(b), ptr<int64_t>(f_c), ptr<int64_t>(f_w)};
   const int64_t* offsets = ptr<const int64_t>(row_offset);
   int64_t *counts = ptr<int64_t>(n_rows), *tc = ptr<int64_t>(T_c), *tw = ptr<int64_t>(T_w);
-  int bad = 0;
+  bool bad;
   Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel num_threads(clamp_threads(threads)) reduction(| : bad)
-  {
-    std::unique_ptr<Workspace> owned = pool().take();
-    Workspace& ws = *owned;
-#pragma omp for schedule(dynamic, 1)
-    for (long long g = 0; g < n_groups; ++g) {
-      const GroupTotals tot = count_group(in, g, ws);
-      bad |= tot.bad_id ? 1 : 0;
-      counts[g] = emit_rows(ws, offsets[g], cols);
-      tc[g] = tot.T_c;
-      tw[g] = tot.T_w;
-      ws.reset();
-    }
-    pool().give(std::move(owned));
-  }
+  bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
+    const GroupTotals tot = count_group(in, g, ws);
+    counts[g] = emit_rows(ws, offsets[g], cols);
+    tc[g] = tot.T_c;
+    tw[g] = tot.T_w;
+    ws.reset();
+    return tot.bad_id;
+  });
   Py_END_ALLOW_THREADS
   return PyBool_FromLong(!bad);
 }
