@@ -94,7 +94,7 @@ def test_verl_script_config_drives_one_advantage_step(monkeypatch, algo):
     from tensordict import TensorDict
     from tensordict.tensorclass import NonTensorStack
 
-    G, T, vocab, eos = config.actor_rollout_ref.rollout.n, config.data.max_response_length, 151936, 151643
+    G, T, eos = config.actor_rollout_ref.rollout.n, config.data.max_response_length, 151643
     g = torch.Generator().manual_seed(0)
     B = 2 * G
     lengths = torch.randint(16, T + 1, (B,), generator=g)

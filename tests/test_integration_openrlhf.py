@@ -137,13 +137,7 @@ def test_gae_is_refused():
 
 
 def test_install_replaces_the_trainer_experience_maker(monkeypatch):
-    trainer_module = types.ModuleType("openrlhf.trainer.ppo_trainer")
-    trainer_module.RemoteExperienceMaker = FakeRemoteExperienceMaker
-    package = types.ModuleType("openrlhf.trainer")
-    package.ppo_trainer = trainer_module
-    monkeypatch.setitem(sys.modules, "openrlhf", types.ModuleType("openrlhf"))
-    monkeypatch.setitem(sys.modules, "openrlhf.trainer", package)
-    monkeypatch.setitem(sys.modules, "openrlhf.trainer.ppo_trainer", trainer_module)
+    trainer_module = _fake_openrlhf(monkeypatch)
     first = ktae_openrlhf.install(KTAEConfig(top=0.5), backend="torch")
     again = ktae_openrlhf.install()
     assert trainer_module.RemoteExperienceMaker is again

@@ -142,7 +142,7 @@ def score_colour(score: float, top: float) -> tuple[str, str]:
 
 
 def _group_html(prep: Prepared, g: int, decoder, top_k: int, prompts: Sequence[str] | None) -> str:
-    s, cfg = prep.scores, prep.config
+    s = prep.scores
     label = s.group_labels[g]
     n_c, n_w = int(s.n_c[g]), int(s.n_w[g])
     members = prep.members(g)
