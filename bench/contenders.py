@@ -16,7 +16,7 @@ from torch import Tensor
 import ktae_kernels
 from bench.data import PAD_ID, BenchBatch
 from bench.upstream_style import upstream_token_advantage
-from ktae_kernels.backends import BackendUnavailableError, get_backend
+from ktae_kernels.registry import BackendUnavailableError, get_backend
 
 UPSTREAM = "upstream-style"
 #: every contender name, in table order.

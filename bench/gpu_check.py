@@ -44,10 +44,9 @@ if "--dry-run" in sys.argv:  # the Triton interpreter must be chosen before trit
 
 import torch  # noqa: E402
 
-import ktae_kernels  # noqa: E402
 from ktae_kernels import KTAEConfig, key_token_scores, token_advantage  # noqa: E402
-from ktae_kernels.api import normalise_batch  # noqa: E402
-from ktae_kernels.backends import available_backends, get_backend  # noqa: E402
+from ktae_kernels.validation import normalise_batch  # noqa: E402
+from ktae_kernels.registry import available_backends, get_backend  # noqa: E402
 
 from bench.data import Shape, make_batch  # noqa: E402
 from bench.machine import machine_info, machine_slug, today  # noqa: E402
@@ -188,7 +187,7 @@ def forced_overflow(args, backends: list[str]) -> dict:
     batch = normalise_batch(*args)
     out: dict[str, Any] = {}
     if "triton" in backends:
-        from ktae_kernels.triton import tables
+        from ktae_kernels.backends.triton import tables
 
         saved = tables._FIRST_GUESS
         tables._FIRST_GUESS = 0.0025
@@ -205,13 +204,13 @@ def forced_overflow(args, backends: list[str]) -> dict:
         out["triton"] = {"rebuilt_groups": calls, "advantage_max_diff": compare_advantage(want, got),
                          **compare_scores(want_rows, rows)}
     if "cuda" in backends:
-        from ktae_kernels import cuda
+        from ktae_kernels.backends import cuda
 
         saved = cuda.FALLBACK_BLOCKS
         cuda.FALLBACK_BLOCKS = 2
         try:
-            got = cuda.token_advantage(batch, config, None, table_slots=32)
-            rows = cuda.key_token_scores(batch, config, table_slots=32)
+            got = cuda.token_advantage(batch, config, None, tuning=cuda.Tuning(table_slots=32))
+            rows = cuda.key_token_scores(batch, config, tuning=cuda.Tuning(table_slots=32))
         finally:
             cuda.FALLBACK_BLOCKS = saved
         out["cuda"] = {"advantage_max_diff": compare_advantage(want, got), **compare_scores(want_rows, rows)}
@@ -310,7 +309,7 @@ def timings(bench_batch, backends: list[str], repeats: int, device: torch.device
         if name == "triton":
             if device.type == "cuda":
                 with contextlib.suppress(Exception):
-                    row["stages_ms"] = ktae_kernels.triton.profile(batch, config, rep_ms=50)
+                    row["stages_ms"] = triton_stages(batch, config, rep_ms=50)
             row["backend_s_by_first_guess"] = triton_guess_sweep(impl, batch, config, out, repeats)
         if name == "cuda":
             row["stages_s"] = cuda_stages(batch, config, repeats)
@@ -322,17 +321,19 @@ def timings(bench_batch, backends: list[str], repeats: int, device: torch.device
 
 
 def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
-    from ktae_kernels import cuda
-    from ktae_kernels import torch_backend as tb
+    from ktae_kernels import method
+    from ktae_kernels.backends import cuda
+    from ktae_kernels.backends.device import on_device
 
     ext = cuda.load_extension()
-    with cuda._device_context(batch.device):
-        plan = cuda._prepare(ext, batch, config, None)
+    with on_device(batch.device):
+        plan = cuda._prepare(ext, batch, config, cuda.DEFAULT_TUNING)
         stages = {
-            "group_stats": cuda_time(lambda: tb.group_stats(batch, config), repeats),
-            "prepare": cuda_time(lambda: cuda._prepare(ext, batch, config, None), repeats),
+            "group_stats": cuda_time(lambda: method.group_stats(batch, config), repeats),
+            "prepare": cuda_time(lambda: cuda._prepare(ext, batch, config, cuda.DEFAULT_TUNING), repeats),
             "table_statistics": cuda_time(lambda: cuda._table_lookup(plan, config, batch.device), repeats),
-            "rollout_advantage": cuda_time(lambda: tb.rollout_advantage(batch, plan.stats, config, None), repeats),
+            "rollout_advantage": cuda_time(lambda: method.rollout_advantage(
+                batch.rewards, batch.group, plan.stats.size, config, None), repeats),
             "advantage_passes": cuda_time(lambda: cuda._advantage(plan, batch, config, None, None), repeats),
         }
     stages["shared_capacity"] = plan.capacity
@@ -343,8 +344,8 @@ def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
 def triton_guess_sweep(impl, batch, config: KTAEConfig, out: torch.Tensor, repeats: int) -> dict:
     """The triton backend's time and table slots by first table-size guess (``tables._FIRST_GUESS``,
     distinct ids as a fraction of masked tokens: smaller tables to clear and probe, more rebuilds)."""
-    from ktae_kernels.torch_backend import group_stats
-    from ktae_kernels.triton import tables
+    from ktae_kernels.method import group_stats
+    from ktae_kernels.backends.triton import tables
 
     saved, result = tables._FIRST_GUESS, {}
     try:
@@ -359,21 +360,46 @@ def triton_guess_sweep(impl, batch, config: KTAEConfig, out: torch.Tensor, repea
 
 
 def cuda_threads_sweep(impl, batch, config: KTAEConfig, out: torch.Tensor, repeats: int) -> dict:
-    """The cuda backend's time by launch shape: at most 256 / 512 / 1024 threads a block
-    (``cuda.MAX_THREADS``), the wide or packed slot (``cuda.PACKED``), one or two blocks per SM
-    (``cuda.BLOCKS_PER_SM``), to choose the defaults from."""
-    from ktae_kernels import cuda
+    """The cuda backend's time by launch shape (``cuda.Tuning``): at most 256 / 512 / 1024 threads a
+    block, the wide or packed slot, one or two blocks per SM, to choose the defaults from."""
+    from ktae_kernels.backends import cuda
 
-    saved, times = (cuda.MAX_THREADS, cuda.BLOCKS_PER_SM, cuda.PACKED), {}
-    try:
-        for threads, blocks, packed in ((256, 1, True), (512, 1, True), (1024, 1, True), (1024, 1, False),
-                                        (512, 2, True)):
-            cuda.MAX_THREADS, cuda.BLOCKS_PER_SM, cuda.PACKED = threads, blocks, packed
-            key = f"threads<={threads} blocks/SM={blocks} {'packed' if packed else 'wide'}"
-            times[key] = cuda_time(lambda: impl.token_advantage(batch, config, None, out), repeats)
-    finally:
-        cuda.MAX_THREADS, cuda.BLOCKS_PER_SM, cuda.PACKED = saved
+    times = {}
+    for threads, blocks, packed in ((256, 1, True), (512, 1, True), (1024, 1, True), (1024, 1, False),
+                                    (512, 2, True)):
+        tuning = cuda.Tuning(packed=packed, blocks_per_sm=blocks, max_threads=threads)
+        key = f"threads<={threads} blocks/SM={blocks} {'packed' if packed else 'wide'}"
+        times[key] = cuda_time(lambda: impl.token_advantage(batch, config, None, out, tuning=tuning), repeats)
     return times
+
+
+def triton_stages(batch, config: KTAEConfig, *, rep_ms: int = 100) -> dict[str, float]:
+    """Median milliseconds of each stage of the triton backend's ``token_advantage`` on a CUDA batch, by
+    ``triton.testing.do_bench`` (each stage re-run on the previous stages' outputs)."""
+    from triton.testing import do_bench
+
+    from ktae_kernels import method
+    from ktae_kernels.backends import triton as backend
+    from ktae_kernels.backends.device import on_device
+    from ktae_kernels.backends.triton.advantage import token_advantages
+    from ktae_kernels.backends.triton.scores import score_rows, table_lookup
+    from ktae_kernels.backends.triton.tables import build_hash_tables, occupied_rows
+
+    with on_device(batch.device):
+        p = backend.pipeline(batch, config)
+        base = method.rollout_advantage(batch.rewards, batch.group, p.stats.size, config, None)
+        out = torch.empty(batch.responses.shape, dtype=torch.float32, device=batch.device)
+        stages = {
+            "groups": lambda: method.group_stats(batch, config),
+            "tables": lambda: build_hash_tables(batch, p.stats),
+            "rows": lambda: occupied_rows(p.tables, sort=False),
+            "statistics": lambda: table_lookup(p.tables, p.rows, p.stats, config),
+            "scores": lambda: score_rows(p.tables, p.rows, p.stats, config, p.consts, p.lookup, write_rows=False),
+            "rollout": lambda: method.rollout_advantage(batch.rewards, batch.group, p.stats.size, config, None),
+            "advantage": lambda: token_advantages(batch, p.tables, p.slot_score, base, p.consts, out),
+            "total": lambda: backend.token_advantage(batch, config, None, out),
+        }
+        return {name: float(do_bench(fn, rep=rep_ms, return_mode="median")) for name, fn in stages.items()}
 
 
 def plot(report: dict, path: Path) -> None:

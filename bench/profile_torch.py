@@ -1,6 +1,6 @@
 """Where the torch backend's time goes, stage by stage: ``python -m bench.profile_torch``.
 
-The stage functions of ``ktae_kernels.torch_backend`` (and ``api.normalise_batch``) are wrapped
+The stage functions of ``ktae_kernels.backends.torch`` and ``method`` (and ``validation.normalise_batch``) are wrapped
 with synchronised timers for the duration of the run, then the public ``token_advantage`` is called
 as usual; nested stages (those called inside another) print indented under it. Stages that a
 refactor renamed are simply absent. ``--ops`` adds torch.profiler's busiest operators.
@@ -28,11 +28,10 @@ from bench.timing import synchronize
 
 #: module -> stage functions to time (outer stages first; a name missing from the module is skipped).
 STAGES: dict[str, tuple[str, ...]] = {
-    "ktae_kernels.api": ("normalise_batch",),
-    "ktae_kernels.torch_backend": (
-        "group_stats", "build_tables", "score_tables", "table_statistics", "unique_rows",
-        "exact_pvalue_flat", "information_gain", "cohen_h", "tf_ratio", "squash", "rollout_advantage", "combine",
-    ),
+    "ktae_kernels.validation": ("normalise_batch",),
+    "ktae_kernels.backends.torch": ("group_stats", "build_tables", "score_tables", "combine"),
+    "ktae_kernels.method": ("table_statistics", "exact_pvalue_flat", "information_gain", "cohen_h", "tf_ratio",
+                            "squash", "rollout_advantage"),
 }
 
 

@@ -17,8 +17,8 @@ import ktae_kernels
 from bench.contenders import ALL_NAMES, BENCH_CONFIG, UPSTREAM, make_contender, unavailable_reason
 from bench.data import Shape, make_batch
 from bench.timing import synchronize
-from ktae_kernels.api import normalise_batch
-from ktae_kernels import torch_backend
+from ktae_kernels.validation import normalise_batch
+from ktae_kernels.backends import torch as torch_backend
 
 MEDIUM = Shape(16, 16, 1024)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

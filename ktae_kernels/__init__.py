@@ -4,9 +4,10 @@ Public API: ``token_advantage``, ``key_token_scores``, ``KTAEConfig``, ``fisher_
 ``KeyTokenScores``, ``available_backends``.
 """
 from .api import key_token_scores, token_advantage
-from .backends import BackendUnavailableError, available_backends
+from .backends.base import BackendUnavailableError
 from .config import KTAEConfig
 from .fisher import fisher_exact_pvalue
+from .registry import available_backends
 from .types import KeyTokenScores
 
 __version__ = "0.1.0"

@@ -45,8 +45,7 @@ A token's advantage = its rollout's advantage A (GRPO: group z-score of the rewa
 
 
 def _key_table(scores, group: int, shown: int) -> list[str]:
-    rows = torch.nonzero(scores.group == group).flatten().tolist()
-    rows.sort(key=lambda i: (float(scores.p_value[i]), -abs(float(scores.score[i])), int(scores.token[i])))
+    rows = scores.key_rows(group)
     lines = [f"Group {group}: {len(rows)} token ids; the {shown} with the smallest p (ties: largest |score|):",
              "  token  a  b       p      F     IG         x    score"]
     for i in rows[:shown]:

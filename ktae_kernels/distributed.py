@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import torch_backend as tb
+from . import method
+from .backends import torch as tb
 from .config import KTAEConfig
 from .types import Batch, KeyTokenScores
 
@@ -43,34 +44,41 @@ class _Merged:
     (group, token) tables of every group present on this rank."""
 
     batch: Batch
-    stats: tb.GroupStats
+    stats: method.GroupStats
     tables: tb.Tables
 
 
-def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, process_group: Any,
-                    backend: str = "auto", out: Tensor | None = None) -> Tensor:
-    """float32 ``[B, L]`` advantages of this rank's rows (see ``api.token_advantage``), in ``out`` when given."""
-    merged = _merge(batch, config, process_group, backend)
-    scores = tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
-    base = given if given is not None else _rollout_advantage(merged, config, process_group)
-    return tb.combine(merged.batch, base, scores.score, merged.tables, config.weight, out)
+class DataParallel:
+    """The backend contract (``backends.base.Backend``) over the ranks of ``process_group``: the
+    torch backend's stages, with the counts of split groups merged across ranks. ``backend``: the
+    caller's ``backend=`` ("auto" or "torch")."""
+
+    def __init__(self, process_group: Any, backend: str = "auto"):
+        _check(process_group, backend)
+        self.process_group = process_group
+
+    def token_advantage(self, batch: Batch, config: KTAEConfig, given: Tensor | None,
+                        out: Tensor | None = None) -> Tensor:
+        """float32 ``[B, L]`` advantages of this rank's rows (see ``api.token_advantage``), in ``out`` when given."""
+        merged = _merge(batch, config, self.process_group)
+        scores = tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
+        base = given if given is not None else _rollout_advantage(merged, config, self.process_group)
+        return tb.combine(merged.batch, base, scores.score, merged.tables, config.weight, out)
+
+    def key_token_scores(self, batch: Batch, config: KTAEConfig) -> KeyTokenScores:
+        """Rows of every group with at least one rollout on this rank, group ids dense over the union
+        of all ranks' labels; group tensors ``n_c, n_w, T_c, T_w`` and ``group_labels`` cover all groups."""
+        merged = _merge(batch, config, self.process_group)
+        return tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
 
 
-def key_token_scores(batch: Batch, config: KTAEConfig, process_group: Any, backend: str = "auto") -> KeyTokenScores:
-    """Rows of every group with at least one rollout on this rank, group ids dense over the union of
-    all ranks' labels; group tensors ``n_c, n_w, T_c, T_w`` and ``group_labels`` cover all groups."""
-    merged = _merge(batch, config, process_group, backend)
-    return tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
-
-
-def _merge(batch: Batch, config: KTAEConfig, process_group: Any, backend: str) -> _Merged:
-    _check(process_group, backend)
+def _merge(batch: Batch, config: KTAEConfig, process_group: Any) -> _Merged:
     batch = _relabel(batch, process_group)
-    local = tb.group_stats(batch, config)
+    local = method.group_stats(batch, config)
     counts = torch.stack([local.size, local.n_c, local.T_c, local.T_w])
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
     size, n_c, T_c, T_w = counts.unbind(0)
-    stats = tb.GroupStats(correct=local.correct, lengths=local.lengths, size=size, n_c=n_c, n_w=size - n_c, T_c=T_c, T_w=T_w)
+    stats = method.GroupStats(correct=local.correct, lengths=local.lengths, size=size, n_c=n_c, n_w=size - n_c, T_c=T_c, T_w=T_w)
     split = (local.size > 0) & (local.size < size)
     tables = _merge_tables(tb.build_tables(batch, local), split, process_group)
     return _Merged(batch=batch, stats=stats, tables=tables)
@@ -137,13 +145,13 @@ def _rollout_advantage(merged: _Merged, config: KTAEConfig, process_group: Any) 
     """float64 ``[B]`` baseline of this rank's rows, summed in the one-process order."""
     batch = merged.batch
     if config.baseline == "none":
-        return tb.rollout_advantage(batch, merged.stats, config, None)
+        return method.rollout_advantage(batch.rewards, batch.group, merged.stats.size, config, None)
     rows = torch.stack([batch.rewards.contiguous().view(torch.int64), batch.group], dim=1)  # rewards' bits travel exactly
     everyone, offset, n = _all_gather_rows(rows, process_group)
     rewards = everyone[:, 0].view(torch.float64)
     full = Batch(responses=everyone.new_zeros(everyone.shape[0], 0), mask=everyone.new_zeros(everyone.shape[0], 0, dtype=torch.bool),
                  rewards=rewards, group=everyone[:, 1], group_labels=batch.group_labels)
-    return tb.rollout_advantage(full, merged.stats, config, None)[offset:offset + n]
+    return method.rollout_advantage(full.rewards, full.group, merged.stats.size, config, None)[offset:offset + n]
 
 
 def _all_gather_rows(rows: Tensor, process_group: Any) -> tuple[Tensor, int, int]:

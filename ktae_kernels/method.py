@@ -3,7 +3,7 @@
 Every fast backend (torch, cpu, triton, cuda) counts its ``(group, token)`` tables its own way, then
 uses this module:
 
-- ``group_counts``: correct flags and ``n_c, n_w`` per group (``[B]``-sized work);
+- ``group_counts`` / ``group_stats``: correct flags, ``n_c, n_w`` and ``T_c, T_w`` per group (``[B]``-sized work);
 - ``TableGrid`` / ``table_statistics``: the Fisher p-value, ``F``, ``IG`` and Cohen's ``h`` depend only
   on the table ``(a, b, n_c, n_w)`` (and, for ``fisher="upstream"``, the group's grid width), and a
   group of ``n_c`` correct and ``n_w`` wrong rollouts has at most ``(n_c + 1)(n_w + 1)`` tables. They
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .config import KTAEConfig
 from .fisher import exact_pvalue_flat, fisher_weight, upstream_fisher_weight, upstream_pvalue
-from .primitives import gather
+from .primitives import gather, row_counts
 from .types import Batch, KeyTokenScores
 
 #: the constant the published code adds to both TF denominators.
@@ -46,6 +46,16 @@ class GroupCounts:
     n_w: Tensor
 
 
+@dataclass(frozen=True)
+class GroupStats(GroupCounts):
+    """``GroupCounts`` plus ``lengths`` (masked tokens per rollout, int64 ``[B]``) and ``T_c, T_w``
+    (masked tokens of the correct / wrong rollouts per group, int64 ``[n_groups]``)."""
+
+    lengths: Tensor
+    T_c: Tensor
+    T_w: Tensor
+
+
 def correct_flags(batch: Batch, config: KTAEConfig) -> Tensor:
     """bool ``[B]``: the caller's ``correct`` labels, else ``reward > config.correct_threshold``."""
     if batch.correct is not None:
@@ -60,6 +70,16 @@ def group_counts(batch: Batch, config: KTAEConfig) -> GroupCounts:
     size = torch.zeros(n, dtype=torch.int64, device=g.device).index_add_(0, g, torch.ones_like(g))  # no host sync
     n_c = torch.zeros(n, dtype=torch.int64, device=g.device).index_add_(0, g, correct.long())
     return GroupCounts(correct, size, n_c, size - n_c)
+
+
+def group_stats(batch: Batch, config: KTAEConfig) -> GroupStats:
+    """``group_counts`` plus the masked lengths per rollout and ``T_c, T_w`` per group."""
+    counts = group_counts(batch, config)
+    lengths = row_counts(batch.mask)
+    g = batch.group
+    T_c = torch.zeros_like(counts.n_c).index_add_(0, g, lengths * counts.correct)
+    T_all = torch.zeros_like(counts.n_c).index_add_(0, g, lengths)
+    return GroupStats(counts.correct, counts.size, counts.n_c, counts.n_w, lengths, T_c, T_all - T_c)
 
 
 # ---------------------------------------------------------------------------------- per-table statistics
@@ -112,11 +132,6 @@ def table_grid(n_c: Tensor, n_w: Tensor, width: Tensor | None = None) -> TableGr
     return grid
 
 
-def grid_work(grid: TableGrid) -> int:
-    """Support points summed over the grid's tables: the cost of filling all of it."""
-    return int((torch.minimum(grid.n_c, grid.n_w) + 1).sum()) if grid.size else 0
-
-
 @dataclass(frozen=True)
 class TableStats:
     """float64 ``[grid.size]`` per table: ``p_value``, ``F`` and ``IG`` (both 0 where the table is not
@@ -150,7 +165,7 @@ def table_statistics(grid: TableGrid, config: KTAEConfig, needed: Tensor | None 
     return TableStats(*full.unbind(0))
 
 
-#: the largest grid (Fisher support points, ``grid_work``) that ``full_grid_statistics`` fills whole.
+#: the largest grid (Fisher support points summed over its tables) that ``full_grid_statistics`` fills whole.
 FULL_GRID_WORK = 1 << 20
 
 

@@ -2,15 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Sequence, Union
 
 import numpy as np
 import torch
 from torch import Tensor
 
+#: what the public functions accept for a tensor argument: a tensor, a numpy array or a (nested) list.
+ArrayLike = Union[Tensor, np.ndarray, Sequence]
+
 
 @dataclass(frozen=True)
 class Batch:
-    """A validated, normalised training batch (see ``api.normalise_batch``).
+    """A validated, normalised training batch (see ``validation.normalise_batch``).
 
     responses: int64 ``[B, L]`` token ids (ids under ``mask == 0`` are never read).
     mask: bool ``[B, L]``.
@@ -89,6 +93,18 @@ class KeyTokenScores:
             raise KeyError(f"no row for group {group}, token {token}")
         i = int(hit[0])
         return {f.name: getattr(self, f.name)[i].item() for f in fields(self) if f.name in ROW_FIELDS}
+
+    def key_rows(self, group: int, top_k: int | None = None, *, scored_only: bool = False) -> list[int]:
+        """Row indices of dense group ``group``, most significant first: by Fisher p-value, then by
+        ``|score|`` (descending), then by token id; at most ``top_k``; ``scored_only``: rows with a
+        non-zero score only."""
+        keep = self.group == group
+        if scored_only:
+            keep &= self.score != 0
+        rows = torch.nonzero(keep).flatten().tolist()
+        p, score, token = self.p_value.tolist(), self.score.tolist(), self.token.tolist()
+        rows.sort(key=lambda i: (p[i], -abs(score[i]), token[i]))
+        return rows if top_k is None else rows[:top_k]
 
 
 ROW_FIELDS: tuple[str, ...] = (

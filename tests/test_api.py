@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from ktae_kernels import BackendUnavailableError, KTAEConfig, available_backends, key_token_scores, token_advantage
-from ktae_kernels.backends import get_backend
+from ktae_kernels.registry import get_backend
 
 
 @pytest.fixture
@@ -161,27 +161,27 @@ def test_backend_registry_errors(batch):
 
 
 def test_auto_on_cpu_prefers_the_native_kernel(monkeypatch):
-    import ktae_kernels.cpu as cpu
+    import ktae_kernels.backends.cpu as cpu
 
-    expected = "ktae_kernels.cpu" if cpu.unavailable_reason() is None else "ktae_kernels.torch_backend"
+    expected = "ktae_kernels.backends.cpu" if cpu.unavailable_reason() is None else "ktae_kernels.backends.torch"
     assert get_backend("auto", "cpu").__name__ == expected
     monkeypatch.setattr(cpu, "unavailable_reason", lambda: "not built")
-    assert get_backend("auto", "cpu").__name__ == "ktae_kernels.torch_backend"
+    assert get_backend("auto", "cpu").__name__ == "ktae_kernels.backends.torch"
 
 
 def test_auto_on_cuda_is_torch_until_the_gpu_kernels_pass_on_hardware(monkeypatch):
     """With CUDA faked available: "auto" never picks triton or cuda (they have not run on a GPU yet)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert get_backend("auto", "cuda").__name__ == "ktae_kernels.torch_backend"
+    assert get_backend("auto", "cuda").__name__ == "ktae_kernels.backends.torch"
 
 
 def test_rocm_has_no_gpu_kernels(monkeypatch):
-    import ktae_kernels.backends as backends
+    import ktae_kernels.registry as backends
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
     assert "ROCm" in backends._triton_unavailable("cuda") and "ROCm" in backends._cuda_unavailable("cuda")
-    assert get_backend("auto", "cuda").__name__ == "ktae_kernels.torch_backend"
+    assert get_backend("auto", "cuda").__name__ == "ktae_kernels.backends.torch"
 
 
 BACKENDS_HERE = [b for b in ("reference", "torch", "cpu") if b in available_backends("cpu")]

@@ -7,10 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-import ktae_kernels.cpu as cpu
+import ktae_kernels.backends.cpu as cpu
 from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
 from ktae_kernels import BackendUnavailableError, KTAEConfig, available_backends, key_token_scores, method, token_advantage
-from ktae_kernels.backends import get_backend
+from ktae_kernels.registry import get_backend
 from test_properties import batches, configs
 
 pytestmark = pytest.mark.skipif(cpu.unavailable_reason() is not None and not os.environ.get("CI"),
@@ -152,7 +152,7 @@ def test_not_built_is_reported_with_how_to_build(monkeypatch):
 
     monkeypatch.setattr(importlib, "import_module", without_kernel)
     assert "cpu" not in available_backends("cpu")
-    assert get_backend("auto", "cpu").__name__ == "ktae_kernels.torch_backend"
+    assert get_backend("auto", "cpu").__name__ == "ktae_kernels.backends.torch"
     with pytest.raises(BackendUnavailableError, match="not built.*pip install"):
         get_backend("cpu", "cpu")
 

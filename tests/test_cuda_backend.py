@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from ktae_kernels import BackendUnavailableError, KTAEConfig, cuda, key_token_scores, token_advantage
-from ktae_kernels.api import normalise_batch
-from ktae_kernels.backends import get_backend
+from ktae_kernels.validation import normalise_batch
+from ktae_kernels.registry import get_backend
 from cases import adversarial_cases, assert_scores_match, random_cases
 
 

@@ -24,8 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import KTAEConfig, cuda, method, reference
-from ktae_kernels.api import normalise_batch
+from ktae_kernels import KTAEConfig, method, reference
+from ktae_kernels.backends import cuda
+from ktae_kernels.validation import normalise_batch
 from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
 
 pytestmark = pytest.mark.slow
@@ -118,10 +119,10 @@ def expected(name: str, batch, config: KTAEConfig, given=None):
     return _expected[key]
 
 
-def check(ext, name, batch, config, *, table_slots=None, given=None) -> None:
+def check(ext, name, batch, config, *, tuning=cuda.DEFAULT_TUNING, given=None) -> None:
     scores, advantage = expected(name, batch, config, given)
-    assert_scores_match(scores, cuda.key_token_scores(batch, config, table_slots=table_slots, extension=ext))
-    actual = cuda.token_advantage(batch, config, given, table_slots=table_slots, extension=ext)
+    assert_scores_match(scores, cuda.key_token_scores(batch, config, tuning=tuning, extension=ext))
+    actual = cuda.token_advantage(batch, config, given, tuning=tuning, extension=ext)
     assert actual.dtype == torch.float32 and actual.shape == advantage.shape
     torch.testing.assert_close(actual, advantage, rtol=0.0, atol=1e-6)
 
@@ -149,7 +150,7 @@ def test_matches_reference(emulator, case, fisher):
 def test_matches_reference_when_groups_overflow_the_shared_table(emulator, case):
     # two slots: every group with more than two distinct ids fills its shared table and spills
     name, responses, mask, rewards, index = case
-    check(emulator, name, normalise_batch(responses, mask, rewards, index), KTAEConfig(), table_slots=2)
+    check(emulator, name, normalise_batch(responses, mask, rewards, index), KTAEConfig(), tuning=cuda.Tuning(table_slots=2))
 
 
 def test_overflowing_groups_and_only_they_take_the_global_table(emulator):
@@ -161,7 +162,7 @@ def test_overflowing_groups_and_only_they_take_the_global_table(emulator):
     room = cuda.max_keys(slots)
     assert (distinct > room).any() and (distinct <= room).any() and (tokens > room).any()
     ext = Recorder(emulator)
-    check(ext, name, batch, KTAEConfig(), table_slots=slots)
+    check(ext, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=slots))
     all_groups = list(range(batch.n_groups))
     spilled = torch.nonzero(distinct > room).flatten().tolist()
     # groups that may overflow (more masked tokens than the table takes): the fallback that follows
@@ -178,12 +179,14 @@ def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, m
     # every group overflows a 2-slot table; two fallback blocks take 2-3 groups each, reusing their slice
     monkeypatch.setattr(cuda, "FALLBACK_BLOCKS", 2)
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
-    check(emulator, name, normalise_batch(responses, mask, rewards, index), KTAEConfig(), table_slots=2)
+    check(emulator, name, normalise_batch(responses, mask, rewards, index), KTAEConfig(), tuning=cuda.Tuning(table_slots=2))
 
 
 def test_large_grids_and_upstream_score_the_rows_first(emulator, monkeypatch):
     monkeypatch.setattr(method, "FULL_GRID_WORK", 0)
-    monkeypatch.setattr(cuda, "_GRID_CACHE", type(cuda._GRID_CACHE)())
+    from ktae_kernels.backends import device as device_helpers
+
+    monkeypatch.setattr(device_helpers, "_GRID_CACHE", type(device_helpers._GRID_CACHE)())
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     ext = Recorder(emulator)
@@ -230,7 +233,7 @@ def test_given_rollout_advantage(emulator, fisher):
 def test_binding_rejects_bad_arguments_naming_them(emulator):
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
-    plan = cuda._prepare(emulator, batch, KTAEConfig(), None)
+    plan = cuda._prepare(emulator, batch, KTAEConfig(), cuda.DEFAULT_TUNING)
     status = torch.empty(batch.n_groups, dtype=torch.int64)
     groups = torch.arange(batch.n_groups)
     common = dict(plan.common, block_group=groups, blocks=batch.n_groups, skip_done=False,
@@ -259,9 +262,9 @@ def test_table_slots_is_checked(emulator):
     batch = normalise_batch(responses, mask, rewards, index)
     for bad in (0, 3, 48, True, 2.0):
         with pytest.raises(ValueError, match="`table_slots` must be a power of two"):
-            cuda.key_token_scores(batch, KTAEConfig(), table_slots=bad, extension=emulator)
+            cuda.key_token_scores(batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=bad), extension=emulator)
     with pytest.raises(ValueError, match="`table_slots` = 65536 needs"):
-        cuda.key_token_scores(batch, KTAEConfig(), table_slots=65536, extension=emulator)
+        cuda.key_token_scores(batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=65536), extension=emulator)
 
 
 def test_long_rollouts_use_blocks_of_more_than_512_threads(emulator):
@@ -275,15 +278,17 @@ def test_long_rollouts_use_blocks_of_more_than_512_threads(emulator):
 @pytest.mark.parametrize("bad, message", [(-5, r"token ids >= 0 where the mask is 1, found -7"),
                                           (2**31, r"token ids must be < 2\*\*31, found 2147483650")])
 def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message):
-    """The API leaves the id check to the backend (CHECKS_TOKEN_IDS): same errors, padding ignored."""
-    assert cuda.CHECKS_TOKEN_IDS
+    """The API leaves the id check to the backend (``checks_token_ids``): same errors, padding ignored."""
+    from ktae_kernels.registry import _REGISTRY
+
+    assert _REGISTRY["cuda"].checks_token_ids
     name, responses, mask, rewards, index = CASES[0]
     responses, mask = responses.clone(), mask.clone()
     mask[0, -1] = False
     responses[0, -1] = -(2**40)  # under mask 0: never read
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
     torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator),
-                               reference.token_advantage(batch, KTAEConfig(), None), rtol=0.0, atol=1e-6)
+                               reference.token_advantage(batch, KTAEConfig(), cuda.DEFAULT_TUNING), rtol=0.0, atol=1e-6)
     mask[1, 0] = mask[2, 1] = True
     responses[1, 0], responses[2, 1] = bad, bad - 2 if bad < 0 else bad + 2
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
@@ -296,24 +301,24 @@ def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message):
 
 @pytest.mark.parametrize("packed, blocks_per_sm", [(False, 1), (True, 2), (False, 2)])
 @pytest.mark.parametrize("name", ["G16-zipf", "G4-mixed-shuffled", "huge-counts"])
-def test_slot_layouts_and_two_blocks_per_sm(emulator, monkeypatch, name, packed, blocks_per_sm):
+def test_slot_layouts_and_two_blocks_per_sm(emulator, name, packed, blocks_per_sm):
     # the wide layout where the packed one is the default, and tables sized for two blocks per SM
-    monkeypatch.setattr(cuda, "PACKED", packed)
-    monkeypatch.setattr(cuda, "BLOCKS_PER_SM", blocks_per_sm)
+    tuning = cuda.Tuning(packed=packed, blocks_per_sm=blocks_per_sm)
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda._prepare(emulator, batch, KTAEConfig(), None).common["packed"] == packed
-    check(emulator, name, batch, KTAEConfig())
-    check(emulator, name, batch, KTAEConfig(), table_slots=16)
+    assert cuda._prepare(emulator, batch, KTAEConfig(), tuning).common["packed"] == packed
+    check(emulator, name, batch, KTAEConfig(), tuning=tuning)
+    check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=16, packed=packed,
+                                                                   blocks_per_sm=blocks_per_sm))
 
 
 def test_packed_slots_only_where_counts_fit_16_bits(emulator):
     B, L = 2, 33_000  # 66,000 masked tokens in one group: f_c could pass 2^16 - 1
     big = normalise_batch(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
                           torch.tensor([1.0, 0.0]), torch.zeros(B, dtype=torch.int64))
-    assert not cuda._prepare(emulator, big, KTAEConfig(), None).common["packed"]
+    assert not cuda._prepare(emulator, big, KTAEConfig(), cuda.DEFAULT_TUNING).common["packed"]
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G40-two-words")
     wide = normalise_batch(responses, mask, rewards, index)  # two presence words
-    assert not cuda._prepare(emulator, wide, KTAEConfig(), None).common["packed"]
+    assert not cuda._prepare(emulator, wide, KTAEConfig(), cuda.DEFAULT_TUNING).common["packed"]
     name, responses, mask, rewards, index = CASES[0]
-    assert cuda._prepare(emulator, normalise_batch(responses, mask, rewards, index), KTAEConfig(), None).common["packed"]
+    assert cuda._prepare(emulator, normalise_batch(responses, mask, rewards, index), KTAEConfig(), cuda.DEFAULT_TUNING).common["packed"]

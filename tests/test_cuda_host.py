@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ktae_kernels import cuda
+from ktae_kernels.backends import cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 H200_SHARED = 232448  # opt-in shared memory per block of an H100 / H200

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ktae_kernels import token_advantage
-from ktae_kernels.backends import available_backends
+from ktae_kernels.registry import available_backends
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_BACKENDS = [b for b in ("triton", "cuda") if torch.cuda.is_available() and b in available_backends("cuda")]

@@ -15,9 +15,9 @@ DEVICES = triton_devices()
 if not DEVICES:
     pytest.skip("the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
-from ktae_kernels.api import normalise_batch  # noqa: E402
-from ktae_kernels.torch_backend import group_stats  # noqa: E402
-from ktae_kernels.triton import profile, tables  # noqa: E402
+from ktae_kernels.validation import normalise_batch  # noqa: E402
+from ktae_kernels.method import group_stats  # noqa: E402
+from ktae_kernels.backends.triton import tables  # noqa: E402
 
 CASES = random_cases(seed=0, small=True) + adversarial_cases(small=True)
 CONFIGS = {
@@ -116,17 +116,6 @@ def test_tables_are_sparse(device):
     assert sum(int((k != tables.EMPTY).sum()) for k in live) == built.n_rows
 
 
-def test_profile_stages():
-    _, responses, mask, rewards, index = random_cases(small=True)[2]
-    if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="CUDA"):
-            profile(normalise_batch(responses, mask, rewards, index))
-        return
-    times = profile(normalise_batch(*on("cuda", responses, mask, rewards, index)), rep_ms=5)
-    assert set(times) == {"groups", "tables", "rows", "statistics", "scores", "rollout", "advantage", "total"}
-    assert all(t > 0 for t in times.values())
-
-
 @pytest.mark.parametrize("B, L", [(0, 5), (3, 0)])
 def test_empty_batches(B, L, device):
     r, m = torch.zeros(B, L, dtype=torch.int64, device=device), torch.zeros(B, L, dtype=torch.bool, device=device)
@@ -138,10 +127,10 @@ def test_empty_batches(B, L, device):
 
 def test_large_grids_take_the_per_row_table_statistics(device, monkeypatch):
     """Past ``method.FULL_GRID_WORK`` only the tables the rows use are computed, from the rows' counts."""
-    from ktae_kernels import cuda
+    from ktae_kernels.backends import device as device_helpers
 
     monkeypatch.setattr(method, "FULL_GRID_WORK", 0)
-    monkeypatch.setattr(cuda, "_GRID_CACHE", type(cuda._GRID_CACHE)())
+    monkeypatch.setattr(device_helpers, "_GRID_CACHE", type(device_helpers._GRID_CACHE)())
     _, responses, mask, rewards, index = random_cases(seed=4, small=True)[1]
     check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
 
@@ -159,10 +148,10 @@ def test_writes_into_out(device):
 @pytest.mark.parametrize("bad, message", [(-5, r"token ids >= 0 where the mask is 1, found -7"),
                                           (2**31, r"token ids must be < 2\*\*31, found 2147483650")])
 def test_token_id_range_is_checked_by_the_table_build(bad, message, device):
-    """The API leaves the id check to the backend (CHECKS_TOKEN_IDS): same errors, padding ignored."""
-    import ktae_kernels.triton as backend
+    """The API leaves the id check to the backend (``checks_token_ids``): same errors, padding ignored."""
+    from ktae_kernels.registry import resolve
 
-    assert backend.CHECKS_TOKEN_IDS
+    assert resolve("triton", device).checks_token_ids
     _, responses, mask, rewards, index = random_cases(seed=6, small=True)[0]
     responses, mask = responses.clone(), mask.clone()
     mask[0, -1] = False

@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
     print("NO_PTXAS"); sys.exit(0)
-from ktae_kernels.triton import advantage, fisher, scores, tables
+from ktae_kernels.backends.triton import advantage, scores, tables
 
 def ptr(t):
     return "*" + t
@@ -48,9 +48,6 @@ KERNELS = [
     (tables._row_counts_kernel,
      dict(slot_ptr=ptr("i64"), group_ptr=ptr("i32"), n_rows="i32", **TABLE, token_ptr=ptr("i64"),
           a_ptr=ptr("i64"), b_ptr=ptr("i64"), f_c_ptr=ptr("i64"), f_w_ptr=ptr("i64")), [dict(BLOCK=256)]),
-    (fisher._fisher_kernel,
-     dict(a_ptr=ptr("i32"), b_ptr=ptr("i32"), c_ptr=ptr("i32"), d_ptr=ptr("i32"), p_ptr=ptr("fp64"), n="i32",
-          lf_ptr=ptr("fp64"), const_ptr=ptr("fp64")), [dict(BLOCK=128)]),
     (scores._score_kernel,
      dict(slot_ptr=ptr("i64"), group_ptr=ptr("i32"), n_rows="i32", **TABLE, n_c_ptr=ptr("i64"),
           n_w_ptr=ptr("i64"), T_c_ptr=ptr("i64"), T_w_ptr=ptr("i64"), index_ptr=ptr("i64"), n_groups="i32",

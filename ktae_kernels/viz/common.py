@@ -4,13 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from ..api import key_token_scores
 from ..config import KTAEConfig
+from ..method import correct_flags
 from ..types import KeyTokenScores
+from ..validation import check_config, normalise_batch
 
 #: the ``KeyTokenScores`` row fields the report shows.
 ROW_NAMES = ("group", "token", "a", "b", "f_c", "f_w", "p_value", "F", "IG", "x", "score")
@@ -55,56 +56,41 @@ class Prepared:
 
 
 def prepare(responses: Any, mask: Any, rewards: Any, index: Any, *, config: KTAEConfig | None,
-            max_groups: int | None, groups: Sequence[int] | None = None, backend: str = "auto") -> Prepared:
-    """Score the batch with ``key_token_scores`` (which validates every input and names the bad one)
-    and choose the groups to show: ``groups`` (dense ids) when given, else up to ``max_groups`` groups,
-    those with both correct and wrong rollouts first (the others score 0 everywhere), in id order."""
-    config = KTAEConfig() if config is None else config
-    scores = key_token_scores(responses, mask, rewards, index, config=config, backend=backend).to("cpu")
-    responses_t = torch.as_tensor(np.asarray(responses) if not isinstance(responses, Tensor) else responses)
-    mask_t = torch.as_tensor(np.asarray(mask) if not isinstance(mask, Tensor) else mask)
-    rewards_t = torch.as_tensor(np.asarray(rewards) if not isinstance(rewards, Tensor) else rewards)
-    responses_t = responses_t.detach().cpu().to(torch.int64)
-    mask_t = mask_t.detach().cpu() != 0
-    rewards_t = rewards_t.detach().cpu().to(torch.float64)
-    if rewards_t.dim() == 2:  # verl's token_level_rewards [B, L]
-        rewards_t = rewards_t.sum(dim=1)
-    group = _dense_groups(index, scores.group_labels)
-    rows = {(g, t): i for i, (g, t) in enumerate(zip(scores.group.tolist(), scores.token.tolist()))}
+            max_groups: int | None, groups: Sequence[int] | None = None, backend: str = "auto",
+            correct: Any = None) -> Prepared:
+    """Validate the batch (``normalise_batch``: the same errors as the API), score it with
+    ``key_token_scores`` and choose the groups to show: ``groups`` (dense ids) when given, else up to
+    ``max_groups`` groups, those with both correct and wrong rollouts first (the others score 0
+    everywhere), in id order. ``correct``: optional ``[B]`` labels, as in ``token_advantage``."""
+    config = check_config(config)
+    batch = normalise_batch(responses, mask, rewards, index, correct=correct)
+    scores = key_token_scores(batch.responses, batch.mask, batch.rewards, batch.group, config=config,
+                              backend=backend, correct=batch.correct).to("cpu")
+    scores.group_labels = batch.group_labels  # the dense ids above number the caller's labels in order
+    shown = _shown_groups(scores, groups, max_groups)
+    cols = {name: getattr(scores, name).tolist() for name in ROW_NAMES}
+    rows = {(g, t): i for i, (g, t) in enumerate(zip(cols["group"], cols["token"]))}
+    return Prepared(batch.responses.cpu(), batch.mask.cpu(), batch.rewards.cpu(), batch.group.cpu(),
+                    correct_flags(batch, config).cpu(), scores, config, rows, shown, cols)
+
+
+def _shown_groups(scores: KeyTokenScores, groups: Sequence[int] | None, max_groups: int | None) -> list[int]:
+    """The dense group ids to draw, in drawing order."""
     n_groups = len(scores.group_labels)
     if groups is not None:
         shown = [int(g) for g in groups]
         bad = [g for g in shown if not 0 <= g < n_groups]
         if bad:
             raise ValueError(f"`groups` must hold dense group ids in [0, {n_groups}), got {bad}")
-    else:
-        if max_groups is not None and max_groups < 1:
-            raise ValueError(f"`max_groups` must be >= 1 or None, got {max_groups}")
-        mixed = [g for g in range(n_groups) if int(scores.n_c[g]) > 0 and int(scores.n_w[g]) > 0]
-        seen = set(mixed)
-        rest = [g for g in range(n_groups) if g not in seen]
-        shown = (mixed + rest)[:max_groups]
-    cols = {name: getattr(scores, name).tolist() for name in ROW_NAMES}
-    return Prepared(responses_t, mask_t, rewards_t, group, rewards_t > config.correct_threshold, scores,
-                    config, rows, shown, cols)
-
-
-def _dense_groups(index: Any, labels: np.ndarray) -> Tensor:
-    """int64 ``[B]``: each rollout's position in ``labels`` (the sorted unique labels that
-    ``key_token_scores`` numbered its groups by)."""
-    values = index.detach().cpu().numpy() if isinstance(index, Tensor) else np.asarray(index)
-    if values.dtype.kind == "f":
-        values = values.astype(np.int64)
-    found, inverse = np.unique(values, return_inverse=True)
-    if len(found) != len(labels):  # cannot happen with the same numbering; guards a future change
-        raise RuntimeError("ktae_kernels.viz: group numbering differs from key_token_scores'")
-    return torch.as_tensor(inverse.reshape(-1).astype(np.int64))
+        return shown
+    if max_groups is not None and max_groups < 1:
+        raise ValueError(f"`max_groups` must be >= 1 or None, got {max_groups}")
+    mixed = [g for g in range(n_groups) if int(scores.n_c[g]) > 0 and int(scores.n_w[g]) > 0]
+    seen = set(mixed)
+    return (mixed + [g for g in range(n_groups) if g not in seen])[:max_groups]
 
 
 def key_rows(prepared: Prepared, g: int, top_k: int) -> list[int]:
-    """Rows of ``prepared.scores`` for group ``g`` with a non-zero score, most significant first:
-    by Fisher p-value, then by |score| (descending), then by token id; at most ``top_k``."""
-    s = prepared.scores
-    idx = torch.nonzero((s.group == g) & (s.score != 0)).flatten().tolist()
-    idx.sort(key=lambda i: (float(s.p_value[i]), -abs(float(s.score[i])), int(s.token[i])))
-    return idx[:top_k]
+    """Rows of ``prepared.scores`` for group ``g`` with a non-zero score, most significant first
+    (``KeyTokenScores.key_rows``); at most ``top_k``."""
+    return prepared.scores.key_rows(g, top_k, scored_only=True)

@@ -63,7 +63,7 @@ EXPLAIN = (
 def render_html(responses: Any, response_mask: Any, rewards: Any, index: Any, *, decode: Any = None,
                 config: KTAEConfig | None = None, max_groups: int | None = 8, groups: Sequence[int] | None = None,
                 top_k: int = 10, title: str = "KTAE key tokens", prompts: Sequence[str] | None = None,
-                backend: str = "auto") -> str:
+                backend: str = "auto", correct: Any = None) -> str:
     """The report as an HTML string.
 
     Args:
@@ -73,18 +73,19 @@ def render_html(responses: Any, response_mask: Any, rewards: Any, index: Any, *,
         decode: ``decode(id) -> str``, or an object with ``.decode`` (a Hugging Face tokenizer), or
             None to show ``[id]``.
         config: KTAE hyper-parameters (``KTAEConfig()`` when None); ``config.correct_threshold``
-            also decides the correct / wrong marks.
+            also decides the correct / wrong marks, unless ``correct`` is given.
         max_groups: groups drawn (None: all), those with both correct and wrong rollouts first.
         groups: dense group ids to draw instead (``KeyTokenScores.group`` numbering).
         top_k: rows of each group's key-token table.
         prompts: optional ``[B]`` prompt text of each rollout; the first of each group heads it.
         title: the page's heading; backend: the ``ktae_kernels`` backend computing the scores.
+        correct: optional ``[B]`` correct / wrong labels, as in ``token_advantage``.
     """
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"`top_k` must be an int >= 0, got {top_k!r}")
     decoder, has_text = make_decoder(decode)
     prep = prepare(responses, response_mask, rewards, index, config=config, max_groups=max_groups,
-                   groups=groups, backend=backend)
+                   groups=groups, backend=backend, correct=correct)
     cfg = prep.config
     B = prep.responses.shape[0]
     if prompts is not None and (isinstance(prompts, str) or len(prompts) != B):
@@ -117,7 +118,7 @@ def render_html(responses: Any, response_mask: Any, rewards: Any, index: Any, *,
 def write_report(path: str | Path, responses: Any, response_mask: Any, rewards: Any, index: Any, *,
                  decode: Any = None, config: KTAEConfig | None = None, max_groups: int | None = 8,
                  groups: Sequence[int] | None = None, top_k: int = 10, title: str = "KTAE key tokens",
-                 prompts: Sequence[str] | None = None, backend: str = "auto") -> Path:
+                 prompts: Sequence[str] | None = None, backend: str = "auto", correct: Any = None) -> Path:
     """Write ``render_html(...)`` to ``path`` (parent folders created); returns the path.
 
     Inputs as ``ktae_kernels.key_token_scores``: ``responses [B, L]`` ids, ``response_mask [B, L]``,
@@ -126,7 +127,7 @@ def write_report(path: str | Path, responses: Any, response_mask: Any, rewards: 
     path = Path(path)
     text = render_html(responses, response_mask, rewards, index, decode=decode, config=config,
                        max_groups=max_groups, groups=groups, top_k=top_k, title=title, prompts=prompts,
-                       backend=backend)
+                       backend=backend, correct=correct)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")
     return path

@@ -14,13 +14,13 @@ from .html import NEGATIVE_RGB, POSITIVE_RGB
 def write_png(path: str | Path, responses: Any, response_mask: Any, rewards: Any, index: Any, *,
               decode: Any = None, config: KTAEConfig | None = None, max_groups: int | None = 4,
               groups: Sequence[int] | None = None, top_k: int = 8, title: str = "KTAE key tokens",
-              backend: str = "auto") -> Path:
+              backend: str = "auto", correct: Any = None) -> Path:
     """Write a PNG: a histogram of the non-zero scores of every (group, token) of the batch, then one
     horizontal bar chart per shown group of its ``top_k`` key tokens (by p-value, then |score|).
 
     Inputs as ``ktae_kernels.key_token_scores`` (``responses [B, L]``, ``response_mask [B, L]``,
-    ``rewards [B]``, ``index [B]``); ``decode``, ``config``, ``max_groups`` and ``groups`` as in
-    ``write_report``. Needs matplotlib (``pip install "ktae_kernels[viz]"``). Returns the path.
+    ``rewards [B]``, ``index [B]``); ``decode``, ``config``, ``max_groups``, ``groups`` and
+    ``correct`` as in ``write_report``. Needs matplotlib (``pip install "ktae_kernels[viz]"``). Returns the path.
     """
     try:
         import matplotlib
@@ -33,7 +33,7 @@ def write_png(path: str | Path, responses: Any, response_mask: Any, rewards: Any
         raise ValueError(f"`top_k` must be an int >= 1, got {top_k!r}")
     decoder, has_text = make_decoder(decode)
     prep = prepare(responses, response_mask, rewards, index, config=config, max_groups=max_groups,
-                   groups=groups, backend=backend)
+                   groups=groups, backend=backend, correct=correct)
     top = prep.config.top
     pos, neg = (tuple(c / 255 for c in rgb) for rgb in (POSITIVE_RGB, NEGATIVE_RGB))
     panels = 1 + len(prep.shown)

@@ -12,29 +12,26 @@ tables is too large to compute whole) score the rows first and pass their scores
 
 Host synchronisations of ``token_advantage``: one device -> host copy of the group sizes (they size
 the tables and the statistics) before the kernels, and the read of the out-of-range ids the kernels
-saw after them (the API's range check folded in: ``CHECKS_TOKEN_IDS``, no separate pass over the
-ids); everything else is enqueued (host -> device copies from pinned memory).
+saw after them (the API's range check folded in: the registry declares ``checks_token_ids``, no
+separate pass over the ids); everything else is enqueued (host -> device copies from pinned memory).
 
 The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib
-from collections import OrderedDict
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Iterator
 
 import torch
 from torch import Tensor
 
-from . import method
-from . import torch_backend as tb
-from .api import MAX_TOKEN_ID
-from .backends import BackendUnavailableError
-from .config import KTAEConfig
-from .types import Batch, KeyTokenScores
+from .. import method
+from ..config import KTAEConfig
+from ..types import Batch, KeyTokenScores
+from ..validation import MAX_TOKEN_ID, check_id_range
+from .base import BackendUnavailableError
+from .device import grid_statistics, on_device, upload
 
 #: how to build ``ktae_kernels._C`` (on a machine with nvcc and a CUDA build of torch).
 BUILD_COMMAND = 'TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation'
@@ -52,27 +49,30 @@ MAX_GROUP_TOKENS = 2**30
 #: owns one table-sized slice and takes its groups one after another.
 FALLBACK_BLOCKS = 64
 FALLBACK_BYTES = 256 * 2**20
-#: shared tables sized so that this many blocks fit an SM (1 or 2); with 2, blocks have at most 512
-#: threads (registers) and tables at most half an SM's shared memory.
-BLOCKS_PER_SM = 1
-#: the packed 12-byte slot (16-bit counters, the presence word beside them) when every group has one
-#: presence word and fewer than ``PACKED_MAX_TOKENS`` masked tokens.
-PACKED = True
+#: most masked tokens of a group for the packed 12-byte slot (16-bit counters).
 PACKED_MAX_TOKENS = 65535
 
 
-#: the token-id range check is folded into the kernels (``check_id_range`` after them), so the API
-#: skips its own pass over the ids.
-CHECKS_TOKEN_IDS = True
+@dataclass(frozen=True)
+class Tuning:
+    """Launch choices (the defaults are the backend's; bench/gpu_check.py times the others).
+
+    table_slots: force the shared-memory table size (a power of two >= 2; None: sized from the
+    largest group); groups with more than 3/4 as many distinct ids use the global-memory fallback.
+    packed: the packed 12-byte slot (16-bit counters, the presence word beside them) when every group
+    has one presence word and at most ``PACKED_MAX_TOKENS`` masked tokens.
+    blocks_per_sm: shared tables sized so that this many blocks fit an SM (1 or 2); with 2, blocks
+    have at most 512 threads (registers) and tables at most half an SM's shared memory.
+    max_threads: most threads per block (<= ``MAX_THREADS``).
+    """
+
+    table_slots: int | None = None
+    packed: bool = True
+    blocks_per_sm: int = 1
+    max_threads: int = MAX_THREADS
 
 
-def check_id_range(low: int, high: int) -> None:
-    """Raise as ``api.check_token_ids`` does, from the least negative and the largest too-large id a
-    kernel saw under the mask (0 and ``MAX_TOKEN_ID`` when there were none)."""
-    if low < 0:
-        raise ValueError(f"`responses` must hold token ids >= 0 where the mask is 1, found {low}")
-    if high > MAX_TOKEN_ID:
-        raise ValueError(f"`responses` token ids must be < 2**31, found {high}")
+DEFAULT_TUNING = Tuning()
 
 
 def max_keys(capacity: int) -> int:
@@ -136,38 +136,43 @@ def block_threads(length: int, max_threads: int | None = None) -> int:
     return min(most, max(MIN_THREADS, -(-per_pass // 32) * 32))
 
 
-def key_token_scores(batch: Batch, config: KTAEConfig, *, table_slots: int | None = None,
+def key_token_scores(batch: Batch, config: KTAEConfig, *, tuning: Tuning = DEFAULT_TUNING,
                      extension: ModuleType | None = None) -> KeyTokenScores:
     """Per (group, token) statistics, rows sorted by (group, token).
 
-    ``table_slots``: force the shared-memory table size (a power of two >= 2); groups with more
-    than 3/4 as many distinct ids use the global-memory fallback. ``extension``: the compiled module
-    (default ``ktae_kernels._C``; the tests pass the CPU emulator build).
+    ``extension``: the compiled module (default ``ktae_kernels._C``; the tests pass the CPU emulator build).
     """
-    with _device_context(batch.device):
-        plan = _prepare(extension or load_extension(), batch, config, table_slots)
+    with on_device(batch.device):
+        plan = _prepare(extension or load_extension(), batch, config, tuning)
         return _scores(plan, batch, config)[0]
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None, *,
-                    table_slots: int | None = None, extension: ModuleType | None = None) -> Tensor:
+                    tuning: Tuning = DEFAULT_TUNING, extension: ModuleType | None = None) -> Tensor:
     """float32 ``[B, L]``: ``(A_i + weight * score[group(i), token]) * mask`` (arguments as above;
     ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``), in ``out`` when given."""
-    with _device_context(batch.device):
-        plan = _prepare(extension or load_extension(), batch, config, table_slots)
+    with on_device(batch.device):
+        plan = _prepare(extension or load_extension(), batch, config, tuning)
         return _advantage(plan, batch, config, given, out)
+
+
+def unavailable_reason() -> str | None:
+    """None when ``ktae_kernels._C`` imports, else why not and how to build it."""
+    try:
+        importlib.import_module("ktae_kernels._C")
+    except ImportError as err:
+        return (f"the compiled extension ktae_kernels._C cannot be imported ({err}). Build it on a machine "
+                f"with the CUDA toolkit (nvcc) and a CUDA build of torch: `{BUILD_COMMAND}` (set "
+                f"TORCH_CUDA_ARCH_LIST to your GPU's compute capability)")
+    return None
 
 
 def load_extension() -> ModuleType:
     """``ktae_kernels._C``; BackendUnavailableError saying how to build it when it is missing."""
-    try:
-        return importlib.import_module("ktae_kernels._C")
-    except ImportError as err:
-        raise BackendUnavailableError(
-            f"the cuda backend needs the compiled extension ktae_kernels._C, which cannot be imported "
-            f"({err}). Build it on a machine with the CUDA toolkit (nvcc) and a CUDA build of torch: "
-            f"`{BUILD_COMMAND}` (set TORCH_CUDA_ARCH_LIST to your GPU's compute capability)."
-        ) from None
+    reason = unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailableError(f"the cuda backend needs {reason}")
+    return importlib.import_module("ktae_kernels._C")
 
 
 @dataclass(frozen=True)
@@ -181,7 +186,7 @@ class _Plan:
 
     ext: ModuleType
     common: dict
-    stats: tb.GroupStats
+    stats: method.GroupStats
     n_groups: int
     group_tokens: list[int]
     n_c: Tensor
@@ -190,16 +195,9 @@ class _Plan:
     capacity: int
 
 
-def _upload(t: Tensor, device: torch.device) -> Tensor:
-    """``t`` (CPU) on ``device``, without waiting for the device's queue (a pinned, non-blocking copy)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int | None) -> _Plan:
+def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) -> _Plan:
     device = batch.device
-    stats = tb.group_stats(batch, config)
+    stats = method.group_stats(batch, config)
     n = batch.n_groups
     starts = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(stats.size, 0, out=starts[1:])
@@ -213,12 +211,13 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int
         raise ValueError(f"`responses`: the cuda backend takes at most 2**30 masked tokens per group, "
                          f"a group holds {max_tokens}")
     words = presence_words(max_size)
-    packed = PACKED and words == 1 and max_tokens <= PACKED_MAX_TOKENS
+    packed = tuning.packed and words == 1 and max_tokens <= PACKED_MAX_TOKENS
     opt_in = ext.max_shared_bytes(_device_index(device))
-    if table_slots is None:
-        capacity = choose_shared_capacity(max_tokens, words, shared_limit(opt_in, BLOCKS_PER_SM), packed)
+    if tuning.table_slots is None:
+        capacity = choose_shared_capacity(max_tokens, words, shared_limit(opt_in, tuning.blocks_per_sm), packed)
     else:
-        capacity = _check_table_slots(table_slots, words, opt_in, packed)
+        capacity = _check_table_slots(tuning.table_slots, words, opt_in, packed)
+    max_threads = min(tuning.max_threads, MAX_THREADS if tuning.blocks_per_sm <= 1 else 512)
     ignore = [i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID]
     common = dict(
         responses=batch.responses.contiguous(),
@@ -227,14 +226,14 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, table_slots: int
         starts=starts,
         correct=stats.correct.contiguous(),
         group_counts=torch.stack([stats.n_c, stats.n_w, stats.T_c, stats.T_w]).contiguous(),
-        ignore_ids=_upload(torch.tensor(ignore, dtype=torch.int64), device),
-        bad_ids=_upload(torch.tensor([0, MAX_TOKEN_ID], dtype=torch.int64), device),
+        ignore_ids=upload(torch.tensor(ignore, dtype=torch.int64), device),
+        bad_ids=upload(torch.tensor([0, MAX_TOKEN_ID], dtype=torch.int64), device),
         words=words,
         shared_capacity=capacity,
         packed=packed,
         params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight],
         use_tf=config.use_tf,
-        threads=block_threads(batch.responses.shape[1], MAX_THREADS if BLOCKS_PER_SM <= 1 else min(MAX_THREADS, 512)),
+        threads=block_threads(batch.responses.shape[1], max_threads),
         stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0,
     )
     return _Plan(ext, common, stats, n, group_tokens, host[1 + n:1 + 2 * n], host[1 + 2 * n:], words, capacity)
@@ -264,7 +263,7 @@ def _launch(plan: _Plan, mode: int, groups: list[int], status: Tensor, *, capaci
     device = status.device
     args: dict[str, object] = dict.fromkeys(_OPTIONAL)
     args.update(outputs)
-    block_group = _upload(torch.tensor(groups, dtype=torch.int64), device)
+    block_group = upload(torch.tensor(groups, dtype=torch.int64), device)
     if capacities is None:
         blocks, skip_done = len(groups), False
         shared_bytes = shared_table_bytes(plan.capacity, plan.words, plan.common["packed"])
@@ -278,8 +277,8 @@ def _launch(plan: _Plan, mode: int, groups: list[int], status: Tensor, *, capaci
             ws_keys=torch.empty(slots, dtype=torch.int32, device=device),
             ws_counts=torch.empty(slots, dtype=torch.int64, device=device),
             ws_presence=torch.empty(slots * plan.words, dtype=torch.int32, device=device),
-            ws_offset=_upload(torch.tensor(offsets, dtype=torch.int64), device),
-            ws_capacity=_upload(torch.tensor(capacities, dtype=torch.int64), device),
+            ws_offset=upload(torch.tensor(offsets, dtype=torch.int64), device),
+            ws_capacity=upload(torch.tensor(capacities, dtype=torch.int64), device),
         )
         skip_done = True
         shared_bytes = header_bytes(plan.words)
@@ -326,46 +325,6 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
     return scores, row_offset, fits, host_counts
 
 
-#: device copies of recently used grids (a training run sees the same few sets of group shapes again).
-_GRID_CACHE: "OrderedDict[tuple, tuple[Tensor, torch.cuda.Event | None]]" = OrderedDict()
-_GRID_CACHE_SIZE = 64
-
-
-def grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """``method.full_grid_statistics`` on ``device``: ``index`` int64 ``[2, n_groups]`` (each group's grid
-    offset and stride ``n_w + 1``) and ``values`` float64 ``[5, size]`` (``p_value, F, IG, h,
-    strength``); the table ``(a, b)`` of group ``g`` is column ``index[0, g] + a * index[1, g] + b``.
-    None where the statistics must come from the rows. The device copy of a grid is cached, so a call
-    usually costs the host lookup and one pinned, non-blocking upload of ``index``. Shared by the
-    triton backend.
-    """
-    full = method.full_grid_statistics(n_c, n_w, config)
-    if full is None:
-        return None
-    offset, stride, table = full
-    shapes = tuple(sorted(set(zip(n_c.tolist(), n_w.tolist()))))  # the grid's blocks, in its order
-    key = (config, shapes, str(device))
-    hit = _GRID_CACHE.get(key)
-    if hit is None:
-        values = _upload(torch.stack([table.p_value, table.F, table.IG, table.h, table.strength]).contiguous(), device)
-        ready = None
-        if device.type == "cuda":  # later calls may come on other streams: they wait for the upload
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
-        hit = (values, ready)
-        _GRID_CACHE[key] = hit
-        while len(_GRID_CACHE) > _GRID_CACHE_SIZE:
-            _GRID_CACHE.popitem(last=False)
-    else:
-        _GRID_CACHE.move_to_end(key)
-    values, ready = hit
-    if ready is not None:
-        stream = torch.cuda.current_stream(device)
-        stream.wait_event(ready)
-        values.record_stream(stream)  # not reused while this stream may still read it
-    return _upload(torch.stack([offset, stride]).contiguous(), device), values
-
-
 def _table_lookup(plan: _Plan, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
     """The per-table statistics the advantage pass looks up (``table_index``: int64 ``[2, n_groups]``
     grid offset and stride; ``table_values``: float64 ``[2, size]`` Cohen's h and strength), or None
@@ -379,7 +338,7 @@ def _advantage(plan: _Plan, batch: Batch, config: KTAEConfig, given: Tensor | No
     if out is None:
         out = torch.empty(batch.responses.shape, dtype=torch.float32, device=device)
     outputs: dict[str, Tensor] = dict(
-        base=tb.rollout_advantage(batch, plan.stats, config, given).contiguous(), advantage=out)
+        base=method.rollout_advantage(batch.rewards, batch.group, plan.stats.size, config, given).contiguous(), advantage=out)
     lookup = _table_lookup(plan, config, device)
     if lookup is None:
         scores, row_offset, fits, distinct = _scores(plan, batch, config)
@@ -398,13 +357,3 @@ def _device_index(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-@contextlib.contextmanager
-def _device_context(device: torch.device) -> Iterator[None]:
-    """Make ``device`` current for the launches (the binding launches on the current device)."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield

@@ -10,7 +10,8 @@ batches); the result does not depend on the thread count.
 When the full grid of tables is large (big groups) or ``fisher="upstream"`` (whose p-value depends on
 the rows present), a first kernel call lists the rows, ``method.row_statistics`` computes exactly the
 tables they use, and the fused call follows. ``key_token_scores`` uses the row listing and
-``method.score_rows``. Token ids are range-checked inside the kernels (``CHECKS_TOKEN_IDS``).
+``method.score_rows``. Token ids are range-checked inside the kernels (the registry declares
+``checks_token_ids``).
 """
 from __future__ import annotations
 
@@ -21,14 +22,12 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from . import method
-from .api import check_token_ids
-from .config import KTAEConfig
-from .primitives import repeat_counts, row_counts
-from .types import Batch, KeyTokenScores
+from .. import method
+from ..config import KTAEConfig
+from ..primitives import repeat_counts, row_counts
+from ..types import Batch, KeyTokenScores
+from ..validation import check_token_ids
 
-#: the kernels check that masked ids lie in [0, 2**31) while counting; the API skips its own pass.
-CHECKS_TOKEN_IDS = True
 BUILD_HINT = ("`pip install .` builds it on a machine with a C++17 compiler (g++ or clang++); "
               "reinstall with one on PATH, e.g. `pip install --force-reinstall --no-deps .`")
 
@@ -83,7 +82,7 @@ def _threads(batch: Batch) -> int:
 
 
 def _raise_bad_ids(batch: Batch) -> None:
-    check_token_ids(batch.responses, batch.mask)  # raises the API's ValueError naming `responses`
+    check_token_ids(batch.responses, batch.mask)  # raises the ValueError naming `responses`
     raise AssertionError("the CPU kernel flagged a token id out of range that the API check accepts")
 
 

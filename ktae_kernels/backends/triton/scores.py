@@ -7,7 +7,7 @@ of G rollouts has at most ``(n_c + 1)(n_w + 1)`` tables, 81 for G = 16) and look
 at ``offset[g] + a * stride[g] + b``. When the whole grid of the batch's ``(n_c, n_w)`` is small
 (the usual case, ``method.FULL_GRID_WORK``) it is computed on the CPU from the group counts the table
 build already brought to the host, cached per set of distinct ``(n_c, n_w)`` and reaches the
-device in one non-blocking copy (``cuda.grid_statistics``, shared with the cuda backend);
+device in one non-blocking copy (``device.grid_statistics``, shared with the cuda backend);
 otherwise (very large groups, or ``fisher="upstream"``, whose p-value depends on the group's rows)
 only the tables the rows use are computed, on the device, from the rows' counts
 (``method.row_statistics``).
@@ -28,13 +28,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import method
-from ..api import MAX_TOKEN_ID
-from ..cuda import grid_statistics
-from ..config import KTAEConfig
-from ..method import TF_EPS
-from ..torch_backend import GroupStats
-from .tables import HashTables, RowCounts, Rows, load_row_counts, row_counts, upload
+from ... import method
+from ...config import KTAEConfig
+from ...method import TF_EPS, GroupStats
+from ...validation import MAX_TOKEN_ID
+from ..device import grid_statistics, upload
+from .tables import HashTables, RowCounts, Rows, load_row_counts, row_counts
 
 #: indices into the float64 constant vector of the score and advantage kernels (``kernel_constants``),
 #: then the ignored token ids.
@@ -147,7 +146,7 @@ def kernel_constants(config: KTAEConfig, device: torch.device) -> Tensor:
 
 def full_grid_lookup(host_counts: tuple[Tensor, Tensor], config: KTAEConfig, device: torch.device) -> TableLookup | None:
     """The statistics of every table the groups of ``host_counts`` (``(n_c, n_w)`` on the CPU) can
-    have (``cuda.grid_statistics``), or None when they must come from the rows."""
+    have (``device.grid_statistics``), or None when they must come from the rows."""
     found = grid_statistics(*host_counts, config, device)
     return None if found is None else TableLookup(*found)
 

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..types import Batch
+from ...types import Batch
 from .scores import WEIGHT
 from .tables import HashTables, find_slots, tile_shape
 

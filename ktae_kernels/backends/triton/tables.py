@@ -34,14 +34,14 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from ..torch_backend import GroupStats
-from ..types import Batch
+from ...method import GroupStats
+from ...types import Batch
+from ...validation import MAX_TOKEN_ID, check_id_range
+from ..device import upload
 
 EMPTY = -1
 _EMPTY = tl.constexpr(EMPTY)
-#: the largest token id (``api.MAX_TOKEN_ID``).
-MAX_ID = 2**31 - 1
-_MAX_ID = tl.constexpr(MAX_ID)
+_MAX_ID = tl.constexpr(MAX_TOKEN_ID)
 #: a compare value no slot ever holds (keys are >= EMPTY): a compare-and-swap with it never writes.
 _NEVER = tl.constexpr(-2)
 #: first guess of a group's distinct tokens, as a fraction of its masked tokens (slice = 2x this).
@@ -325,7 +325,7 @@ def build_hash_tables(batch: Batch, stats: GroupStats,
     prepared = while_inserting(host_counts) if while_inserting is not None else None
     grown_cap = torch.where(overflow != 0, 1 << safe.long(), 0)
     extra, low, high, *fill = torch.cat([grown_cap.sum().reshape(1), bad, tables.fill]).tolist()
-    check_ids(low, high)
+    check_id_range(low, high)
     if extra:
         tables, overflow = _regrow(batch, tables, overflow, safe, grown_cap, extra, rank, inc)
         lost, *fill = torch.cat([overflow.any().reshape(1), tables.fill]).tolist()
@@ -333,21 +333,6 @@ def build_hash_tables(batch: Batch, stats: GroupStats,
             raise RuntimeError("triton backend: a rebuilt hash table overflowed")
     return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0), host_counts=host_counts,
                    prepared=prepared)
-
-
-def upload(t: Tensor, device: torch.device) -> Tensor:
-    """CPU ``t`` on ``device`` without waiting for the device's queue (pinned, non-blocking copy)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
-
-
-def check_ids(low: int, high: int) -> None:
-    """Raise as ``api.check_token_ids`` does, from the least negative and the largest too-large id
-    the insert kernel saw under the mask (0 and ``MAX_ID`` when there were none)."""
-    from ..cuda import check_id_range
-
-    check_id_range(low, high)
 
 
 def _slots(log_cap: Tensor) -> Tensor:
@@ -391,7 +376,7 @@ def _insert(batch: Batch, log_cap: Tensor, slots: int, words: int, rank: Tensor,
     """Fresh tables of ``2**log_cap`` slots per group (``slots`` in all), filled with every masked
     token; the per-group overflow flag (int32 ``[n]``): that group's table is incomplete; and the
     out-of-range ids (int64 ``[2]``: the least id if negative, else 0; the largest id if above
-    ``MAX_ID``, else ``MAX_ID``)."""
+    ``MAX_TOKEN_ID``, else ``MAX_TOKEN_ID``)."""
     device = batch.device
     cap = 1 << log_cap.long()
     offset = torch.cumsum(cap, 0) - cap
@@ -401,7 +386,7 @@ def _insert(batch: Batch, log_cap: Tensor, slots: int, words: int, rank: Tensor,
     order = torch.empty(slots, dtype=torch.int32, device=device)
     fill = torch.zeros(batch.n_groups, dtype=torch.int32, device=device)
     overflow = torch.zeros_like(fill)
-    bad = upload(torch.tensor([0, MAX_ID], dtype=torch.int64), device)
+    bad = upload(torch.tensor([0, MAX_TOKEN_ID], dtype=torch.int64), device)
     B, L = batch.responses.shape
     if B and L:
         rows, cols = tile_shape(L)
@@ -433,7 +418,7 @@ def _regrow(batch: Batch, tables: HashTables, overflow: Tensor, safe: Tensor, gr
     overflow = torch.zeros_like(overflow)
     row_map = torch.nonzero(over[batch.group]).flatten()  # the overflowed groups' rollouts
     n_map, L = row_map.shape[0], batch.responses.shape[1]
-    bad = upload(torch.tensor([0, MAX_ID], dtype=torch.int64), device)
+    bad = upload(torch.tensor([0, MAX_TOKEN_ID], dtype=torch.int64), device)
     if n_map and L:
         rows, cols = tile_shape(L)
         _insert_kernel[(triton.cdiv(n_map, rows), triton.cdiv(L, cols))](

@@ -11,24 +11,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import method
-from .config import KTAEConfig
-from .primitives import flat_nonzero, gather, masked_values, prefix_sums, repeat_counts, row_counts, scatter_masked
-from .types import Batch, KeyTokenScores
-
-
-@dataclass(frozen=True)
-class GroupStats:
-    """Per rollout: ``correct`` (bool ``[B]``) and ``lengths`` (masked tokens, int64 ``[B]``); per group:
-    counts (int64 ``[n_groups]``)."""
-
-    correct: Tensor
-    lengths: Tensor
-    size: Tensor
-    n_c: Tensor
-    n_w: Tensor
-    T_c: Tensor
-    T_w: Tensor
+from .. import method
+from ..config import KTAEConfig
+from ..method import GroupStats, group_stats
+from ..primitives import flat_nonzero, gather, masked_values, prefix_sums, repeat_counts, scatter_masked
+from ..types import Batch, KeyTokenScores
 
 
 @dataclass(frozen=True)
@@ -51,16 +38,6 @@ class Tables(method.Rows):
     """``method.Rows`` (one per (group, token) present) and the sorted masked positions that built them."""
 
     runs: Runs | None = None
-
-
-def group_stats(batch: Batch, config: KTAEConfig) -> GroupStats:
-    """Correct flags, masked lengths and ``n_c, n_w, T_c, T_w`` per group."""
-    counts = method.group_counts(batch, config)
-    lengths = row_counts(batch.mask)
-    g = batch.group
-    T_c = torch.zeros_like(counts.n_c).index_add_(0, g, lengths * counts.correct)
-    T_all = torch.zeros_like(counts.n_c).index_add_(0, g, lengths)
-    return GroupStats(counts.correct, lengths, counts.size, counts.n_c, counts.n_w, T_c, T_all - T_c)
 
 
 def score_tables(tables: Tables, stats: GroupStats, config: KTAEConfig, labels) -> KeyTokenScores:
@@ -108,11 +85,6 @@ def _run_sums(flags: Tensor, starts: Tensor, ends: Tensor) -> Tensor:
     return (gather(csum, ends) - gather(csum, starts)).long()
 
 
-def rollout_advantage(batch: Batch, stats: GroupStats, config: KTAEConfig, given: Tensor | None) -> Tensor:
-    """``A_i`` (float64 ``[B]``), see ``method.rollout_advantage``."""
-    return method.rollout_advantage(batch.rewards, batch.group, stats.size, config, given)
-
-
 def combine(batch: Batch, base: Tensor, row_score: Tensor, tables: Tables, weight: float,
             out: Tensor | None = None) -> Tensor:
     """float32 ``[B, L]``: ``A_i + weight * score`` at masked positions (float64 sum, rounded once), 0 elsewhere;
@@ -136,5 +108,5 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     stats = group_stats(batch, config)
     tables = build_tables(batch, stats)
     scores = score_tables(tables, stats, config, batch.group_labels)
-    base = rollout_advantage(batch, stats, config, given)
+    base = method.rollout_advantage(batch.rewards, batch.group, stats.size, config, given)
     return combine(batch, base, scores.score, tables, config.weight, out)

@@ -1,0 +1,56 @@
+"""The backend contract: what a backend provides, where it runs, and how the registry describes it."""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Protocol, runtime_checkable
+
+from torch import Tensor
+
+from ..config import KTAEConfig
+from ..types import Batch, KeyTokenScores
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run here; the message says why and what to do."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The two operations every backend implements, over a validated ``Batch``."""
+
+    def key_token_scores(self, batch: Batch, config: KTAEConfig) -> KeyTokenScores:
+        """One row per (group, token id) present under the mask, sorted by (group, token)."""
+
+    def token_advantage(self, batch: Batch, config: KTAEConfig, rollout_advantage: Optional[Tensor],
+                        out: Optional[Tensor]) -> Tensor:
+        """float32 ``[B, L]`` advantages (written into ``out`` when it is not None); ``rollout_advantage``:
+        float64 ``[B]`` caller-given ``A_i``, or None for ``config.baseline``."""
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A registered backend.
+
+    name: the ``backend=`` string. module: import path of a module implementing ``Backend``,
+    imported only when the backend is used (a missing optional dependency matters only then).
+    devices: torch device types it accepts. auto_rank: per device type, its place in the "auto"
+    order (lower first; absent: never chosen automatically). unavailable: None when it can run on
+    that device type, else the reason and the fix. checks_token_ids: the backend checks the
+    token-id range while counting (``validation.check_id_range``), so the API skips its own pass.
+    """
+
+    name: str
+    module: str
+    devices: tuple[str, ...]
+    unavailable: Callable[[str], Optional[str]]
+    auto_rank: Mapping[str, int] = field(default_factory=dict)
+    checks_token_ids: bool = False
+
+    def load(self) -> Backend:
+        """The implementation module, checked against the contract."""
+        module = importlib.import_module(self.module)
+        if not isinstance(module, Backend):
+            raise TypeError(f"backend {self.name!r}: module {self.module} must define key_token_scores "
+                            f"and token_advantage")
+        return module

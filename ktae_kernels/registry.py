@@ -1,0 +1,118 @@
+"""The backend registry: ``backend=`` name -> ``BackendSpec``, availability, and the "auto" order.
+
+"auto" order: on CPU tensors the native ``cpu`` kernel, then ``torch``. On CUDA tensors ``torch``
+only, until the Triton and CUDA kernels pass their tests on GPU hardware; ``backend="triton"`` /
+``"cuda"`` select them explicitly. ``reference`` is never chosen automatically.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from .backends.base import Backend, BackendSpec, BackendUnavailableError
+
+_REGISTRY: dict[str, BackendSpec] = {}
+
+
+def register_backend(spec: BackendSpec) -> None:
+    """Add (or replace) a backend."""
+    _REGISTRY[spec.name] = spec
+
+
+def backend_names() -> tuple[str, ...]:
+    """Every registered backend name."""
+    return tuple(_REGISTRY)
+
+
+def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
+    """Backends usable for tensors on ``device``.
+
+    Example: ``available_backends("cpu")`` -> ``('reference', 'cpu', 'torch')`` where the native
+    kernel is built.
+    """
+    kind = torch.device(device).type
+    return tuple(n for n, s in _REGISTRY.items() if kind in s.devices and s.unavailable(kind) is None)
+
+
+def resolve(name: str, device: torch.device | str) -> BackendSpec:
+    """The spec of ``name`` on ``device``; "auto" picks the first usable one in the auto order.
+
+    Raises ValueError for an unknown name, and BackendUnavailableError (saying why and what to do)
+    when the backend is known but cannot run on ``device`` here.
+    """
+    kind = torch.device(device).type
+    if name == "auto":
+        ranked = sorted((s.auto_rank[kind], n) for n, s in _REGISTRY.items() if kind in s.auto_rank)
+        for _, candidate in ranked:
+            if _REGISTRY[candidate].unavailable(kind) is None:
+                return _REGISTRY[candidate]
+        raise BackendUnavailableError(f"no backend can run on device type {kind!r}; "
+                                      f"move the tensors to the CPU (`.cpu()`)")
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"`backend` must be 'auto' or one of {backend_names()}, got {name!r}")
+    spec = _REGISTRY[name]
+    if kind not in spec.devices:
+        where = " or ".join(repr(d) for d in spec.devices)
+        raise BackendUnavailableError(
+            f"backend {name!r} runs on {where} tensors, got a {kind!r} tensor; move `responses` (and the "
+            f"other tensors) to {spec.devices[0]!r} with `.to({spec.devices[0]!r})`, or use backend='auto'")
+    reason = spec.unavailable(kind)
+    if reason is not None:
+        raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason}")
+    return spec
+
+
+def get_backend(name: str, device: torch.device | str) -> Backend:
+    """The implementation of ``name`` on ``device`` (see ``resolve``)."""
+    return resolve(name, device).load()
+
+
+def _always(_: str) -> None:
+    return None
+
+
+def _rocm() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def _triton_unavailable(kind: str) -> str | None:
+    if kind == "cuda" and _rocm():
+        return "ROCm is not supported: the Triton kernels use NVIDIA inline PTX"
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return "triton is not installed (pip install triton)"
+    if kind == "cuda":
+        return None if torch.cuda.is_available() else "CUDA is not available"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing triton"
+
+
+def _cuda_unavailable(_: str) -> str | None:
+    if _rocm():
+        return "ROCm is not supported: the extension is written for NVIDIA GPUs"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    from .backends import cuda
+
+    return cuda.unavailable_reason()
+
+
+def _cpu_unavailable(_: str) -> str | None:
+    from .backends import cpu
+
+    return cpu.unavailable_reason()
+
+
+register_backend(BackendSpec("reference", "ktae_kernels.reference", ("cpu", "cuda"), _always))
+register_backend(BackendSpec("cpu", "ktae_kernels.backends.cpu", ("cpu",), _cpu_unavailable,
+                             {"cpu": 0}, checks_token_ids=True))
+register_backend(BackendSpec("torch", "ktae_kernels.backends.torch", ("cpu", "cuda"), _always,
+                             {"cpu": 1, "cuda": 0}))
+register_backend(BackendSpec("triton", "ktae_kernels.backends.triton", ("cpu", "cuda"), _triton_unavailable,
+                             checks_token_ids=True))
+register_backend(BackendSpec("cuda", "ktae_kernels.backends.cuda", ("cuda",), _cuda_unavailable,
+                             checks_token_ids=True))

@@ -1,0 +1,194 @@
+"""Input validation: the caller's tensors, arrays or lists checked and brought to a ``Batch``.
+
+Used by the public API and by every backend that checks token ids itself (one wording of every
+error, naming the argument and the fix). Imports nothing of the package but ``config`` and ``types``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .config import KTAEConfig
+from .types import ArrayLike, Batch
+
+#: token ids must fit a signed 32-bit int (every vocabulary does; the GPU and CPU kernels rely on it).
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def check_config(config: KTAEConfig | None) -> KTAEConfig:
+    """``config``, or ``KTAEConfig()`` when None; ValueError for anything else."""
+    if config is None:
+        return KTAEConfig()
+    if not isinstance(config, KTAEConfig):
+        raise ValueError(f"`config` must be a KTAEConfig or None, got {type(config).__name__}; "
+                         f"build one with KTAEConfig(...)")
+    return config
+
+
+def normalise_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, index: Any, *,
+                    correct: ArrayLike | None = None, check_ids: bool = True) -> Batch:
+    """Validate the caller's inputs and bring them to the canonical ``Batch`` form.
+
+    ``check_ids=False`` leaves the token-id range check to a backend that does it while counting.
+    Raises ValueError naming the argument (and the fix) on any shape, dtype or value problem.
+    """
+    responses = _as_tensor("responses", responses)
+    if responses.dim() != 2:
+        raise ValueError(f"`responses` must be 2-D [B, L], got shape {tuple(responses.shape)}")
+    if responses.dtype == torch.bool or responses.dtype.is_floating_point or responses.dtype.is_complex:
+        raise ValueError(f"`responses` must hold integer token ids, got dtype {responses.dtype}; "
+                         f"convert with `responses.long()`")
+    device = responses.device
+    shape = tuple(responses.shape)
+    mask = _check_mask(_as_tensor("response_mask", response_mask, device), shape)
+    responses = responses.to(torch.int64)
+    if check_ids:
+        check_token_ids(responses, mask)
+    reward = _check_rewards(_as_tensor("rewards", rewards, device), shape)
+    group, labels = _normalise_index(index, shape[0], device)
+    flags = None if correct is None else _check_correct(_as_tensor("correct", correct, device), shape[0])
+    return Batch(responses=responses, mask=mask, rewards=reward, group=group, group_labels=labels, correct=flags)
+
+
+def check_token_ids(responses: Tensor, mask: Tensor) -> None:
+    """Ids under the mask must lie in ``[0, 2**31)``; padding under mask 0 may be anything."""
+    if responses.numel() == 0:
+        return
+    lo, hi = torch.aminmax(responses)
+    if int(lo) >= 0 and int(hi) <= MAX_TOKEN_ID:
+        return  # the common case: one pass, no masked copy
+    masked = responses[mask]
+    if masked.numel():
+        check_id_range(int(masked.min()), int(masked.max()))
+
+
+def check_id_range(low: int, high: int) -> None:
+    """Raise the API's error for the smallest and largest token id seen under the mask (a kernel that
+    checks ids while counting reports these two numbers)."""
+    if low < 0:
+        raise ValueError(f"`responses` must hold token ids >= 0 where the mask is 1, found {low}; "
+                         f"set `response_mask` to 0 on padding")
+    if high > MAX_TOKEN_ID:
+        raise ValueError(f"`responses` token ids must be < 2**31 where the mask is 1, found {high}")
+
+
+def check_out(out: Tensor | None, batch: Batch) -> Tensor | None:
+    """The caller's output tensor, checked: contiguous float32 ``[B, L]`` on the batch's device."""
+    if out is None:
+        return None
+    shape = tuple(batch.responses.shape)
+    if not isinstance(out, Tensor):
+        raise ValueError(f"`out` must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != shape or out.dtype != torch.float32 or out.device != batch.device:
+        raise ValueError(f"`out` must be a float32 tensor of shape {shape} on {batch.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}; allocate it with "
+                         f"torch.empty(responses.shape, dtype=torch.float32, device=responses.device)")
+    if not out.is_contiguous():
+        raise ValueError("`out` must be contiguous; pass a fresh torch.empty(...) buffer")
+    if out.requires_grad:
+        raise ValueError("`out` must not require grad")
+    return out
+
+
+def check_rollout_advantage(value: ArrayLike | None, batch: Batch) -> Tensor | None:
+    """``[B]`` float64 on the batch device, or None."""
+    if value is None:
+        return None
+    t = _as_tensor("rollout_advantage", value, batch.device)
+    if t.dtype.is_complex or tuple(t.shape) != (batch.responses.shape[0],):
+        raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], "
+                         f"got {t.dtype} {tuple(t.shape)}")
+    t = t.detach().to(torch.float64)
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError("`rollout_advantage` must be finite (found NaN or inf)")
+    return t
+
+
+def _as_tensor(name: str, value: Any, device: torch.device | None = None) -> Tensor:
+    if isinstance(value, Tensor):
+        t = value
+    elif isinstance(value, (np.ndarray, list, tuple)):
+        array = np.asarray(value)
+        if array.dtype == object:
+            bad = next((v for v in array.reshape(-1) if not isinstance(v, (int, float, np.number, bool))), None)
+            raise ValueError(f"`{name}` must hold numbers, found {bad!r} ({type(bad).__name__}); "
+                             f"replace missing values before the call")
+        try:
+            t = torch.as_tensor(array)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"`{name}` must be a tensor or a numeric array: {err}") from None
+    else:
+        raise ValueError(f"`{name}` must be a torch.Tensor, numpy array or list, got {type(value).__name__}")
+    return t if device is None else t.to(device)
+
+
+def _check_mask(mask: Tensor, shape: tuple[int, ...]) -> Tensor:
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}")
+    if mask.dtype == torch.bool:
+        return mask
+    if mask.dtype.is_complex:
+        raise ValueError(f"`response_mask` must be bool, int or float, got {mask.dtype}")
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("`response_mask` must hold only 0 and 1; build it as `responses != pad_id`")
+    return mask != 0
+
+
+def _check_rewards(rewards: Tensor, shape: tuple[int, ...]) -> Tensor:
+    if rewards.dtype.is_complex or rewards.dtype == torch.bool:
+        raise ValueError(f"`rewards` must be real numbers, got {rewards.dtype}; convert with `rewards.float()`")
+    if rewards.dim() == 2:
+        if tuple(rewards.shape) != shape:
+            raise ValueError(f"`rewards` as token-level rewards must have shape {shape}, got {tuple(rewards.shape)}")
+        rewards = rewards.detach().to(torch.float64).sum(dim=1)
+    elif rewards.dim() != 1 or rewards.shape[0] != shape[0]:
+        raise ValueError(f"`rewards` must have shape [B] = [{shape[0]}] or [B, L] = {list(shape)}, "
+                         f"got {tuple(rewards.shape)}")
+    rewards = rewards.detach().to(torch.float64)
+    if not bool(torch.isfinite(rewards).all()):
+        raise ValueError("`rewards` must be finite (found NaN or inf)")
+    return rewards
+
+
+def _check_correct(correct: Tensor, batch_size: int) -> Tensor:
+    """bool ``[B]`` from bool or 0/1 labels."""
+    if tuple(correct.shape) != (batch_size,):
+        raise ValueError(f"`correct` must have shape [B] = [{batch_size}], got {tuple(correct.shape)}")
+    if correct.dtype == torch.bool:
+        return correct
+    if correct.dtype.is_complex or not bool(((correct == 0) | (correct == 1)).all()):
+        raise ValueError("`correct` must be bool or hold only 0 and 1; e.g. `correct=task_score > 0`")
+    return correct != 0
+
+
+def _index_values(index: Any) -> np.ndarray:
+    """The caller's group ids as a numpy array on the host."""
+    if isinstance(index, Tensor):
+        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+            raise ValueError(f"`index` as a tensor must hold integers, got {index.dtype}; convert with `index.long()`")
+        if index.device.type == "meta":
+            raise ValueError("`index` is a meta tensor with no values; pass real group ids")
+        return index.detach().cpu().numpy()
+    if isinstance(index, (np.ndarray, list, tuple)):
+        return index if isinstance(index, np.ndarray) else np.asarray(index)
+    raise ValueError(f"`index` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
+
+
+def _normalise_index(index: Any, batch_size: int, device: torch.device) -> tuple[Tensor, np.ndarray]:
+    """Dense int64 group ids ``[B]`` (sorted label order) and the labels ``[n_groups]``."""
+    values = _index_values(index)
+    if values.ndim != 1 or values.shape[0] != batch_size:
+        raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {values.shape}")
+    if values.dtype.kind == "f":
+        if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
+            raise ValueError("`index` must hold integer or string group ids, got non-integer floats")
+        values = values.astype(np.int64)
+    try:
+        labels, inverse = np.unique(values, return_inverse=True)
+    except TypeError as err:
+        raise ValueError(f"`index` group ids must be mutually comparable (all ints or all strings): {err}") from None
+    group = torch.as_tensor(inverse.reshape(-1).astype(np.int64), device=device)
+    return group, labels
