@@ -76,17 +76,9 @@ def token_advantage(
     return impl.token_advantage(batch, config, base, check_out(out, batch))
 
 
-def key_token_scores(
-    responses: ArrayLike,
-    response_mask: ArrayLike,
-    rewards: ArrayLike,
-    index: Any,
-    *,
-    config: KTAEConfig | None = None,
-    backend: str = "auto",
-    correct: ArrayLike | None = None,
-    process_group: Any = None,
-) -> KeyTokenScores:
+def key_token_scores(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, index: Any, *,
+                     config: KTAEConfig | None = None, backend: str = "auto", correct: ArrayLike | None = None,
+                     process_group: Any = None) -> KeyTokenScores:
     """Per (group, token id) KTAE statistics (tables, p-values, F, IG, direction, score).
 
     Same inputs, and the same errors, as ``token_advantage``. Returns a ``KeyTokenScores`` whose row

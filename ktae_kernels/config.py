@@ -36,6 +36,14 @@ class KTAEConfig:
         "none" (the reward itself).
     eps: added to the group std in the "grpo" baseline.
     fisher: "exact" (scipy's two-sided test in float64) or "upstream" (the published float32 code).
+
+    Raises:
+        ValueError: a field is out of range or of the wrong type (the message names the field).
+
+    Example:
+        >>> from ktae_kernels import KTAEConfig
+        >>> KTAEConfig(ignore_token_ids=[151643, 151643], baseline="mean").ignore_token_ids
+        (151643,)
     """
 
     alpha: float = 1.0

@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor
 
+from .types import ArrayLike
+
 #: scipy's relative tolerance for "no more probable than the observed table".
 SCIPY_RTOL = 1e-14
 #: p-values at least this close to 1 count as 1 for the F = 0 rule.
@@ -32,12 +34,23 @@ def log_factorial_table(n_max: int, device: torch.device | str = "cpu") -> Tenso
     return torch.lgamma(torch.arange(n_max + 1, dtype=torch.float64, device=device) + 1.0)
 
 
-def fisher_exact_pvalue(a, b, c, d) -> Tensor:
+def fisher_exact_pvalue(a: ArrayLike, b: ArrayLike, c: ArrayLike, d: ArrayLike) -> Tensor:
     """Two-sided Fisher exact p-values of the tables ``[[a, b], [c, d]]``.
 
-    Args: ``a, b, c, d``: broadcastable non-negative integer tensors (or array-likes) of the cells.
-    Returns: float64 tensor of the broadcast shape on the inputs' device, equal to
-    ``scipy.stats.fisher_exact([[a, b], [c, d]]).pvalue`` to ~1e-12 relative for small tables.
+    Args:
+        a, b, c, d: broadcastable non-negative integer tensors, numpy arrays, lists or ints (the cells).
+
+    Returns:
+        float64 tensor of the broadcast shape on the inputs' device, equal to
+        ``scipy.stats.fisher_exact([[a, b], [c, d]]).pvalue`` to ~1e-12 relative for small tables.
+
+    Raises:
+        ValueError: a cell is not an integer or is negative (the message names it).
+
+    Example:
+        >>> from ktae_kernels import fisher_exact_pvalue
+        >>> round(float(fisher_exact_pvalue(8, 2, 1, 5)), 6)
+        0.034965
     """
     cells = [_as_count_tensor(name, v) for name, v in zip("abcd", (a, b, c, d))]
     device = next((t.device for t in cells if t.device.type != "cpu"), cells[0].device)

@@ -1,9 +1,8 @@
 """Data-movement primitives of the torch backend over ``[B, L]``-sized data.
 
-On the CPU they run through numpy views of the same memory: numpy's boolean selection, repeat,
-take, prefix sum and count are 3-20x faster there than torch's CPU kernels (measured on the 2-core
-CPU machine, 2026-12-02, for 5-50M elements), and their results are identical. Elsewhere they are
-the plain torch ops.
+On the CPU they run through numpy views of the same memory (numpy's boolean selection, repeat,
+take, prefix sum and count are several times faster there than torch's CPU kernels, with identical
+results; docs/benchmarks.md); elsewhere they are the plain torch ops.
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def check_id_range(low: int, high: int) -> None:
         raise ValueError(f"`responses` must hold token ids >= 0 where the mask is 1, found {low}; "
                          f"set `response_mask` to 0 on padding")
     if high > MAX_TOKEN_ID:
-        raise ValueError(f"`responses` token ids must be < 2**31 where the mask is 1, found {high}")
+        raise ValueError(f"`responses` token ids must be < 2**31, found {high}")
 
 
 def check_out(out: Tensor | None, batch: Batch) -> Tensor | None:
@@ -101,9 +101,14 @@ def check_rollout_advantage(value: ArrayLike | None, batch: Batch) -> Tensor | N
     if t.dtype.is_complex or tuple(t.shape) != (batch.responses.shape[0],):
         raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], "
                          f"got {t.dtype} {tuple(t.shape)}")
+    return _finite_float64("rollout_advantage", t)
+
+
+def _finite_float64(name: str, t: Tensor) -> Tensor:
+    """``t`` detached as float64; ValueError naming ``name`` if it holds NaN or inf."""
     t = t.detach().to(torch.float64)
     if not bool(torch.isfinite(t).all()):
-        raise ValueError("`rollout_advantage` must be finite (found NaN or inf)")
+        raise ValueError(f"`{name}` must be finite (found NaN or inf)")
     return t
 
 
@@ -128,13 +133,16 @@ def _as_tensor(name: str, value: Any, device: torch.device | None = None) -> Ten
 def _check_mask(mask: Tensor, shape: tuple[int, ...]) -> Tensor:
     if tuple(mask.shape) != shape:
         raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}")
-    if mask.dtype == torch.bool:
-        return mask
-    if mask.dtype.is_complex:
-        raise ValueError(f"`response_mask` must be bool, int or float, got {mask.dtype}")
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        raise ValueError("`response_mask` must hold only 0 and 1; build it as `responses != pad_id`")
-    return mask != 0
+    return _zero_one_flags("response_mask", mask, "build it as `responses != pad_id`")
+
+
+def _zero_one_flags(name: str, t: Tensor, fix: str) -> Tensor:
+    """bool from bool, or from numbers that are all 0 or 1; ValueError naming ``name`` and ``fix`` else."""
+    if t.dtype == torch.bool:
+        return t
+    if t.dtype.is_complex or not bool(((t == 0) | (t == 1)).all()):
+        raise ValueError(f"`{name}` must be bool or hold only 0 and 1, got {t.dtype}; {fix}")
+    return t != 0
 
 
 def _check_rewards(rewards: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -147,21 +155,14 @@ def _check_rewards(rewards: Tensor, shape: tuple[int, ...]) -> Tensor:
     elif rewards.dim() != 1 or rewards.shape[0] != shape[0]:
         raise ValueError(f"`rewards` must have shape [B] = [{shape[0]}] or [B, L] = {list(shape)}, "
                          f"got {tuple(rewards.shape)}")
-    rewards = rewards.detach().to(torch.float64)
-    if not bool(torch.isfinite(rewards).all()):
-        raise ValueError("`rewards` must be finite (found NaN or inf)")
-    return rewards
+    return _finite_float64("rewards", rewards)
 
 
 def _check_correct(correct: Tensor, batch_size: int) -> Tensor:
     """bool ``[B]`` from bool or 0/1 labels."""
     if tuple(correct.shape) != (batch_size,):
         raise ValueError(f"`correct` must have shape [B] = [{batch_size}], got {tuple(correct.shape)}")
-    if correct.dtype == torch.bool:
-        return correct
-    if correct.dtype.is_complex or not bool(((correct == 0) | (correct == 1)).all()):
-        raise ValueError("`correct` must be bool or hold only 0 and 1; e.g. `correct=task_score > 0`")
-    return correct != 0
+    return _zero_one_flags("correct", correct, "e.g. `correct=task_score > 0`")
 
 
 def _index_values(index: Any) -> np.ndarray:

@@ -231,3 +231,33 @@ def test_bad_correct_is_rejected_by_name(batch):
         token_advantage(*batch, correct=torch.ones(7, dtype=torch.bool))
     with pytest.raises(ValueError, match="`correct`"):
         token_advantage(*batch, correct=torch.full((8,), 0.5))
+
+
+@pytest.mark.parametrize("mistake, error, message", [
+    (dict(responses=torch.tensor([[5.0, 7.0], [5.0, 8.0]])), ValueError, r"`responses`.*`responses\.long\(\)`"),
+    (dict(rewards=[1.0, None]), ValueError, r"`rewards` must hold numbers, found None"),
+    (dict(index=torch.zeros(2, dtype=torch.int64, device="meta")), ValueError, r"`index` is a meta tensor"),
+    (dict(index=torch.tensor([0.0, 0.0])), ValueError, r"`index`.*`index\.long\(\)`"),
+    (dict(response_mask=torch.tensor([[2, 1], [1, 1]])), ValueError, r"`response_mask`.*responses != pad_id"),
+    (dict(backend="cuda"), BackendUnavailableError, r"backend 'cuda' runs on 'cuda' tensors.*\.to\('cuda'\)"),
+])
+def test_mistakes_raise_errors_that_name_the_argument_and_the_fix(mistake, error, message):
+    args = dict(responses=torch.tensor([[5, 7], [5, 8]]), response_mask=torch.ones(2, 2, dtype=torch.bool),
+                rewards=torch.tensor([1.0, 0.0]), index=[0, 0])
+    args.update(mistake)
+    backend = args.pop("backend", "auto")
+    with pytest.raises(error, match=message):
+        token_advantage(args["responses"], args["response_mask"], args["rewards"], args["index"], backend=backend)
+
+
+def test_public_examples_run():
+    """The docstring examples of the public functions are true."""
+    import doctest
+
+    import ktae_kernels.api as api
+    import ktae_kernels.config as config
+    import ktae_kernels.fisher as fisher
+
+    for module, examples in ((api, 4), (fisher, 2), (config, 2)):
+        failures, tried = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+        assert tried >= examples and failures == 0, module.__name__

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import BackendUnavailableError, KTAEConfig, cuda, key_token_scores, token_advantage
+from ktae_kernels import BackendUnavailableError, KTAEConfig, key_token_scores, token_advantage
+from ktae_kernels.backends import cuda
 from ktae_kernels.validation import normalise_batch
 from ktae_kernels.registry import get_backend
 from cases import adversarial_cases, assert_scores_match, random_cases
@@ -83,8 +84,8 @@ def test_overflow_fallback_matches_reference(case, fisher):
     config = KTAEConfig(fisher=fisher)
     scores, want = expected(case, config)
     batch = normalise_batch(*_on_gpu(*case[1:]))
-    assert_scores_match(scores, cuda.key_token_scores(batch, config, table_slots=32))
-    got = cuda.token_advantage(batch, config, None, table_slots=32)
+    assert_scores_match(scores, cuda.key_token_scores(batch, config, tuning=cuda.Tuning(table_slots=32)))
+    got = cuda.token_advantage(batch, config, None, tuning=cuda.Tuning(table_slots=32))
     torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
 
 

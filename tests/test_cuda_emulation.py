@@ -150,7 +150,8 @@ def test_matches_reference(emulator, case, fisher):
 def test_matches_reference_when_groups_overflow_the_shared_table(emulator, case):
     # two slots: every group with more than two distinct ids fills its shared table and spills
     name, responses, mask, rewards, index = case
-    check(emulator, name, normalise_batch(responses, mask, rewards, index), KTAEConfig(), tuning=cuda.Tuning(table_slots=2))
+    batch = normalise_batch(responses, mask, rewards, index)
+    check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=2))
 
 
 def test_overflowing_groups_and_only_they_take_the_global_table(emulator):
@@ -179,7 +180,8 @@ def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, m
     # every group overflows a 2-slot table; two fallback blocks take 2-3 groups each, reusing their slice
     monkeypatch.setattr(cuda, "FALLBACK_BLOCKS", 2)
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
-    check(emulator, name, normalise_batch(responses, mask, rewards, index), KTAEConfig(), tuning=cuda.Tuning(table_slots=2))
+    batch = normalise_batch(responses, mask, rewards, index)
+    check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=2))
 
 
 def test_large_grids_and_upstream_score_the_rows_first(emulator, monkeypatch):
@@ -288,7 +290,7 @@ def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message):
     responses[0, -1] = -(2**40)  # under mask 0: never read
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
     torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator),
-                               reference.token_advantage(batch, KTAEConfig(), cuda.DEFAULT_TUNING), rtol=0.0, atol=1e-6)
+                               reference.token_advantage(batch, KTAEConfig(), None), rtol=0.0, atol=1e-6)
     mask[1, 0] = mask[2, 1] = True
     responses[1, 0], responses[2, 1] = bad, bad - 2 if bad < 0 else bad + 2
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
@@ -321,4 +323,5 @@ def test_packed_slots_only_where_counts_fit_16_bits(emulator):
     wide = normalise_batch(responses, mask, rewards, index)  # two presence words
     assert not cuda._prepare(emulator, wide, KTAEConfig(), cuda.DEFAULT_TUNING).common["packed"]
     name, responses, mask, rewards, index = CASES[0]
-    assert cuda._prepare(emulator, normalise_batch(responses, mask, rewards, index), KTAEConfig(), cuda.DEFAULT_TUNING).common["packed"]
+    batch = normalise_batch(responses, mask, rewards, index)
+    assert cuda._prepare(emulator, batch, KTAEConfig(), cuda.DEFAULT_TUNING).common["packed"]
