@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from ktae_kernels import KTAEConfig, token_advantage
+from ktae_kernels.integrations.openrlhf import runtime_env, settings_from_env
+from ktae_kernels.integrations.shared import AdapterSettings
+from openrlhf_fakes import use_fake_openrlhf
 from verl_fakes import FakeTransferQueue, Meta
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -160,33 +163,21 @@ def test_openrlhf_reward_func_follows_the_contract():
     assert out["scores"].tolist() == [1.0, 0.0, 0.0] and out["rewards"].shape == (3,)
 
 
-def _fake_openrlhf(tmp_path, monkeypatch):
-    """A stand-in ``openrlhf`` package: ``cli.train_ppo_ray`` records its argv and whether Ray was
-    initialised; ``trainer.ppo_trainer`` holds a RemoteExperienceMaker for ``install`` to replace."""
-    cli = tmp_path / "openrlhf" / "cli"
-    trainer = tmp_path / "openrlhf" / "trainer"
-    cli.mkdir(parents=True)
-    trainer.mkdir(parents=True)
-    for d in (tmp_path / "openrlhf", cli, trainer):
-        (d / "__init__.py").write_text("")
-    (cli / "train_ppo_ray.py").write_text(
-        "import sys\nimport ray\nRUNS = sys.modules['openrlhf'].__dict__.setdefault('RUNS', [])\n"
-        "if __name__ == '__main__':\n    RUNS.append((list(sys.argv), ray.is_initialized()))\n")
-    (trainer / "ppo_trainer.py").write_text("class RemoteExperienceMaker:\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m == "openrlhf" or m.startswith("openrlhf.")]:
-        monkeypatch.delitem(sys.modules, name)
-
-
-def test_openrlhf_launcher_carries_a_full_config_to_the_workers(tmp_path, monkeypatch):
-    import pickle
-
-    ray = pytest.importorskip("ray")
-    _fake_openrlhf(tmp_path, monkeypatch)
-    launcher = _load(EXAMPLES / "openrlhf" / "train_ktae_ray.py", "train_ktae_ray")
+def _launcher_flags() -> list[str]:
+    """``run_ktae.sh``'s command line for the launcher (its one list of OpenRLHF flags)."""
     env = {**os.environ, "KTAE_PRINT_ARGS": "1"}
-    printed = subprocess.run(["bash", str(EXAMPLES / "openrlhf" / "run_ktae.sh")], env=env, capture_output=True,
-                             text=True, check=True).stdout.splitlines()
+    return subprocess.run(["bash", str(EXAMPLES / "openrlhf" / "run_ktae.sh")], env=env, capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+
+
+def test_openrlhf_launcher_hands_openrlhf_an_initialised_ray(tmp_path, monkeypatch):
+    """Contract test (``ray.init`` is stubbed; tests/test_integration_openrlhf.py starts real Ray with the
+    same runtime_env): the launcher validates the settings and the estimator before Ray starts, starts
+    Ray with ``runtime_env(settings)`` and runs OpenRLHF's CLI module with the flags after ``--``."""
+    ray = pytest.importorskip("ray")
+    use_fake_openrlhf(tmp_path, monkeypatch)
+    launcher = _load(EXAMPLES / "openrlhf" / "train_ktae_ray.py", "train_ktae_ray")
+    printed = _launcher_flags()
     started = {}
     monkeypatch.setattr(ray, "init", lambda **kw: started.update(kw))
     monkeypatch.setattr(ray, "is_initialized", lambda: bool(started))
@@ -195,16 +186,37 @@ def test_openrlhf_launcher_carries_a_full_config_to_the_workers(tmp_path, monkey
 
     (argv, initialised), = openrlhf.RUNS
     assert initialised and argv[1:] == printed[printed.index("--") + 1:]
-    assert "--algo.advantage.estimator" in argv and "group_norm" in argv
-    hook = pickle.loads(pickle.dumps(started["runtime_env"]["worker_process_setup_hook"]))  # as Ray ships it
-    maker = hook()  # what each worker runs at start-up
-    from openrlhf.trainer import ppo_trainer
-
-    from ktae_kernels.integrations.openrlhf import KTAEExperienceMakerMixin
-
-    assert ppo_trainer.RemoteExperienceMaker is maker and issubclass(maker, KTAEExperienceMakerMixin)
-    assert maker.ktae_config == KTAEConfig(ignore_token_ids=(151643,)) and maker.ktae_metrics == "advantages"
+    settings = AdapterSettings(KTAEConfig(ignore_token_ids=(151643,)))
+    assert started["runtime_env"] == runtime_env(settings)
+    assert settings_from_env(started["runtime_env"]["env_vars"]) == settings
     with pytest.raises(SystemExit, match="group outcome advantage"):
         launcher.main(["--", "--algo.advantage.estimator", "gae"])
     with pytest.raises(ValueError, match="--ktae has unknown keys"):
         launcher.main(["--ktae", '{"alhpa": 1}', "--", "--algo.advantage.estimator", "group_norm"])
+
+
+class _Parsed(Exception):
+    """Raised in place of OpenRLHF's training once its own parser has read the flags."""
+
+
+def test_openrlhf_parses_the_launcher_flags_with_its_own_parser(monkeypatch):
+    """OpenRLHF's own CLI parser (its module run as ``__main__`` until its first ``parse_args``) accepts
+    every flag of run_ktae.sh and reads the group estimator KTAE needs."""
+    pytest.importorskip("openrlhf.cli.train_ppo_ray", reason="OpenRLHF not installed (it needs CUDA and flash-attn)")
+    import argparse
+    import runpy
+
+    flags = _launcher_flags()
+    flags = flags[flags.index("--") + 1:]
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "argv", ["train_ppo_ray", *flags])
+    with pytest.raises(_Parsed) as parsed:
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
+    namespace = parsed.value.args[0]
+    estimator = getattr(namespace, "algo.advantage.estimator", None) or namespace.algo.advantage.estimator
+    assert estimator == "group_norm"

@@ -28,6 +28,7 @@ VERL_VERSION = tuple(int(x) for x in verl.__version__.split(".")[:2])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from ktae_kernels import KTAEConfig, key_token_scores, token_advantage  # noqa: E402
 from ktae_kernels.integrations import verl as ktae_verl  # noqa: E402
+from ktae_kernels.integrations.verl.trainers import V1_FIELDS  # noqa: E402
 from ktae_kernels.metrics import ktae_metrics  # noqa: E402
 
 SETTINGS = {"alpha": 1.0, "beta": 2.0, "ignore_token_ids": [3], "backend": "torch"}
@@ -131,7 +132,7 @@ def test_registering_twice_and_reloading_do_not_raise(monkeypatch):
     ktae_verl.register()
     reloaded = importlib.reload(ktae_verl)
     assert core_algos.get_adv_estimator_fn("ktae") is reloaded.compute_ktae_advantage
-    assert sum(type(f).__name__ == "_AfterImport" for f in sys.meta_path) == 1
+    assert sum(getattr(f, "owner", None) == "ktae_kernels.integrations.verl.loading" for f in sys.meta_path) == 1
     monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "ktae", lambda **kw: None)
     with pytest.raises(ValueError, match="already registered"):
         reloaded.register()
@@ -238,11 +239,11 @@ def test_v1_compute_advantage_gets_the_ids_in_every_mode(monkeypatch, mode):
     T = got.shape[1]
     expected = token_advantage(responses[:, :T], mask[:, :T], scores.sum(1), uid, config=KTAE)
     assert torch.equal(got, expected)
-    assert ["responses", "rm_scores"] in fake.gets
+    assert V1_FIELDS in fake.gets
     assert METRIC_KEYS <= set(metrics)
     grpo, grpo_metrics, fake = _run_v1(monkeypatch, mode, responses, mask, scores, uid, keys,
                                        _algorithm(adv_estimator="grpo"))
-    assert ["responses", "rm_scores"] not in fake.gets and not any(k.startswith("ktae/") for k in grpo_metrics)
+    assert V1_FIELDS not in fake.gets and not any(k.startswith("ktae/") for k in grpo_metrics)
 
 
 def test_v1_kl_in_reward_labels_by_task_score(monkeypatch):
@@ -346,12 +347,14 @@ def test_legacy_compute_advantage_passes_responses_scores_and_metrics():
 
 def test_metrics_modes():
     responses, mask, scores, uid = _verl_batch(seed=7)
-    for mode, names in [("off", set()), ("advantages", METRIC_KEYS),
-                        ("scores", METRIC_KEYS | {"ktae/distinct_tokens_per_group"})]:
+    logged = METRIC_KEYS | {"ktae/threads", "ktae/label_source/token_level_scores"}
+    for mode, names in [("off", set()), ("advantages", logged),
+                        ("scores", logged | {"ktae/distinct_tokens_per_group"})]:
         step = ktae_verl.StepInputs(responses=responses, scores=scores, metrics={})
         with ktae_verl.provide_step(step):
             ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=_algorithm(ktae={"metrics": mode}))
         assert set(step.metrics) == names, mode
+        assert step.metrics.get("ktae/threads", torch.get_num_threads()) == torch.get_num_threads()
     cheap, full = ({k: v for k, v in s.items() if k != "ktae/time_ms"} for s in (
         ktae_verl.ktae_step(responses, mask, scores, uid, ktae_verl.ktae_settings(_algorithm(ktae={"metrics": m})))[1]
         for m in ("advantages", "scores")))
