@@ -220,3 +220,66 @@ def test_openrlhf_parses_the_launcher_flags_with_its_own_parser(monkeypatch):
     namespace = parsed.value.args[0]
     estimator = getattr(namespace, "algo.advantage.estimator", None) or namespace.algo.advantage.estimator
     assert estimator == "group_norm"
+
+
+def test_verl_script_checks_the_plugin_before_launching(tmp_path):
+    """run_ktae.sh runs ``--check`` with its own overrides, then ``main_ppo``, both with
+    ``VERL_USE_EXTERNAL_MODULES`` naming the adapter (verl raises when that import fails); a failed check
+    stops the script before ``main_ppo``. ``python3`` is a stand-in that records its calls."""
+    log = tmp_path / "calls"
+    shim = tmp_path / "bin" / "python3"
+    shim.parent.mkdir()
+    shim.write_text('#!/usr/bin/env bash\necho "$VERL_USE_EXTERNAL_MODULES|$*" >> "$CALLS"\n'
+                    '[[ "$3" == "--check" ]] && exit "${CHECK_RC:-0}"\nexit 0\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}", "CALLS": str(log),
+           "VERL_USE_EXTERNAL_MODULES": "my_plugin", "DATA": "/data/ktae_math", "MODEL": "/models/qwen2.5-math-7b"}
+    script = str(EXAMPLES / "verl" / "run_ktae.sh")
+    subprocess.run(["bash", script, "dapo", "trainer.total_epochs=1"], env=env, check=True)
+    check, launch = log.read_text().splitlines()
+    overrides = " ".join(_overrides("dapo") + ["trainer.total_epochs=1"])
+    assert check == f"my_plugin,ktae_kernels.integrations.verl|-m ktae_kernels.integrations.verl --check {overrides}"
+    assert launch == f"my_plugin,ktae_kernels.integrations.verl|-m verl.trainer.main_ppo {overrides}"
+    log.unlink()
+    failed = subprocess.run(["bash", script, "grpo"], env={**env, "CHECK_RC": "1"}, capture_output=True)
+    assert failed.returncode == 1 and len(log.read_text().splitlines()) == 1
+
+
+def test_verl_script_overrides_pass_the_check():
+    """The script's own overrides pass ``--check``'s settings part (its plugin part: test_integration_verl)."""
+    pytest.importorskip("verl", reason="verl not installed: pip install -e '.[verl]'")
+    from ktae_kernels.integrations.verl.check import config_problem
+
+    for algo in ("grpo", "dapo"):
+        assert config_problem(_overrides(algo)) is None
+
+
+# --------------------------------------------------------------------------------- install lines
+#: files a user copies install commands from.
+INSTALL_DOCS = ["README.md", "docs/*.md", "examples/**/*.md", "examples/**/*.sh", "examples/**/*.py",
+                "ktae_kernels/integrations/**/*.py"]
+
+
+def _install_lines() -> list[tuple[str, str]]:
+    """``(file, command)`` for every ``pip install ...`` command (up to a comment, backtick or ``&&``)."""
+    import re
+
+    root = EXAMPLES.parent
+    paths = sorted({path for pattern in INSTALL_DOCS for path in root.glob(pattern)})
+    return [(str(path.relative_to(root)), command.strip()) for path in paths
+            for command in re.findall(r"pip install(?:(?!  #|`|&&|\\).)*", path.read_text())]
+
+
+def test_install_lines_never_name_the_package_from_pypi():
+    """ktae_kernels is not on PyPI: every install line installs it from a clone (``-e .``, ``.[extra]``) or
+    from ``git+`` with a URL whose owner is a plain ``<placeholder>``."""
+    import re
+
+    lines = _install_lines()
+    assert len(lines) >= 8
+    from_git = re.compile(r"""["']?[\w.-]+(\[[^\]]*\])?\s*@\s*git\+[^\s"']+["']?""")
+    for where, command in lines:
+        rest = from_git.sub("", command)
+        assert not re.search(r"ktae[_-]kernels", rest), f"{where}: `{command}` installs ktae_kernels from PyPI, where it is not"
+        for url in re.findall(r"git\+(\S+)", command):
+            assert re.search(r"/<[a-z-]+>/", url), f"{where}: `{command}`: the git URL's owner must be a <placeholder>"

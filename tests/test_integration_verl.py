@@ -360,3 +360,123 @@ def test_metrics_modes():
         for m in ("advantages", "scores")))
     for k, v in cheap.items():
         assert full[k] == pytest.approx(v, abs=1e-5)
+
+
+# ------------------------------------------------------------------- labels: reward_extra_info first
+def _dapo_rows(seed: int = 8, max_len: int = 12):
+    """verl v1 rows as the agent loop stores them (``list_of_dict_to_tensordict``), scored as verl's DAPO
+    reward manager does: ``rm_scores`` = math score (+1 / -1) + overlong penalty on the last token, and
+    ``extra_fields["reward_extra_info"]["acc"]`` the task correctness. Correct answers at the maximum
+    length score 1 - 1 = 0 (the issue's case). Returns (store, responses, mask, scores, uid, acc)."""
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    responses, mask, _, uid = _verl_batch(seed=seed)
+    responses, mask = responses[:, :max_len], mask[:, :max_len]
+    lengths = mask.long().sum(1).clamp(min=1)
+    mask = (torch.arange(max_len)[None, :] < lengths[:, None]).float()
+    g = torch.Generator().manual_seed(seed)
+    acc = torch.rand(len(uid), generator=g) < 0.5
+    acc[lengths == max_len] = True
+    penalty = torch.where(lengths == max_len, -1.0, 0.0)  # overlong buffer ending at max_len, factor 1
+    scores = torch.zeros(mask.shape)
+    scores[torch.arange(len(uid)), lengths - 1] = torch.where(acc, 1.0, -1.0) + penalty
+    rows = [{"responses": responses[i, :n], "response_mask": mask[i, :n].long(), "rm_scores": scores[i, :n],
+             "uid": str(uid[i]), "extra_fields": {"reward_extra_info": {"acc": bool(acc[i]), "score": 1.0}}}
+            for i, n in enumerate(lengths.tolist())]
+    return list_of_dict_to_tensordict(rows), responses, mask, scores, uid, acc
+
+
+def test_v1_labels_come_from_reward_extra_info_acc(monkeypatch):
+    """DAPO's overlong penalty turns a correct answer at the maximum length into a 0 score; the reward
+    manager's ``acc`` still says correct, and KTAE labels by it (``ktae/label_source/acc``)."""
+    trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base", reason="verl v1 deps missing: '.[verl]'")
+    store, responses, mask, scores, uid, acc = _dapo_rows()
+    assert ((scores.sum(1) > 0) != acc).any(), "some correct answers must score <= 0 under the penalty"
+    fake = FakeTransferQueue(store)
+    monkeypatch.setattr(trainer_base, "tq", fake)
+    trainer = object.__new__(trainer_base.get_trainer_cls("sync"))
+    trainer.config = OmegaConf.create({"algorithm": _algorithm(), "actor_rollout_ref": {"rollout": {"n": 4}}})
+    metrics = {}
+    keys = [f"{u}_{i}_0" for i, u in enumerate(uid)]
+    trainer._compute_advantage(Meta(keys), metrics=metrics)
+    got = fake.put["advantages"].to_padded_tensor(padding=0.0)
+    T = got.shape[1]
+    expected = token_advantage(responses[:, :T], mask[:, :T], scores[:, :T], uid, config=KTAE, correct=acc)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert metrics["ktae/label_source/acc"] == 1.0
+    by_score = token_advantage(responses[:, :T], mask[:, :T], scores[:, :T], uid, config=KTAE)
+    assert not torch.equal(expected, by_score)
+
+
+def test_labels_fall_back_to_the_task_score_and_correct_key_names_the_record():
+    responses, mask, scores, uid = _verl_batch(seed=9)
+    B = len(uid)
+    flags = np.arange(B) % 2 == 0
+    cases = [({"acc": list(flags)}, {}, flags, "acc"),                      # the default record
+             ({"acc": [True] * (B - 1) + [None]}, {}, scores.sum(1) > 0, "token_level_scores"),  # a row lacks it
+             ({"judge": list(flags)}, {"correct_key": "judge"}, flags, "judge"),
+             ({"acc": list(flags)}, {"correct_key": None}, scores.sum(1) > 0, "token_level_scores")]
+    for extra, ktae, labels, source in cases:
+        step = ktae_verl.StepInputs(responses=responses, scores=scores, extra=extra, metrics={})
+        with ktae_verl.provide_step(step):
+            adv, _ = ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=_algorithm(ktae=ktae))
+        want = token_advantage(responses, mask, scores.sum(1), uid, config=KTAE, correct=torch.as_tensor(labels))
+        assert torch.equal(adv, want), source
+        assert step.metrics[f"ktae/label_source/{source}"] == 1.0
+
+
+def test_legacy_labels_from_non_tensor_acc():
+    """The legacy trainer puts ``reward_extra_info`` columns into ``non_tensor_batch`` before the advantage."""
+    ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer", reason="verl trainer deps missing: '.[verl]'")
+    responses, mask, scores, uid = _verl_batch(seed=10)
+    acc = np.array([i % 3 == 0 for i in range(len(uid))])
+    data = DataProto.from_dict(tensors={"responses": responses, "response_mask": mask, "token_level_scores": scores,
+                                        "token_level_rewards": scores},
+                               non_tensors={"uid": uid, "acc": acc})
+    out = ray_trainer.compute_advantage(data, adv_estimator="ktae", config=_algorithm())
+    expected = token_advantage(responses, mask, scores, uid, config=KTAE, correct=torch.as_tensor(acc))
+    assert torch.equal(out.batch["advantages"], expected)
+    assert out.meta_info["ktae_metrics"]["ktae/label_source/acc"] == 1.0
+
+
+# ---------------------------------------------------------------- misspelled sections and --check
+def test_a_section_misspelled_close_to_ktae_fails_at_start_up():
+    from verl.utils import config as verl_config
+
+    bad = _compose("algorithm.adv_estimator=ktae", "+algorithm.ktea.weight=0")
+    with pytest.raises(ValueError, match="algorithm.ktea looks like a misspelled algorithm.ktae section"):
+        verl_config.validate_config(bad, use_reference_policy=False, use_critic=False)
+    good = _compose("algorithm.adv_estimator=ktae", "+algorithm.ktae.weight=0")
+    assert ktae_verl.check_trainer_config(good).config.weight == 0  # verl's own algorithm keys pass
+    assert ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=grpo", "+algorithm.ktea.weight=0")) is None
+
+
+def test_check_names_a_bad_section_and_passes_a_good_one():
+    from ktae_kernels.integrations.verl.check import config_problem
+
+    assert config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktae.alpha=2.0"]) is None
+    assert "unknown keys ['alhpa']" in config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktae.alhpa=2"])
+    assert "misspelled" in config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktea.weight=0"])
+    assert "not 'ktae'" in config_problem(["algorithm.adv_estimator=grpo"])
+
+
+@pytest.mark.slow
+def test_check_says_why_the_plugin_does_not_load(tmp_path):
+    """In a fresh process: plugins switched off, or the adapter failing to import (verl logs it at DEBUG
+    only), are named; VERL_USE_EXTERNAL_MODULES loads it."""
+    from ktae_kernels.integrations.verl.check import plugin_problem
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+           "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": ""}
+    assert "does not register the 'ktae' estimator" in plugin_problem(env)
+    assert plugin_problem({**env, "VERL_USE_EXTERNAL_MODULES": "ktae_kernels.integrations.verl"}) is None
+    (tmp_path / "sitecustomize.py").write_text(  # a broken install: one of the adapter's modules fails to import
+        "import sys\n"
+        "class Broken:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'ktae_kernels.integrations.verl.settings':\n"
+        "            raise ImportError('a broken install')\n"
+        "sys.meta_path.insert(0, Broken())\n")
+    problem = plugin_problem({**env, "VERL_USE_EXTERNAL_PLUGINS": "auto",
+                              "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])})
+    assert "raises" in problem and "DEBUG" in problem and "a broken install" in problem
