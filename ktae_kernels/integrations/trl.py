@@ -20,11 +20,14 @@ from trl import GRPOTrainer
 
 from ..api import key_token_scores
 from ..config import KTAEConfig
+from ..metrics import ktae_metrics
 from .gathered import grpo_groups, grpo_token_advantages
 from .shared import AdapterSettings, Labels, check_metrics_mode, correct_labels, rollout_baseline, step_metrics
 
 __all__ = ["KTAEGRPOMixin", "KTAEGRPOTrainer", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
 
+#: metrics averaged over tokens: across processes, weighted by each process's token count.
+TOKEN_METRICS = ("ktae/score_abs_mean", "ktae/key_token_share")
 #: extra key of the ``_generate_and_score_completions`` output: the ``[B]`` rollout advantages ``A_i``.
 ROLLOUT_KEY = "ktae_rollout_advantages"
 
@@ -167,8 +170,33 @@ class KTAEGRPOMixin:
                                           correct=local.correct)
         values = step_metrics(self.ktae_settings, local, started, scores=scores, advantages=advantages, mask=scored,
                               rollout_advantage=base, group=group[own])
+        if values and self.accelerator.num_processes > 1:
+            values = self._ktae_across_processes(values, scored.sum(), group, labels.correct)
         for name, value in values.items():
             self._metrics[mode][name].append(value)
+
+    def _ktae_across_processes(self, values: dict[str, float], tokens: Tensor, group: Tensor,
+                               correct: Tensor) -> dict[str, float]:
+        """This step's metrics over every process's rows: token-weighted means of the token metrics, the
+        mixed-group share of the gathered groups, the slowest process's time, the mean of the rest
+        (``distinct_tokens_per_group``: of each process's groups)."""
+        names = sorted(values)
+        row = torch.tensor([[values[n] for n in names] + [float(tokens)]], dtype=torch.float64,
+                           device=self.accelerator.device)
+        every = self.accelerator.gather(row).reshape(-1, len(names) + 1).cpu()
+        weights = every[:, -1]
+        merged = {}
+        for i, name in enumerate(names):
+            column = every[:, i]
+            if name in TOKEN_METRICS:
+                merged[name] = float((column * weights).sum() / weights.sum().clamp(min=1))
+            else:
+                merged[name] = float(column.max() if name == "ktae/time_ms" else column.mean())
+        none = torch.zeros(group.shape[0], 0)
+        merged["ktae/mixed_group_share"] = ktae_metrics(
+            advantages=none, mask=none, rollout_advantage=torch.zeros(group.shape[0]), group=group.cpu(),
+            correct=correct.cpu(), weight=0.0)["ktae/mixed_group_share"]
+        return merged
 
     # ------------------------------------------------------------------- sequence-level branches
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
