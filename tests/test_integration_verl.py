@@ -480,3 +480,23 @@ def test_check_says_why_the_plugin_does_not_load(tmp_path):
     problem = plugin_problem({**env, "VERL_USE_EXTERNAL_PLUGINS": "auto",
                               "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])})
     assert "raises" in problem and "DEBUG" in problem and "a broken install" in problem
+
+
+def test_a_misspelled_estimator_name_close_to_ktae_fails_at_start_up():
+    with pytest.raises(ValueError, match="algorithm.adv_estimator='ktea' is not a verl estimator; did you mean 'ktae'"):
+        ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktea"))
+    for name in ("grpo", "gae", "rloo", "reinforce_plus_plus"):
+        assert ktae_verl.check_trainer_config(_compose(f"algorithm.adv_estimator={name}")) is None
+
+
+def test_check_command_exits_non_zero_saying_why(monkeypatch, capsys):
+    from ktae_kernels.integrations.verl import check
+
+    monkeypatch.setattr(check, "plugin_problem", lambda: None)  # probed for real in the slow test above
+    assert check.main(["--check", "algorithm.adv_estimator=ktae", "+algorithm.ktae.alhpa=1"]) == 1
+    assert "ktae check failed: algorithm.ktae has unknown keys ['alhpa']" in capsys.readouterr().err
+    assert check.main(["--check", "algorithm.adv_estimator=ktae", "+algorithm.ktae.alpha=2"]) == 0
+    assert "ktae check passed" in capsys.readouterr().out
+    monkeypatch.setattr(check, "plugin_problem", lambda: "`import verl` does not register the 'ktae' estimator")
+    assert check.main(["--check", "algorithm.adv_estimator=ktae"]) == 1
+    assert "does not register" in capsys.readouterr().err

@@ -38,12 +38,24 @@ def misspelled_sections(algorithm: Any) -> list[str]:
     return [k for k in keys if k != ESTIMATOR and difflib.get_close_matches(k.lower(), [ESTIMATOR], cutoff=0.6)]
 
 
+def _check_estimator_name(name: str) -> None:
+    """Raise for an estimator name close to "ktae" that verl does not know (verl would fail only at the
+    first advantage step)."""
+    from verl.trainer.ppo import core_algos
+
+    if name not in core_algos.ADV_ESTIMATOR_REGISTRY and difflib.get_close_matches(name.lower(), [ESTIMATOR], cutoff=0.6):
+        raise ValueError(f"algorithm.adv_estimator={name!r} is not a verl estimator; did you mean {ESTIMATOR!r}?")
+
+
 def check_trainer_config(config: Any) -> AdapterSettings | None:
     """Check the KTAE part of verl's whole trainer config; the settings, or None unless
     ``algorithm.adv_estimator`` is "ktae". Called by the wrapped ``validate_config`` at start-up and by
     ``python -m ktae_kernels.integrations.verl --check``; call it in a custom launcher."""
     algorithm = _get(config, "algorithm")
-    if algorithm is None or not is_ktae(_get(algorithm, "adv_estimator")):
+    estimator = _get(algorithm, "adv_estimator") if algorithm is not None else None
+    if estimator is not None and not is_ktae(estimator):
+        _check_estimator_name(str(getattr(estimator, "value", estimator)))
+    if algorithm is None or not is_ktae(estimator):
         return None
     typos = misspelled_sections(algorithm)
     if typos:
