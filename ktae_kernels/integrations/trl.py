@@ -72,6 +72,7 @@ class KTAEGRPOMixin:
 
     @property
     def ktae_config(self) -> KTAEConfig:
+        """The method's settings (``ktae_settings.config``)."""
         return self.ktae_settings.config
 
     def _ktae_reward_columns(self, names: Sequence[str] | None) -> list[int] | None:
