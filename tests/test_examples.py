@@ -283,3 +283,21 @@ def test_install_lines_never_name_the_package_from_pypi():
         assert not re.search(r"ktae[_-]kernels", rest), f"{where}: `{command}` installs ktae_kernels from PyPI, where it is not"
         for url in re.findall(r"git\+(\S+)", command):
             assert re.search(r"/<[a-z-]+>/", url), f"{where}: `{command}`: the git URL's owner must be a <placeholder>"
+
+
+def test_examples_readme_openrlhf_snippets_run(monkeypatch):
+    """examples/README.md's OpenRLHF Python block starts Ray with the adapter's runtime_env (``ray.init`` is
+    stubbed: a contract test), and its ``ray job submit`` JSON names the setup hook and parses as settings."""
+    import json
+    import re
+
+    ray = pytest.importorskip("ray")
+    text = (EXAMPLES / "README.md").read_text()
+    block, = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "runtime_env" in b]
+    started = {}
+    monkeypatch.setattr(ray, "init", lambda **kw: started.update(kw))
+    exec(compile(block, "examples/README.md", "exec"), {})
+    assert started["runtime_env"] == runtime_env(AdapterSettings(KTAEConfig(ignore_token_ids=(151643,))))
+    job = json.loads(re.search(r"--runtime-env-json '(.*?)'", text, re.S).group(1))
+    assert job["worker_process_setup_hook"] == "ktae_kernels.integrations.openrlhf.worker_setup"
+    assert settings_from_env(job["env_vars"]) == AdapterSettings(KTAEConfig(ignore_token_ids=(151643,)), metrics="scores")
