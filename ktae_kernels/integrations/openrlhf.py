@@ -21,7 +21,6 @@ import torch
 from torch import Tensor
 
 from ..api import key_token_scores, token_advantage
-from ..config import KTAEConfig
 from .import_hooks import patch_on_import
 from .shared import AdapterSettings, column_values, correct_labels, settings_from_mapping, step_metrics
 
