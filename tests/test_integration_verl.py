@@ -363,51 +363,6 @@ def test_metrics_modes():
 
 
 # ------------------------------------------------------------------- labels: reward_extra_info first
-def _dapo_rows(seed: int = 8, max_len: int = 12):
-    """verl v1 rows as the agent loop stores them (``list_of_dict_to_tensordict``), scored as verl's DAPO
-    reward manager does: ``rm_scores`` = math score (+1 / -1) + overlong penalty on the last token, and
-    ``extra_fields["reward_extra_info"]["acc"]`` the task correctness. Correct answers at the maximum
-    length score 1 - 1 = 0 (the issue's case). Returns (store, responses, mask, scores, uid, acc)."""
-    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
-
-    responses, mask, _, uid = _verl_batch(seed=seed)
-    responses, mask = responses[:, :max_len], mask[:, :max_len]
-    lengths = mask.long().sum(1).clamp(min=1)
-    mask = (torch.arange(max_len)[None, :] < lengths[:, None]).float()
-    g = torch.Generator().manual_seed(seed)
-    acc = torch.rand(len(uid), generator=g) < 0.5
-    acc[lengths == max_len] = True
-    penalty = torch.where(lengths == max_len, -1.0, 0.0)  # overlong buffer ending at max_len, factor 1
-    scores = torch.zeros(mask.shape)
-    scores[torch.arange(len(uid)), lengths - 1] = torch.where(acc, 1.0, -1.0) + penalty
-    rows = [{"responses": responses[i, :n], "response_mask": mask[i, :n].long(), "rm_scores": scores[i, :n],
-             "uid": str(uid[i]), "extra_fields": {"reward_extra_info": {"acc": bool(acc[i]), "score": 1.0}}}
-            for i, n in enumerate(lengths.tolist())]
-    return list_of_dict_to_tensordict(rows), responses, mask, scores, uid, acc
-
-
-def test_v1_labels_come_from_reward_extra_info_acc(monkeypatch):
-    """DAPO's overlong penalty turns a correct answer at the maximum length into a 0 score; the reward
-    manager's ``acc`` still says correct, and KTAE labels by it (``ktae/label_source/acc``)."""
-    trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base", reason="verl v1 deps missing: '.[verl]'")
-    store, responses, mask, scores, uid, acc = _dapo_rows()
-    assert ((scores.sum(1) > 0) != acc).any(), "some correct answers must score <= 0 under the penalty"
-    fake = FakeTransferQueue(store)
-    monkeypatch.setattr(trainer_base, "tq", fake)
-    trainer = object.__new__(trainer_base.get_trainer_cls("sync"))
-    trainer.config = OmegaConf.create({"algorithm": _algorithm(), "actor_rollout_ref": {"rollout": {"n": 4}}})
-    metrics = {}
-    keys = [f"{u}_{i}_0" for i, u in enumerate(uid)]
-    trainer._compute_advantage(Meta(keys), metrics=metrics)
-    got = fake.put["advantages"].to_padded_tensor(padding=0.0)
-    T = got.shape[1]
-    expected = token_advantage(responses[:, :T], mask[:, :T], scores[:, :T], uid, config=KTAE, correct=acc)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    assert metrics["ktae/label_source/acc"] == 1.0
-    by_score = token_advantage(responses[:, :T], mask[:, :T], scores[:, :T], uid, config=KTAE)
-    assert not torch.equal(expected, by_score)
-
-
 def test_labels_fall_back_to_the_task_score_and_correct_key_names_the_record():
     responses, mask, scores, uid = _verl_batch(seed=9)
     B = len(uid)
@@ -500,3 +455,61 @@ def test_check_command_exits_non_zero_saying_why(monkeypatch, capsys):
     monkeypatch.setattr(check, "plugin_problem", lambda: "`import verl` does not register the 'ktae' estimator")
     assert check.main(["--check", "algorithm.adv_estimator=ktae"]) == 1
     assert "does not register" in capsys.readouterr().err
+
+
+class _CharTokenizer:
+    """One token per character (id = code point): what a reward manager needs to decode a response."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(int(i)) for i in ids if int(i) > 0)
+
+
+def test_v1_labels_under_verls_own_dapo_reward_manager(monkeypatch):
+    """verl's DAPO reward manager (math_dapo score, overlong buffer of 4 in 16 tokens) scores each response;
+    rows stored as verl's agent loop stores them reach verl's v1 ``_compute_advantage``: a correct answer
+    at the maximum length has ``rm_scores`` 1 - 1 = 0 but ``acc`` True, and KTAE labels it correct."""
+    trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base", reason="verl v1 deps missing: '.[verl]'")
+    dapo = pytest.importorskip("verl.experimental.reward_loop.reward_manager.dapo", reason="no reward-loop DAPO manager")
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    max_len = 16
+    config = OmegaConf.create({"reward": {"reward_kwargs": {"max_resp_len": max_len, "overlong_buffer_cfg": {
+        "enable": True, "len": 4, "penalty_factor": 1.0, "log": False}}}})
+    manager = dapo.DAPORewardManager(config, _CharTokenizer(), None)
+    padded = " " * 7 + "Answer: 5"  # correct, exactly max_len tokens: penalty -1
+    texts = {"p0": ["Answer: 5", "Answer: 7", padded, "Answer: 7"], "p1": ["Answer: 5", "so Answer: 7", "Answer: 7", padded]}
+    rows, uid = [], []
+    for prompt, answers in texts.items():
+        for text in answers:
+            ids = torch.tensor([ord(c) for c in text] + [0] * (max_len - len(text)))
+            data = DataProto.from_dict(
+                tensors={"responses": ids[None], "prompts": torch.tensor([[81]]),
+                         "attention_mask": torch.cat([torch.ones(1, dtype=torch.long), (ids > 0).long()])[None]},
+                non_tensors={"data_source": np.array(["math_dapo"], dtype=object),
+                             "reward_model": np.array([{"ground_truth": "5"}], dtype=object)})
+            out = manager.loop.run_until_complete(manager.run_single(data))
+            n = len(text)
+            score = torch.zeros(n)
+            score[-1] = float(out["reward_score"])
+            rows.append({"responses": ids[:n], "response_mask": torch.ones(n, dtype=torch.long), "rm_scores": score,
+                         "uid": prompt, "extra_fields": {"reward_extra_info": out["reward_extra_info"]}})
+            uid.append(prompt)
+    acc = torch.tensor([bool(r["extra_fields"]["reward_extra_info"]["acc"]) for r in rows])
+    task = torch.stack([r["rm_scores"].sum() for r in rows])
+    assert acc.tolist() == [True, False, True, False, True, False, False, True]
+    assert task[2] == 0 and task[7] == 0  # the correct answers at the maximum length
+    fake = FakeTransferQueue(list_of_dict_to_tensordict(rows))
+    monkeypatch.setattr(trainer_base, "tq", fake)
+    trainer = object.__new__(trainer_base.get_trainer_cls("sync"))
+    trainer.config = OmegaConf.create({"algorithm": _algorithm(), "actor_rollout_ref": {"rollout": {"n": 4}}})
+    metrics = {}
+    trainer._compute_advantage(Meta([f"{u}_{i}_0" for i, u in enumerate(uid)]), metrics=metrics)
+    got = fake.put["advantages"].to_padded_tensor(padding=0.0)
+    responses = torch.nn.utils.rnn.pad_sequence([r["responses"] for r in rows], batch_first=True)
+    mask = responses > 0
+    index = np.array(uid, dtype=object)
+    rewards = torch.nn.utils.rnn.pad_sequence([r["rm_scores"] for r in rows], batch_first=True)
+    want = token_advantage(responses, mask, rewards, index, config=KTAE, correct=acc)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert not torch.equal(want, token_advantage(responses, mask, rewards, index, config=KTAE, correct=task > 0))
+    assert metrics["ktae/label_source/acc"] == 1.0
