@@ -15,6 +15,9 @@ import pytest
 import torch
 
 from ktae_kernels import KTAEConfig, token_advantage
+from ktae_kernels.integrations.openrlhf import runtime_env, settings_from_env
+from ktae_kernels.integrations.shared import AdapterSettings
+from openrlhf_fakes import use_fake_openrlhf
 from verl_fakes import FakeTransferQueue, Meta
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -160,33 +163,21 @@ def test_openrlhf_reward_func_follows_the_contract():
     assert out["scores"].tolist() == [1.0, 0.0, 0.0] and out["rewards"].shape == (3,)
 
 
-def _fake_openrlhf(tmp_path, monkeypatch):
-    """A stand-in ``openrlhf`` package: ``cli.train_ppo_ray`` records its argv and whether Ray was
-    initialised; ``trainer.ppo_trainer`` holds a RemoteExperienceMaker for ``install`` to replace."""
-    cli = tmp_path / "openrlhf" / "cli"
-    trainer = tmp_path / "openrlhf" / "trainer"
-    cli.mkdir(parents=True)
-    trainer.mkdir(parents=True)
-    for d in (tmp_path / "openrlhf", cli, trainer):
-        (d / "__init__.py").write_text("")
-    (cli / "train_ppo_ray.py").write_text(
-        "import sys\nimport ray\nRUNS = sys.modules['openrlhf'].__dict__.setdefault('RUNS', [])\n"
-        "if __name__ == '__main__':\n    RUNS.append((list(sys.argv), ray.is_initialized()))\n")
-    (trainer / "ppo_trainer.py").write_text("class RemoteExperienceMaker:\n    pass\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    for name in [m for m in sys.modules if m == "openrlhf" or m.startswith("openrlhf.")]:
-        monkeypatch.delitem(sys.modules, name)
-
-
-def test_openrlhf_launcher_carries_a_full_config_to_the_workers(tmp_path, monkeypatch):
-    import pickle
-
-    ray = pytest.importorskip("ray")
-    _fake_openrlhf(tmp_path, monkeypatch)
-    launcher = _load(EXAMPLES / "openrlhf" / "train_ktae_ray.py", "train_ktae_ray")
+def _launcher_flags() -> list[str]:
+    """``run_ktae.sh``'s command line for the launcher (its one list of OpenRLHF flags)."""
     env = {**os.environ, "KTAE_PRINT_ARGS": "1"}
-    printed = subprocess.run(["bash", str(EXAMPLES / "openrlhf" / "run_ktae.sh")], env=env, capture_output=True,
-                             text=True, check=True).stdout.splitlines()
+    return subprocess.run(["bash", str(EXAMPLES / "openrlhf" / "run_ktae.sh")], env=env, capture_output=True,
+                          text=True, check=True).stdout.splitlines()
+
+
+def test_openrlhf_launcher_hands_openrlhf_an_initialised_ray(tmp_path, monkeypatch):
+    """Contract test (``ray.init`` is stubbed; tests/test_integration_openrlhf.py starts real Ray with the
+    same runtime_env): the launcher validates the settings and the estimator before Ray starts, starts
+    Ray with ``runtime_env(settings)`` and runs OpenRLHF's CLI module with the flags after ``--``."""
+    ray = pytest.importorskip("ray")
+    use_fake_openrlhf(tmp_path, monkeypatch)
+    launcher = _load(EXAMPLES / "openrlhf" / "train_ktae_ray.py", "train_ktae_ray")
+    printed = _launcher_flags()
     started = {}
     monkeypatch.setattr(ray, "init", lambda **kw: started.update(kw))
     monkeypatch.setattr(ray, "is_initialized", lambda: bool(started))
@@ -195,16 +186,118 @@ def test_openrlhf_launcher_carries_a_full_config_to_the_workers(tmp_path, monkey
 
     (argv, initialised), = openrlhf.RUNS
     assert initialised and argv[1:] == printed[printed.index("--") + 1:]
-    assert "--algo.advantage.estimator" in argv and "group_norm" in argv
-    hook = pickle.loads(pickle.dumps(started["runtime_env"]["worker_process_setup_hook"]))  # as Ray ships it
-    maker = hook()  # what each worker runs at start-up
-    from openrlhf.trainer import ppo_trainer
-
-    from ktae_kernels.integrations.openrlhf import KTAEExperienceMakerMixin
-
-    assert ppo_trainer.RemoteExperienceMaker is maker and issubclass(maker, KTAEExperienceMakerMixin)
-    assert maker.ktae_config == KTAEConfig(ignore_token_ids=(151643,)) and maker.ktae_metrics == "advantages"
+    settings = AdapterSettings(KTAEConfig(ignore_token_ids=(151643,)))
+    assert started["runtime_env"] == runtime_env(settings)
+    assert settings_from_env(started["runtime_env"]["env_vars"]) == settings
     with pytest.raises(SystemExit, match="group outcome advantage"):
         launcher.main(["--", "--algo.advantage.estimator", "gae"])
     with pytest.raises(ValueError, match="--ktae has unknown keys"):
         launcher.main(["--ktae", '{"alhpa": 1}', "--", "--algo.advantage.estimator", "group_norm"])
+
+
+class _Parsed(Exception):
+    """Raised in place of OpenRLHF's training once its own parser has read the flags."""
+
+
+def test_openrlhf_parses_the_launcher_flags_with_its_own_parser(monkeypatch):
+    """OpenRLHF's own CLI parser (its module run as ``__main__`` until its first ``parse_args``) accepts
+    every flag of run_ktae.sh and reads the group estimator KTAE needs."""
+    pytest.importorskip("openrlhf.cli.train_ppo_ray", reason="OpenRLHF not installed (it needs CUDA and flash-attn)")
+    import argparse
+    import runpy
+
+    flags = _launcher_flags()
+    flags = flags[flags.index("--") + 1:]
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(original(self, args, namespace))
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(sys, "argv", ["train_ppo_ray", *flags])
+    with pytest.raises(_Parsed) as parsed:
+        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
+    namespace = parsed.value.args[0]
+    estimator = getattr(namespace, "algo.advantage.estimator", None) or namespace.algo.advantage.estimator
+    assert estimator == "group_norm"
+
+
+def test_verl_script_checks_the_plugin_before_launching(tmp_path):
+    """run_ktae.sh runs ``--check`` with its own overrides, then ``main_ppo``, both with
+    ``VERL_USE_EXTERNAL_MODULES`` naming the adapter (verl raises when that import fails); a failed check
+    stops the script before ``main_ppo``. ``python3`` is a stand-in that records its calls."""
+    log = tmp_path / "calls"
+    shim = tmp_path / "bin" / "python3"
+    shim.parent.mkdir()
+    shim.write_text('#!/usr/bin/env bash\necho "$VERL_USE_EXTERNAL_MODULES|$*" >> "$CALLS"\n'
+                    '[[ "$3" == "--check" ]] && exit "${CHECK_RC:-0}"\nexit 0\n')
+    shim.chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim.parent}{os.pathsep}{os.environ['PATH']}", "CALLS": str(log),
+           "VERL_USE_EXTERNAL_MODULES": "my_plugin", "DATA": "/data/ktae_math", "MODEL": "/models/qwen2.5-math-7b"}
+    script = str(EXAMPLES / "verl" / "run_ktae.sh")
+    subprocess.run(["bash", script, "dapo", "trainer.total_epochs=1"], env=env, check=True)
+    check, launch = log.read_text().splitlines()
+    overrides = " ".join(_overrides("dapo") + ["trainer.total_epochs=1"])
+    assert check == f"my_plugin,ktae_kernels.integrations.verl|-m ktae_kernels.integrations.verl --check {overrides}"
+    assert launch == f"my_plugin,ktae_kernels.integrations.verl|-m verl.trainer.main_ppo {overrides}"
+    log.unlink()
+    failed = subprocess.run(["bash", script, "grpo"], env={**env, "CHECK_RC": "1"}, capture_output=True)
+    assert failed.returncode == 1 and len(log.read_text().splitlines()) == 1
+
+
+def test_verl_script_overrides_pass_the_check():
+    """The script's own overrides pass ``--check``'s settings part (its plugin part: test_integration_verl)."""
+    pytest.importorskip("verl", reason="verl not installed: pip install -e '.[verl]'")
+    from ktae_kernels.integrations.verl.check import config_problem
+
+    for algo in ("grpo", "dapo"):
+        assert config_problem(_overrides(algo)) is None
+
+
+# --------------------------------------------------------------------------------- install lines
+#: files a user copies install commands from.
+INSTALL_DOCS = ["README.md", "docs/*.md", "examples/**/*.md", "examples/**/*.sh", "examples/**/*.py",
+                "ktae_kernels/integrations/**/*.py"]
+
+
+def _install_lines() -> list[tuple[str, str]]:
+    """``(file, command)`` for every ``pip install ...`` command (up to a comment, backtick or ``&&``)."""
+    import re
+
+    root = EXAMPLES.parent
+    paths = sorted({path for pattern in INSTALL_DOCS for path in root.glob(pattern)})
+    return [(str(path.relative_to(root)), command.strip()) for path in paths
+            for command in re.findall(r"pip install(?:(?!  #|`|&&|\\).)*", path.read_text())]
+
+
+def test_install_lines_never_name_the_package_from_pypi():
+    """ktae_kernels is not on PyPI: every install line installs it from a clone (``-e .``, ``.[extra]``) or
+    from ``git+`` with a URL whose owner is a plain ``<placeholder>``."""
+    import re
+
+    lines = _install_lines()
+    assert len(lines) >= 8
+    from_git = re.compile(r"""["']?[\w.-]+(\[[^\]]*\])?\s*@\s*git\+[^\s"']+["']?""")
+    for where, command in lines:
+        rest = from_git.sub("", command)
+        assert not re.search(r"ktae[_-]kernels", rest), f"{where}: `{command}` installs ktae_kernels from PyPI, where it is not"
+        for url in re.findall(r"git\+(\S+)", command):
+            assert re.search(r"/<[a-z-]+>/", url), f"{where}: `{command}`: the git URL's owner must be a <placeholder>"
+
+
+def test_examples_readme_openrlhf_snippets_run(monkeypatch):
+    """examples/README.md's OpenRLHF Python block starts Ray with the adapter's runtime_env (``ray.init`` is
+    stubbed: a contract test), and its ``ray job submit`` JSON names the setup hook and parses as settings."""
+    import json
+    import re
+
+    ray = pytest.importorskip("ray")
+    text = (EXAMPLES / "README.md").read_text()
+    block, = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "runtime_env" in b]
+    started = {}
+    monkeypatch.setattr(ray, "init", lambda **kw: started.update(kw))
+    exec(compile(block, "examples/README.md", "exec"), {})
+    assert started["runtime_env"] == runtime_env(AdapterSettings(KTAEConfig(ignore_token_ids=(151643,))))
+    job = json.loads(re.search(r"--runtime-env-json '(.*?)'", text, re.S).group(1))
+    assert job["worker_process_setup_hook"] == "ktae_kernels.integrations.openrlhf.worker_setup"
+    assert settings_from_env(job["env_vars"]) == AdapterSettings(KTAEConfig(ignore_token_ids=(151643,)), metrics="scores")

@@ -4,89 +4,18 @@ Experience fields and shapes, action tokens as the last A columns of ``sequences
 (OpenRLHF's advantages first, KTAE's score term added)."""
 from __future__ import annotations
 
-import sys
-import types
-from dataclasses import dataclass, field
-
 import numpy as np
 import pytest
 import torch
 
 from ktae_kernels import KTAEConfig, token_advantage
 from ktae_kernels.integrations import openrlhf as ktae_openrlhf
+from ktae_kernels.integrations.shared import AdapterSettings
+from openrlhf_fakes import N, FakeRemoteExperienceMaker, group_norm, use_fake_openrlhf
+from openrlhf_fakes import experiences as _experiences
+from openrlhf_fakes import rollouts as _rollouts
 
-N = 4  # n_samples_per_prompt
-
-
-@dataclass
-class Experience:
-    """The fields of openrlhf.trainer.ppo_utils.experience.Experience that the hook reads or writes."""
-
-    sequences: torch.Tensor  # (b, S) prompt + response, right-padded with pad id
-    action_mask: torch.Tensor  # (b, A), action j is sequences[:, S - A + j]
-    rewards: torch.Tensor  # (b,)
-    index: list  # each rollout's position in the rollout batch
-    advantages: torch.Tensor | None = None
-    returns: torch.Tensor | None = None
-    info: dict = field(default_factory=dict)
-
-
-def _rollouts(seed: int = 0, prompts: int = 3):
-    """Per rollout (position i): prompt + multi-turn response ids and the action mask over S - 1 positions
-    (OpenRLHF's vLLM path: ``action_mask[j]`` marks ``sequences[j + 1]``)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(prompts * N):
-        prompt = rng.integers(100, 110, size=rng.integers(2, 5))
-        response = rng.integers(3, 15, size=rng.integers(1, 9))
-        seq = torch.as_tensor(np.concatenate([prompt, response]))
-        action = torch.zeros(len(seq) - 1, dtype=torch.bool)
-        action[len(prompt) - 1:] = True
-        if len(response) > 3:
-            action[len(prompt)] = False  # a tool-output token inside the response
-        out.append((i, seq, action, float(rng.random() < 0.5)))
-    return out
-
-
-def _experiences(rollouts, order, micro: int):
-    """Concatenate rollouts in ``order`` into micro-batches as Experience.concat_experiences does."""
-    pad = lambda ts, v: torch.nn.utils.rnn.pad_sequence(ts, batch_first=True, padding_value=v)  # noqa: E731
-    batches = []
-    for k in range(0, len(order), micro):
-        part = [rollouts[i] for i in order[k:k + micro]]
-        batches.append(Experience(sequences=pad([p[1] for p in part], 0), action_mask=pad([p[2] for p in part], False),
-                                  rewards=torch.tensor([p[3] for p in part]), index=[p[0] for p in part]))
-    return batches
-
-
-def _group_norm(experiences):
-    """OpenRLHF's group_norm with gamma = 1 and no KL: the rollout advantage on every action token."""
-    index = torch.tensor([i for e in experiences for i in e.index])
-    raw = torch.cat([e.rewards for e in experiences])
-    r = torch.empty_like(raw)
-    r[index] = raw
-    r = r.reshape(-1, N)
-    r = ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-9)).reshape(-1)[index]
-    start = 0
-    for e in experiences:
-        b = e.action_mask.shape[0]
-        e.advantages = r[start:start + b, None] * e.action_mask.float()
-        e.returns = e.advantages.clone()
-        start += b
-    return experiences
-
-
-class FakeRemoteExperienceMaker:
-    """RemoteExperienceMaker's compute_advantages_and_returns for the group_norm estimator."""
-
-    def __init__(self, estimator: str = "group_norm"):
-        algo = types.SimpleNamespace(advantage=types.SimpleNamespace(estimator=estimator))
-        self.strategy = types.SimpleNamespace(args=types.SimpleNamespace(algo=algo, rollout=types.SimpleNamespace(
-            n_samples_per_prompt=N)))
-
-    def compute_advantages_and_returns(self, experiences):
-        return _group_norm(experiences)
-
+_group_norm = group_norm
 
 def _expected(rollouts, config):
     """One-batch token_advantage with OpenRLHF's group_norm advantage as A_i, per rollout position."""
@@ -104,7 +33,7 @@ def _expected(rollouts, config):
 def test_mixin_adds_scores_to_group_norm_advantages(config):
     rollouts = _rollouts()
     order = list(np.random.default_rng(1).permutation(len(rollouts)))  # seqlen-balanced batches reorder rollouts
-    maker_cls = type("Maker", (ktae_openrlhf.KTAEExperienceMakerMixin, FakeRemoteExperienceMaker), {"ktae_config": config})
+    maker_cls = type("Maker", (ktae_openrlhf.KTAEExperienceMakerMixin, FakeRemoteExperienceMaker), {"ktae_settings": AdapterSettings(config)})
     experiences = maker_cls().compute_advantages_and_returns(_experiences(rollouts, order, micro=5))
     expected = _expected(rollouts, config)
     for e in experiences:
@@ -120,7 +49,7 @@ def test_score_term_uses_the_last_action_columns():
     rollouts = _rollouts(seed=2, prompts=2)
     experiences = _group_norm(_experiences(rollouts, list(range(len(rollouts))), len(rollouts)))
     before = experiences[0].advantages.clone()
-    term = ktae_openrlhf.add_key_token_scores(experiences, n_samples_per_prompt=N, config=KTAEConfig())
+    term = ktae_openrlhf.add_key_token_scores(experiences, n_samples_per_prompt=N)
     e = experiences[0]
     A = e.action_mask.shape[1]
     scores = token_advantage(e.sequences[:, -A:], e.action_mask, e.rewards, torch.tensor(e.index) // N,
@@ -136,15 +65,6 @@ def test_gae_is_refused():
         maker_cls("gae").compute_advantages_and_returns(_experiences(_rollouts(), list(range(12)), 12))
 
 
-def test_install_replaces_the_trainer_experience_maker(monkeypatch):
-    trainer_module = _fake_openrlhf(monkeypatch)
-    first = ktae_openrlhf.install(KTAEConfig(top=0.5), backend="torch")
-    again = ktae_openrlhf.install()
-    assert trainer_module.RemoteExperienceMaker is again
-    assert again.__bases__ == (ktae_openrlhf.KTAEExperienceMakerMixin, FakeRemoteExperienceMaker)
-    assert first.ktae_config == KTAEConfig(top=0.5) and first.ktae_backend == "torch"
-
-
 def test_task_scores_label_correct_and_metrics_reach_info():
     """OpenRLHF's binary ``scores`` split correct / wrong even when the shaped ``rewards`` say otherwise."""
     rollouts = _rollouts(seed=3, prompts=3)
@@ -153,7 +73,8 @@ def test_task_scores_label_correct_and_metrics_reach_info():
         e.scores = e.rewards.clone()
         e.rewards = e.rewards - 1.5  # e.g. length penalties: every shaped reward < 0
     config = KTAEConfig()
-    term = ktae_openrlhf.add_key_token_scores(experiences, n_samples_per_prompt=N, config=config, metrics="scores")
+    term = ktae_openrlhf.add_key_token_scores(experiences, n_samples_per_prompt=N,
+                                              settings=AdapterSettings(config, metrics="scores"))
     A = max(e.action_mask.shape[1] for e in experiences)
     ids = torch.cat([torch.nn.functional.pad(e.sequences[:, -e.action_mask.shape[1]:], (0, A - e.action_mask.shape[1]))
                      for e in experiences])
@@ -175,32 +96,127 @@ def test_task_scores_label_correct_and_metrics_reach_info():
         assert "ktae/time_ms" in e.info
 
 
-def _fake_openrlhf(monkeypatch):
-    trainer_module = types.ModuleType("openrlhf.trainer.ppo_trainer")
-    trainer_module.RemoteExperienceMaker = FakeRemoteExperienceMaker
-    package = types.ModuleType("openrlhf.trainer")
-    package.ppo_trainer = trainer_module
-    monkeypatch.setitem(sys.modules, "openrlhf", types.ModuleType("openrlhf"))
-    monkeypatch.setitem(sys.modules, "openrlhf.trainer", package)
-    monkeypatch.setitem(sys.modules, "openrlhf.trainer.ppo_trainer", trainer_module)
-    return trainer_module
+def test_install_patches_the_trainer_module_only_when_it_is_imported(tmp_path, monkeypatch):
+    """``install`` imports nothing of OpenRLHF; the trainer module is patched when imported, again
+    (on OpenRLHF's own class) when installed again, and at once when already imported."""
+    import sys
+
+    use_fake_openrlhf(tmp_path, monkeypatch)
+    settings = AdapterSettings(KTAEConfig(top=0.5), backend="torch", metrics="scores")
+    ktae_openrlhf.install(settings)
+    assert "openrlhf.trainer.ppo_trainer" not in sys.modules
+    from openrlhf.trainer import ppo_trainer
+
+    maker = ppo_trainer.RemoteExperienceMaker
+    assert maker.__bases__ == (ktae_openrlhf.KTAEExperienceMakerMixin, FakeRemoteExperienceMaker)
+    assert maker.ktae_settings == settings
+    ktae_openrlhf.install(AdapterSettings())
+    assert ppo_trainer.RemoteExperienceMaker.__bases__[1] is FakeRemoteExperienceMaker
+    assert ppo_trainer.RemoteExperienceMaker.ktae_settings == AdapterSettings()
+    assert sum(getattr(f, "owner", None) == ktae_openrlhf.__name__ for f in sys.meta_path) == 1
 
 
-def test_settings_reach_the_worker_with_ignore_token_ids(monkeypatch):
-    """Both worker_process_setup_hook forms carry a full KTAEConfig, ignore_token_ids included."""
-    import pickle
-
-    trainer_module = _fake_openrlhf(monkeypatch)
-    config = KTAEConfig(ignore_token_ids=(151643, 7), beta=2.0)
-    hook = pickle.loads(pickle.dumps(ktae_openrlhf.setup_hook(config, backend="torch", metrics="scores")))
-    maker = hook()
-    assert trainer_module.RemoteExperienceMaker is maker
-    assert (maker.ktae_config, maker.ktae_backend, maker.ktae_metrics) == (config, "torch", "scores")
-    monkeypatch.setenv("KTAE_OPENRLHF", '{"ignore_token_ids": [151643, 7], "beta": 2.0, "backend": "torch"}')
-    maker = ktae_openrlhf.install()  # the string form: "ktae_kernels.integrations.openrlhf.install"
-    assert (maker.ktae_config, maker.ktae_backend, maker.ktae_metrics) == (config, "torch", "advantages")
-    monkeypatch.setenv("KTAE_OPENRLHF", '{"alhpa": 1}')
+def test_settings_travel_as_json_with_ignore_token_ids():
+    config = KTAEConfig(ignore_token_ids=(151643, 7), beta=2.0, weight=0.5)
+    settings = AdapterSettings(config, backend="torch", metrics="scores", correct_key="accuracy")
+    env = {ktae_openrlhf.ENV_VAR: ktae_openrlhf.settings_json(settings)}
+    assert ktae_openrlhf.settings_from_env(env) == settings
+    assert ktae_openrlhf.settings_from_env({}) == AdapterSettings()
     with pytest.raises(ValueError, match="KTAE_OPENRLHF has unknown keys \\['alhpa'\\]"):
-        ktae_openrlhf.install()
-    with pytest.raises(ValueError, match="metrics"):
-        ktae_openrlhf.setup_hook(metrics="all")
+        ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: '{"alhpa": 1}'})
+    with pytest.raises(ValueError, match="KTAE_OPENRLHF must hold a JSON object"):
+        ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: "{"})
+
+
+def test_runtime_env_merges_openrlhfs_own_and_the_users():
+    """OpenRLHF's defaults (zero-copy tensors, NCCL_DEBUG, TOKENIZERS_PARALLELISM) are kept; a value set in
+    the launching shell or in the user's runtime_env wins; the hook is the named function's path."""
+    settings = AdapterSettings(KTAEConfig(weight=0.5))
+    env = ktae_openrlhf.runtime_env(settings, base={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "X": "1"},
+                                                    "working_dir": "."}, environ={"NCCL_DEBUG": "INFO"})
+    assert env["worker_process_setup_hook"] == "ktae_kernels.integrations.openrlhf.worker_setup"
+    assert env["working_dir"] == "."
+    assert env["env_vars"] == {"TOKENIZERS_PARALLELISM": "false", "NCCL_DEBUG": "INFO", "X": "1",
+                               "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1",
+                               "KTAE_OPENRLHF": ktae_openrlhf.settings_json(settings)}
+    with pytest.raises(ValueError, match="worker_process_setup_hook"):
+        ktae_openrlhf.runtime_env(base={"worker_process_setup_hook": "my.hook"})
+
+
+def test_label_source_preference_info_then_scores_then_rewards():
+    """``info[correct_key]`` (a reward function's extra field) over the binary ``scores`` over the shaped
+    ``rewards``; the source is logged as ``ktae/label_source/<name>``."""
+    rollouts = _rollouts(seed=4, prompts=3)
+    rng = np.random.default_rng(0)
+    acc = torch.tensor(rng.random(len(rollouts)) < 0.5, dtype=torch.float32)
+
+    def run(with_info: bool, with_scores: bool):
+        experiences = _group_norm(_experiences(rollouts, list(range(len(rollouts))), 6))
+        for e in experiences:
+            if with_scores:
+                e.scores = 1.0 - e.rewards
+            if with_info:
+                e.info["acc"] = acc[e.index]
+        settings = AdapterSettings(KTAEConfig(), metrics="advantages")
+        term = ktae_openrlhf.add_key_token_scores(experiences, n_samples_per_prompt=N, settings=settings)
+        return term, experiences
+
+    ids_mask = _expected_inputs(rollouts)
+    for with_info, with_scores, source, labels in [(True, True, "acc", acc > 0),
+                                                   (False, True, "scores", ids_mask[2] < 1),
+                                                   (False, False, "reward", ids_mask[2] > 0)]:
+        term, experiences = run(with_info, with_scores)
+        ids, mask, rewards = ids_mask
+        zero = torch.zeros(len(rewards), dtype=torch.float64)
+        want = token_advantage(ids, mask, rewards, torch.arange(len(rewards)) // N, rollout_advantage=zero,
+                               correct=labels)
+        assert torch.equal(term, want), source
+        assert float(experiences[0].info[f"ktae/label_source/{source}"][0]) == 1.0
+        assert not any(k.startswith("ktae/label_source/") and not k.endswith(source) for k in experiences[0].info)
+
+
+def _expected_inputs(rollouts):
+    """(ids, mask, rewards) of the rollouts in position order, padded to the widest action mask."""
+    A = max(len(r[2]) for r in rollouts)
+    ids = torch.stack([torch.nn.functional.pad(r[1][1:], (0, A - len(r[2]))) for r in rollouts])
+    mask = torch.stack([torch.nn.functional.pad(r[2], (0, A - len(r[2]))) for r in rollouts])
+    return ids, mask, torch.tensor([r[3] for r in rollouts])
+
+
+@pytest.mark.slow
+def test_real_ray_runs_the_named_hook_and_the_trainer_actor_builds_ktae(tmp_path):
+    """Real Ray (``ray.init`` with the launcher's runtime_env): Ray accepts the named setup hook; a worker
+    that builds no trainer has the hook installed but imports nothing of OpenRLHF; the trainer actor's
+    experience maker is KTAE's with the configured settings and its advantages equal the driver's."""
+    import os
+
+    ray = pytest.importorskip("ray")
+    import openrlhf_fakes
+
+    root = openrlhf_fakes.write_fake_openrlhf(tmp_path)
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([str(root), tests_dir, os.path.dirname(tests_dir)])
+    settings = AdapterSettings(KTAEConfig(ignore_token_ids=(5,), weight=0.5), backend="torch", metrics="scores")
+    env = ktae_openrlhf.runtime_env(settings, base={"env_vars": {"PYTHONPATH": path, "NCCL_DEBUG": "INFO"}})
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=1, runtime_env=env, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        plain = ray.get(ray.remote(openrlhf_fakes.worker_state).remote(), timeout=60)
+        trainer = ray.remote(num_cpus=0)(openrlhf_fakes.TrainerActor).remote()
+        built = ray.get(trainer.step.remote(seed=5, micro=5), timeout=60)
+    finally:
+        ray.shutdown()
+    assert plain == {"hooked": True, "trainer_imported": False, "openrlhf_imported": False,
+                     "env": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1", "NCCL_DEBUG": "INFO",
+                             "TOKENIZERS_PARALLELISM": "true"}}
+    assert built["maker"] == "KTAERemoteExperienceMaker" and built["settings"] == settings
+    rollouts = _rollouts(seed=5)
+    order = list(np.random.default_rng(5).permutation(len(rollouts)))
+    expected = _group_norm(_experiences(rollouts, order, 5))
+    ktae_openrlhf.add_key_token_scores(expected, n_samples_per_prompt=N, settings=settings)
+    for got, want, index, info in zip(built["advantages"], expected, built["index"], built["info"]):
+        assert index == want.index and torch.equal(got, want.advantages)
+        assert float(info["ktae/threads"][0]) >= 1 and "ktae/distinct_tokens_per_group" in info
+    assert any(not torch.equal(e.advantages, g.advantages)
+               for e, g in zip(expected, _group_norm(_experiences(rollouts, order, 5))))

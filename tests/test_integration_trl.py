@@ -148,29 +148,70 @@ def test_opsm_and_vespo_branch_on_the_rollout_sign(tmp_path, loss_type):
         assert set(used.flatten().sign().tolist()) <= set(trl_signs.tolist())
 
 
-def test_liger_layer_kernels_keep_ktae_advantages(tmp_path, monkeypatch):
-    """TRL 1.16 with use_liger_kernel applies Liger's layer kernels only (stand-in here: they need a GPU)
-    and keeps its own loss, so KTAE's [B, T] advantages reach the loss unchanged: nothing to refuse."""
-    import transformers.trainer
+def test_hub_kernels_keep_ktae_advantages_without_a_warning(tmp_path, monkeypatch):
+    """The setting TRL 1.16 prefers to ``use_liger_kernel`` (deprecated, FutureWarning):
+    ``model_init_kwargs={"use_kernels": True}`` (transformers' Hub kernels; a stand-in records the call
+    here, the kernels need a GPU). The model's layers change, the loss is TRL's own: KTAE's [B, T]
+    advantages reach it unchanged, and no FutureWarning is raised."""
+    import warnings
 
-    from ktae_kernels.integrations.trl import liger_loss_takes_sequence_advantages
+    from transformers import PreTrainedModel
 
-    if liger_loss_takes_sequence_advantages():
-        pytest.skip("this TRL routes the loss through Liger's fused GRPO loss: refused (tested below)")
-    applied = []
-    monkeypatch.setattr(transformers.trainer, "apply_liger_kernel",
-                        lambda model, config: applied.append(dict(config or {})), raising=False)
-    trainer = _Recording(_model(), reward_funcs=_even_majority, args=_args(tmp_path, use_liger_kernel=True),
-                         train_dataset=_prompts(), processing_class=_tokenizer())
+    requested = []
+    monkeypatch.setattr(PreTrainedModel, "set_use_kernels", lambda self, use, config=None: requested.append(use))
+    model_dir = tmp_path / "model"
+    _model().save_pretrained(model_dir)
+    args = _args(tmp_path, model_init_kwargs={"use_kernels": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        trainer = _Recording(str(model_dir), reward_funcs=_even_majority, args=args, train_dataset=_prompts(),
+                             processing_class=_tokenizer())
     trainer.seen = []
     losses = []
     original = trainer._compute_loss
     monkeypatch.setattr(trainer, "_compute_loss", lambda model, inputs: losses.append(inputs["advantages"]) or
                         original(model, inputs))
     trainer.train()
-    assert applied and applied[0].get("fused_linear_cross_entropy") is False
+    assert requested == [True]
     assert losses and all(a.dim() == 2 for a in losses)
     assert torch.equal(torch.cat(losses).sort(0).values, torch.cat([s["ktae"] for s in trainer.seen]).sort(0).values)
+
+
+def accuracy(completions, completion_ids, **kwargs):
+    """The task reward: 1 when most completion tokens have even ids."""
+    return _even_majority(completions, completion_ids)
+
+
+def formatted(completions, completion_ids, **kwargs):
+    """A format reward every completion earns."""
+    return [1.0] * len(completion_ids)
+
+
+def test_correct_reward_funcs_define_the_labels(tmp_path):
+    """A format reward plus an accuracy reward: by default a well-formatted wrong answer (1 + 0 > 0) counts
+    as correct; naming ``accuracy`` in ``ktae_correct_reward_funcs`` labels by it alone."""
+    def train(**ktae):
+        trainer = _Recording(_model(), reward_funcs=[formatted, accuracy], args=_args(tmp_path, reward_weights=[0.5, 1.0]),
+                             train_dataset=_prompts(), processing_class=_tokenizer(), **ktae)
+        trainer.seen = []
+        trainer.train()
+        return trainer
+
+    named = train(ktae_correct_reward_funcs=["accuracy"])
+    fallback = train()
+    for trainer, column, source in [(named, 1, "accuracy"), (fallback, None, "reward")]:
+        step = trainer.seen[0]
+        rewards = step["rewards"] * torch.tensor([0.5, 1.0])
+        correct = (rewards[:, column] if column is not None else rewards.nansum(1)) > 0
+        ids, mask = step["ids"], step["mask"]
+        group = torch.arange(ids.shape[0]) // G
+        want = token_advantage(ids, mask, rewards.nansum(1), group, rollout_advantage=step["trl"], correct=correct)
+        assert torch.equal(step["ktae"], want), source
+        assert trainer.state.log_history[0][f"ktae/label_source/{source}"] == 1.0
+    assert torch.all(fallback.seen[0]["ktae"] == fallback.seen[0]["trl"][:, None] * fallback.seen[0]["mask"])
+    with pytest.raises(ValueError, match="ktae_correct_reward_funcs.*'formatted', 'accuracy'.*'acc'"):
+        KTAEGRPOTrainer(_model(), reward_funcs=[formatted, accuracy], args=_args(tmp_path), train_dataset=_prompts(),
+                        processing_class=_tokenizer(), ktae_correct_reward_funcs=["acc"])
 
 
 def test_liger_loss_of_older_trl_is_refused(tmp_path, monkeypatch):
@@ -194,3 +235,48 @@ def test_own_baseline_instead_of_trls_advantage(tmp_path):
         rewards = step["rewards"].nansum(dim=1)
         expected = token_advantage(ids, mask, rewards, torch.arange(ids.shape[0]) // G, config=config)
         torch.testing.assert_close(step["ktae"], expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_log_metrics_of_the_whole_batch(tmp_path):
+    """Two CPU processes (gloo), 12 rows per step in groups of 4, so one group is split across the ranks:
+    each rank's advantages are its rows of the one-process result, and the logged ``ktae/*`` metrics are
+    those of all 12 rows (token metrics weighted by each rank's tokens, mixed groups of the gathered rows)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from ktae_kernels.metrics import ktae_metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    procs = [subprocess.Popen([sys.executable, os.path.join(here, "trl_rank.py"), str(tmp_path)],
+                              env={**os.environ, "PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                   "WORLD_SIZE": "2", "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2",
+                                   "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    steps = [r["seen"][0] for r in ranks]
+    T = max(s["ids"].shape[1] for s in steps)
+    pad = lambda t: torch.nn.functional.pad(t, (0, T - t.shape[1]))  # noqa: E731
+    ids, mask, ktae = (torch.cat([pad(s[k]) for s in steps]) for k in ("ids", "mask", "ktae"))
+    trl_adv = torch.cat([s["trl"] for s in steps])
+    rewards = steps[0]["rewards"].nansum(dim=1)
+    assert torch.equal(steps[0]["rewards"], steps[1]["rewards"]) and rewards.shape == (12,)
+    group = torch.arange(12) // G
+    assert torch.equal(ktae, token_advantage(ids, mask, rewards, group, rollout_advantage=trl_adv))
+    want = ktae_metrics(advantages=ktae, mask=mask.bool(), rollout_advantage=trl_adv, group=group, correct=rewards > 0)
+    logged = ranks[0]["logged"]
+    for name in ("ktae/score_abs_mean", "ktae/key_token_share", "ktae/mixed_group_share"):
+        assert logged[name] == pytest.approx(want[name], abs=1e-6), name
+    assert logged["ktae/label_source/reward"] == 1.0
+    own = ktae_metrics(advantages=steps[0]["ktae"], mask=steps[0]["mask"].bool(), rollout_advantage=steps[0]["trl"],
+                       group=group[:6], correct=rewards[:6] > 0)
+    assert any(own[n] != pytest.approx(want[n], abs=1e-6) for n in want), "rank 0's rows alone would log the same"

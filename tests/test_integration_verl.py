@@ -28,6 +28,7 @@ VERL_VERSION = tuple(int(x) for x in verl.__version__.split(".")[:2])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from ktae_kernels import KTAEConfig, key_token_scores, token_advantage  # noqa: E402
 from ktae_kernels.integrations import verl as ktae_verl  # noqa: E402
+from ktae_kernels.integrations.verl.trainers import V1_FIELDS  # noqa: E402
 from ktae_kernels.metrics import ktae_metrics  # noqa: E402
 
 SETTINGS = {"alpha": 1.0, "beta": 2.0, "ignore_token_ids": [3], "backend": "torch"}
@@ -131,7 +132,7 @@ def test_registering_twice_and_reloading_do_not_raise(monkeypatch):
     ktae_verl.register()
     reloaded = importlib.reload(ktae_verl)
     assert core_algos.get_adv_estimator_fn("ktae") is reloaded.compute_ktae_advantage
-    assert sum(type(f).__name__ == "_AfterImport" for f in sys.meta_path) == 1
+    assert sum(getattr(f, "owner", None) == "ktae_kernels.integrations.verl.loading" for f in sys.meta_path) == 1
     monkeypatch.setitem(core_algos.ADV_ESTIMATOR_REGISTRY, "ktae", lambda **kw: None)
     with pytest.raises(ValueError, match="already registered"):
         reloaded.register()
@@ -238,11 +239,11 @@ def test_v1_compute_advantage_gets_the_ids_in_every_mode(monkeypatch, mode):
     T = got.shape[1]
     expected = token_advantage(responses[:, :T], mask[:, :T], scores.sum(1), uid, config=KTAE)
     assert torch.equal(got, expected)
-    assert ["responses", "rm_scores"] in fake.gets
+    assert V1_FIELDS in fake.gets
     assert METRIC_KEYS <= set(metrics)
     grpo, grpo_metrics, fake = _run_v1(monkeypatch, mode, responses, mask, scores, uid, keys,
                                        _algorithm(adv_estimator="grpo"))
-    assert ["responses", "rm_scores"] not in fake.gets and not any(k.startswith("ktae/") for k in grpo_metrics)
+    assert V1_FIELDS not in fake.gets and not any(k.startswith("ktae/") for k in grpo_metrics)
 
 
 def test_v1_kl_in_reward_labels_by_task_score(monkeypatch):
@@ -346,14 +347,169 @@ def test_legacy_compute_advantage_passes_responses_scores_and_metrics():
 
 def test_metrics_modes():
     responses, mask, scores, uid = _verl_batch(seed=7)
-    for mode, names in [("off", set()), ("advantages", METRIC_KEYS),
-                        ("scores", METRIC_KEYS | {"ktae/distinct_tokens_per_group"})]:
+    logged = METRIC_KEYS | {"ktae/threads", "ktae/label_source/token_level_scores"}
+    for mode, names in [("off", set()), ("advantages", logged),
+                        ("scores", logged | {"ktae/distinct_tokens_per_group"})]:
         step = ktae_verl.StepInputs(responses=responses, scores=scores, metrics={})
         with ktae_verl.provide_step(step):
             ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=_algorithm(ktae={"metrics": mode}))
         assert set(step.metrics) == names, mode
+        assert step.metrics.get("ktae/threads", torch.get_num_threads()) == torch.get_num_threads()
     cheap, full = ({k: v for k, v in s.items() if k != "ktae/time_ms"} for s in (
         ktae_verl.ktae_step(responses, mask, scores, uid, ktae_verl.ktae_settings(_algorithm(ktae={"metrics": m})))[1]
         for m in ("advantages", "scores")))
     for k, v in cheap.items():
         assert full[k] == pytest.approx(v, abs=1e-5)
+
+
+# ------------------------------------------------------------------- labels: reward_extra_info first
+def test_labels_fall_back_to_the_task_score_and_correct_key_names_the_record():
+    responses, mask, scores, uid = _verl_batch(seed=9)
+    B = len(uid)
+    flags = np.arange(B) % 2 == 0
+    cases = [({"acc": list(flags)}, {}, flags, "acc"),                      # the default record
+             ({"acc": [True] * (B - 1) + [None]}, {}, scores.sum(1) > 0, "token_level_scores"),  # a row lacks it
+             ({"judge": list(flags)}, {"correct_key": "judge"}, flags, "judge"),
+             ({"acc": list(flags)}, {"correct_key": None}, scores.sum(1) > 0, "token_level_scores")]
+    for extra, ktae, labels, source in cases:
+        step = ktae_verl.StepInputs(responses=responses, scores=scores, extra=extra, metrics={})
+        with ktae_verl.provide_step(step):
+            adv, _ = ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=_algorithm(ktae=ktae))
+        want = token_advantage(responses, mask, scores.sum(1), uid, config=KTAE, correct=torch.as_tensor(labels))
+        assert torch.equal(adv, want), source
+        assert step.metrics[f"ktae/label_source/{source}"] == 1.0
+
+
+def test_legacy_labels_from_non_tensor_acc():
+    """The legacy trainer puts ``reward_extra_info`` columns into ``non_tensor_batch`` before the advantage."""
+    ray_trainer = pytest.importorskip("verl.trainer.ppo.ray_trainer", reason="verl trainer deps missing: '.[verl]'")
+    responses, mask, scores, uid = _verl_batch(seed=10)
+    acc = np.array([i % 3 == 0 for i in range(len(uid))])
+    data = DataProto.from_dict(tensors={"responses": responses, "response_mask": mask, "token_level_scores": scores,
+                                        "token_level_rewards": scores},
+                               non_tensors={"uid": uid, "acc": acc})
+    out = ray_trainer.compute_advantage(data, adv_estimator="ktae", config=_algorithm())
+    expected = token_advantage(responses, mask, scores, uid, config=KTAE, correct=torch.as_tensor(acc))
+    assert torch.equal(out.batch["advantages"], expected)
+    assert out.meta_info["ktae_metrics"]["ktae/label_source/acc"] == 1.0
+
+
+# ---------------------------------------------------------------- misspelled sections and --check
+def test_a_section_misspelled_close_to_ktae_fails_at_start_up():
+    from verl.utils import config as verl_config
+
+    bad = _compose("algorithm.adv_estimator=ktae", "+algorithm.ktea.weight=0")
+    with pytest.raises(ValueError, match="algorithm.ktea looks like a misspelled algorithm.ktae section"):
+        verl_config.validate_config(bad, use_reference_policy=False, use_critic=False)
+    good = _compose("algorithm.adv_estimator=ktae", "+algorithm.ktae.weight=0")
+    assert ktae_verl.check_trainer_config(good).config.weight == 0  # verl's own algorithm keys pass
+    assert ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=grpo", "+algorithm.ktea.weight=0")) is None
+
+
+def test_check_names_a_bad_section_and_passes_a_good_one():
+    from ktae_kernels.integrations.verl.check import config_problem
+
+    assert config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktae.alpha=2.0"]) is None
+    assert "unknown keys ['alhpa']" in config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktae.alhpa=2"])
+    assert "misspelled" in config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktea.weight=0"])
+    assert "not 'ktae'" in config_problem(["algorithm.adv_estimator=grpo"])
+
+
+@pytest.mark.slow
+def test_check_says_why_the_plugin_does_not_load(tmp_path):
+    """In a fresh process: plugins switched off, or the adapter failing to import (verl logs it at DEBUG
+    only), are named; VERL_USE_EXTERNAL_MODULES loads it."""
+    from ktae_kernels.integrations.verl.check import plugin_problem
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+           "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": ""}
+    assert "does not register the 'ktae' estimator" in plugin_problem(env)
+    assert plugin_problem({**env, "VERL_USE_EXTERNAL_MODULES": "ktae_kernels.integrations.verl"}) is None
+    (tmp_path / "sitecustomize.py").write_text(  # a broken install: one of the adapter's modules fails to import
+        "import sys\n"
+        "class Broken:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'ktae_kernels.integrations.verl.settings':\n"
+        "            raise ImportError('a broken install')\n"
+        "sys.meta_path.insert(0, Broken())\n")
+    problem = plugin_problem({**env, "VERL_USE_EXTERNAL_PLUGINS": "auto",
+                              "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])})
+    assert "raises" in problem and "DEBUG" in problem and "a broken install" in problem
+
+
+def test_a_misspelled_estimator_name_close_to_ktae_fails_at_start_up():
+    with pytest.raises(ValueError, match="algorithm.adv_estimator='ktea' is not a verl estimator; did you mean 'ktae'"):
+        ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktea"))
+    for name in ("grpo", "gae", "rloo", "reinforce_plus_plus"):
+        assert ktae_verl.check_trainer_config(_compose(f"algorithm.adv_estimator={name}")) is None
+
+
+def test_check_command_exits_non_zero_saying_why(monkeypatch, capsys):
+    from ktae_kernels.integrations.verl import check
+
+    monkeypatch.setattr(check, "plugin_problem", lambda: None)  # probed for real in the slow test above
+    assert check.main(["--check", "algorithm.adv_estimator=ktae", "+algorithm.ktae.alhpa=1"]) == 1
+    assert "ktae check failed: algorithm.ktae has unknown keys ['alhpa']" in capsys.readouterr().err
+    assert check.main(["--check", "algorithm.adv_estimator=ktae", "+algorithm.ktae.alpha=2"]) == 0
+    assert "ktae check passed" in capsys.readouterr().out
+    monkeypatch.setattr(check, "plugin_problem", lambda: "`import verl` does not register the 'ktae' estimator")
+    assert check.main(["--check", "algorithm.adv_estimator=ktae"]) == 1
+    assert "does not register" in capsys.readouterr().err
+
+
+class _CharTokenizer:
+    """One token per character (id = code point): what a reward manager needs to decode a response."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(int(i)) for i in ids if int(i) > 0)
+
+
+def test_v1_labels_under_verls_own_dapo_reward_manager(monkeypatch):
+    """verl's DAPO reward manager (math_dapo score, overlong buffer of 4 in 16 tokens) scores each response;
+    rows stored as verl's agent loop stores them reach verl's v1 ``_compute_advantage``: a correct answer
+    at the maximum length has ``rm_scores`` 1 - 1 = 0 but ``acc`` True, and KTAE labels it correct."""
+    trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base", reason="verl v1 deps missing: '.[verl]'")
+    dapo = pytest.importorskip("verl.experimental.reward_loop.reward_manager.dapo", reason="no reward-loop DAPO manager")
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    max_len = 16
+    config = OmegaConf.create({"reward": {"reward_kwargs": {"max_resp_len": max_len, "overlong_buffer_cfg": {
+        "enable": True, "len": 4, "penalty_factor": 1.0, "log": False}}}})
+    manager = dapo.DAPORewardManager(config, _CharTokenizer(), None)
+    padded = " " * 7 + "Answer: 5"  # correct, exactly max_len tokens: penalty -1
+    texts = {"p0": ["Answer: 5", "Answer: 7", padded, "Answer: 7"], "p1": ["Answer: 5", "so Answer: 7", "Answer: 7", padded]}
+    rows, uid = [], []
+    for prompt, answers in texts.items():
+        for text in answers:
+            ids = torch.tensor([ord(c) for c in text] + [0] * (max_len - len(text)))
+            data = DataProto.from_dict(
+                tensors={"responses": ids[None], "prompts": torch.tensor([[81]]),
+                         "attention_mask": torch.cat([torch.ones(1, dtype=torch.long), (ids > 0).long()])[None]},
+                non_tensors={"data_source": np.array(["math_dapo"], dtype=object),
+                             "reward_model": np.array([{"ground_truth": "5"}], dtype=object)})
+            out = manager.loop.run_until_complete(manager.run_single(data))
+            n = len(text)
+            score = torch.zeros(n)
+            score[-1] = float(out["reward_score"])
+            rows.append({"responses": ids[:n], "response_mask": torch.ones(n, dtype=torch.long), "rm_scores": score,
+                         "uid": prompt, "extra_fields": {"reward_extra_info": out["reward_extra_info"]}})
+            uid.append(prompt)
+    acc = torch.tensor([bool(r["extra_fields"]["reward_extra_info"]["acc"]) for r in rows])
+    task = torch.stack([r["rm_scores"].sum() for r in rows])
+    assert acc.tolist() == [True, False, True, False, True, False, False, True]
+    assert task[2] == 0 and task[7] == 0  # the correct answers at the maximum length
+    fake = FakeTransferQueue(list_of_dict_to_tensordict(rows))
+    monkeypatch.setattr(trainer_base, "tq", fake)
+    trainer = object.__new__(trainer_base.get_trainer_cls("sync"))
+    trainer.config = OmegaConf.create({"algorithm": _algorithm(), "actor_rollout_ref": {"rollout": {"n": 4}}})
+    metrics = {}
+    trainer._compute_advantage(Meta([f"{u}_{i}_0" for i, u in enumerate(uid)]), metrics=metrics)
+    got = fake.put["advantages"].to_padded_tensor(padding=0.0)
+    responses = torch.nn.utils.rnn.pad_sequence([r["responses"] for r in rows], batch_first=True)
+    mask = responses > 0
+    index = np.array(uid, dtype=object)
+    rewards = torch.nn.utils.rnn.pad_sequence([r["rm_scores"] for r in rows], batch_first=True)
+    want = token_advantage(responses, mask, rewards, index, config=KTAE, correct=acc)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert not torch.equal(want, token_advantage(responses, mask, rewards, index, config=KTAE, correct=task > 0))
+    assert metrics["ktae/label_source/acc"] == 1.0

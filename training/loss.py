@@ -5,6 +5,8 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from ktae_kernels.integrations.shared import dense_groups
+
 from .rollout import Rollouts
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
@@ -17,7 +19,8 @@ def grpo_advantage(rewards: Tensor, group: Tensor, *, eps: float = 1e-6, norm_by
     rewards: float ``[N]``; group: int64 ``[N]`` group ids (every group needs >= 2 rollouts).
     """
     rewards = rewards.to(torch.float64)
-    _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
+    inverse, counts = dense_groups(group)
+    inverse, counts = inverse.to(rewards.device), counts.to(rewards.device)
     if bool((counts < 2).any()):
         raise ValueError("grpo_advantage needs at least 2 rollouts per group")
     n = counts.to(torch.float64)

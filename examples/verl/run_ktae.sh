@@ -3,12 +3,15 @@
 # G = 16 rollouts per prompt, 1024 prompts per step, responses up to 3072 tokens, lr 1e-6, temperature 1.0;
 # DAPO: clip 0.2 / 0.28, token-mean loss, overlong buffer 512, groups filtered on accuracy.
 #
-#   pip install "ktae_kernels[verl]" vllm           # verl's plugin entry point loads KTAE: nothing else to set
+#   pip install -e ".[verl]" vllm                   # in a clone of ktae_kernels (not on PyPI); or, without a clone:
+#   pip install "ktae_kernels[verl] @ git+https://github.com/<your-org>/ktae_kernels" vllm
 #   python examples/verl/prepare_math.py --out ~/data/ktae_math
 #   bash examples/verl/run_ktae.sh grpo             # or: dapo; extra Hydra overrides may follow
 #
 # KTAE is one line: algorithm.adv_estimator=ktae (+algorithm.ktae.* for its settings). The trainer is verl's own
 # (any trainer.v1.trainer_mode). KTAE_PRINT_OVERRIDES=1 prints the overrides instead of launching (the tests use it).
+# Before launching, the script checks that `import verl` registers KTAE and that the algorithm.ktae settings parse
+# (python -m ktae_kernels.integrations.verl --check), so a broken install fails here, not after model load.
 # Sized for one node of 8 x 80 GB GPUs; scale trainer.nnodes / n_gpus_per_node and the micro-batch settings.
 set -euo pipefail
 
@@ -101,4 +104,8 @@ if [[ "${KTAE_PRINT_OVERRIDES:-0}" == "1" ]]; then
   exit 0
 fi
 
+# verl imports VERL_USE_EXTERNAL_MODULES before its plugins and raises when that import fails (a plugin that fails
+# is only logged at DEBUG): KTAE loads loudly in the driver whatever the entry point does.
+export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:+$VERL_USE_EXTERNAL_MODULES,}ktae_kernels.integrations.verl"
+python3 -m ktae_kernels.integrations.verl --check "${COMMON[@]}" "${ALGO_ARGS[@]}" "$@"
 exec python3 -m verl.trainer.main_ppo "${COMMON[@]}" "${ALGO_ARGS[@]}" "$@"

@@ -1,54 +1,33 @@
-"""TRL adapter: ``GRPOTrainer`` with KTAE token-level advantages ``[B, T]``.
+"""TRL adapter: ``KTAEGRPOTrainer``, a drop-in ``GRPOTrainer`` whose advantages are KTAE's ``[B, T]``.
 
-``KTAEGRPOTrainer(model, reward_funcs, args=GRPOConfig(...), ..., ktae_config=KTAEConfig())`` is a
-drop-in ``GRPOTrainer``. It overrides ``_generate_and_score_completions`` (TRL has no advantage hook;
-its maintainers advise this override) and returns ``advantages`` of shape ``[B, T]``, which TRL's
-loss accepts (``_compute_loss`` unsqueezes only 1-D advantages).
-
-Groups: TRL gathers the rewards of all processes, forms groups of ``num_generations`` consecutive
-rows of that gathered batch and keeps this process's slice, so a group can straddle processes. The
-per-token statistics of such a group are merged across processes with
-``token_advantage(..., process_group=WORLD)`` (``ktae_kernels.distributed``), which needs the
-"auto" / "torch" backend when ``num_processes > 1``.
-
-Loss types. TRL's per-token losses (grpo, bnpo, dr_grpo, dapo, luspo, cispo, sapo) take the ``[B, T]``
-advantages token by token; PPO clipping and SAPO's temperature then follow each token's sign, as
-KTAE intends. Two places in TRL are sequence-level by design and branch on the sign of "the"
-advantage: the off-policy sequence mask (``off_policy_mask_threshold``, OPSM: keep a sequence if its
-advantage is >= 0 or its KL is small) and VESPO's sequence weight ``phi`` (``k``/``lambda`` by sign).
-There the mixin passes the rollout's own advantage ``A_i`` (TRL's, or ``ktae_config.baseline``'s), so
-a sequence is kept or weighted as a whole, as TRL defines it; the per-token KTAE advantages still
-multiply the loss.
-
-Liger: TRL >= 1.16 applies only Liger's layer kernels with ``use_liger_kernel=True`` (the loss stays
-TRL's own ``_compute_loss``), so KTAE works with it. Older TRL 1.x routed the loss through Liger's
-fused GRPO loss, which takes ``(B,)`` advantages only: that combination is refused.
-
-Logging: ``ktae/*`` metrics (``ktae_kernels.metrics``) go to TRL's ``_metrics`` (averaged per logging
-step like TRL's own); ``ktae_metrics="scores"`` adds one ``key_token_scores`` call and
-``ktae/distinct_tokens_per_group``, "off" logs nothing. The completions table's ``advantage`` column
-shows each completion's mean KTAE advantage over its tokens, not TRL's per-sequence value.
+It overrides ``_generate_and_score_completions`` (TRL has no advantage hook; its maintainers advise
+this override); TRL's per-token losses take ``[B, T]`` advantages. Groups of ``num_generations``
+gathered rows may straddle processes: their statistics are merged with ``process_group=WORLD``
+("auto" / "torch" backend). Where TRL branches per sequence on the advantage's sign (OPSM's
+off-policy mask, VESPO's weight) the rollout's own ``A_i`` is passed. Correct / wrong: the reward
+functions named by ``ktae_correct_reward_funcs``, else the weighted reward. See docs/integrations.md.
 """
 from __future__ import annotations
 
 import inspect
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from trl import GRPOTrainer
 
-from .. import method
 from ..api import key_token_scores
 from ..config import KTAEConfig
 from ..metrics import ktae_metrics
-from . import check_metrics_mode
 from .gathered import grpo_groups, grpo_token_advantages
+from .shared import AdapterSettings, Labels, check_metrics_mode, correct_labels, rollout_baseline, step_metrics
 
 __all__ = ["KTAEGRPOMixin", "KTAEGRPOTrainer", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
 
+#: metrics averaged over tokens: across processes, weighted by each process's token count.
+TOKEN_METRICS = ("ktae/score_abs_mean", "ktae/key_token_share")
 #: extra key of the ``_generate_and_score_completions`` output: the ``[B]`` rollout advantages ``A_i``.
 ROLLOUT_KEY = "ktae_rollout_advantages"
 
@@ -64,28 +43,48 @@ class KTAEGRPOMixin:
 
     Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto"),
     ``ktae_use_trl_advantage`` (True: ``A_i`` is TRL's own advantage, following its ``scale_rewards``
-    and ``multi_objective_aggregation``; False: ``ktae_config.baseline`` on the weighted reward) and
-    ``ktae_metrics`` ("advantages", "scores" or "off"; see the module docstring).
-    A rollout is correct when its weighted reward is > ``ktae_config.correct_threshold``.
+    and ``multi_objective_aggregation``; False: ``ktae_config.baseline`` on the weighted reward),
+    ``ktae_metrics`` ("advantages", "scores" or "off") and ``ktae_correct_reward_funcs`` (names of the
+    reward functions that define correctness, e.g. ``["accuracy"]``: a rollout is correct when their
+    weighted sum is > ``ktae_config.correct_threshold``; None: the weighted sum of all of them).
     """
 
     def __init__(self, *args: Any, ktae_config: KTAEConfig | None = None, ktae_backend: str = "auto",
-                 ktae_use_trl_advantage: bool = True, ktae_metrics: str = "advantages", **kwargs: Any) -> None:
+                 ktae_use_trl_advantage: bool = True, ktae_metrics: str = "advantages",
+                 ktae_correct_reward_funcs: Sequence[str] | None = None, **kwargs: Any) -> None:
         training_args = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs).arguments.get("args")
         if (training_args is not None and getattr(training_args, "use_liger_kernel", False)
                 and liger_loss_takes_sequence_advantages(type(self))):
             raise ValueError("KTAEGRPOTrainer: `args.use_liger_kernel=True` is not supported with this TRL version: "
                              "its Liger GRPO loss takes per-sequence (B,) advantages, KTAE's are per token (B, T). "
-                             "Upgrade to TRL >= 1.16 (Liger layer kernels only) or set use_liger_kernel=False")
+                             "Upgrade to TRL >= 1.16 or set use_liger_kernel=False")
         if ktae_config is not None and not isinstance(ktae_config, KTAEConfig):
             raise ValueError(f"`ktae_config` must be a KTAEConfig or None, got {type(ktae_config).__name__}")
-        self.ktae_config = ktae_config or KTAEConfig()
-        self.ktae_backend = ktae_backend
+        if isinstance(ktae_correct_reward_funcs, str):
+            ktae_correct_reward_funcs = [ktae_correct_reward_funcs]
+        check_metrics_mode(ktae_metrics, "`ktae_metrics`")
+        self.ktae_settings = AdapterSettings(ktae_config or KTAEConfig(), ktae_backend, ktae_metrics)
         self.ktae_use_trl_advantage = ktae_use_trl_advantage
-        self.ktae_metrics = check_metrics_mode(ktae_metrics, "`ktae_metrics`")
         self._ktae_rewards_per_func: Tensor | None = None
         self._ktae_sequence_advantages: Tensor | None = None
         super().__init__(*args, **kwargs)
+        self.ktae_correct_columns = self._ktae_reward_columns(ktae_correct_reward_funcs)
+
+    @property
+    def ktae_config(self) -> KTAEConfig:
+        """The method's settings (``ktae_settings.config``)."""
+        return self.ktae_settings.config
+
+    def _ktae_reward_columns(self, names: Sequence[str] | None) -> list[int] | None:
+        """Columns of ``rewards_per_func`` of the named reward functions (None: no names)."""
+        if names is None:
+            return None
+        available = list(self.reward_func_names)
+        missing = [n for n in names if n not in available]
+        if missing or not names:
+            raise ValueError(f"`ktae_correct_reward_funcs` must name reward functions of this trainer, one of "
+                             f"{available}; got {list(names)}")
+        return [available.index(n) for n in names]
 
     # ----------------------------------------------------------------------------- advantages
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
@@ -95,12 +94,11 @@ class KTAEGRPOMixin:
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
         output = super()._generate_and_score_completions(inputs)  # type: ignore[misc]
-        start = time.perf_counter()
+        started = time.perf_counter()
         base = self._ktae_rollout_advantages(output)
         advantages = self.ktae_advantages(output, rollout_advantage=base)
-        elapsed = time.perf_counter() - start
         output[ROLLOUT_KEY] = base.to(advantages.device, torch.float32)
-        self._ktae_log(output, advantages, base, elapsed)
+        self._ktae_log(output, advantages, base, started)
         output["advantages"] = advantages
         return output
 
@@ -113,9 +111,22 @@ class KTAEGRPOMixin:
         return grpo_token_advantages(
             output["completion_ids"], self._ktae_mask(output), self._ktae_rewards_per_func, self.reward_weights,
             rollout_advantage, process_index=self.accelerator.process_index,
-            num_generations=self._ktae_num_generations(), config=self.ktae_config, backend=self.ktae_backend,
-            process_group=dist.group.WORLD if several else None,
+            num_generations=self._ktae_num_generations(), config=self.ktae_config,
+            backend=self.ktae_settings.backend, process_group=dist.group.WORLD if several else None,
+            correct=self.ktae_labels().correct,
         )
+
+    def ktae_labels(self) -> Labels:
+        """Correct / wrong flags of the gathered rows and their source (see the class docstring)."""
+        rewards, _, _ = grpo_groups(self._ktae_rewards_per_func, self.reward_weights,
+                                    num_generations=self._ktae_num_generations())
+        columns = self.ktae_correct_columns
+        if columns is None:
+            return correct_labels(rewards, self.ktae_config.correct_threshold)
+        weights = self.reward_weights.to(rewards.device)[columns]
+        task = (self._ktae_rewards_per_func[:, columns] * weights).nansum(dim=1)
+        name = "+".join(self.reward_func_names[c] for c in columns)
+        return correct_labels(rewards, self.ktae_config.correct_threshold, [(name, task)])
 
     def _ktae_mask(self, output: dict[str, Any]) -> Tensor:
         mask = output["completion_mask"]
@@ -124,51 +135,69 @@ class KTAEGRPOMixin:
     def _ktae_num_generations(self) -> int:
         return self.num_generations if self.model.training else self.num_generations_eval
 
+    def _ktae_own_rows(self, batch_size: int) -> slice:
+        start = self.accelerator.process_index * batch_size
+        return slice(start, start + batch_size)
+
     def _ktae_rollout_advantages(self, output: dict[str, Any]) -> Tensor:
         """float64 ``[B]`` ``A_i`` of this process's rows (TRL's, or ``ktae_config.baseline`` over the
         gathered groups exactly as ``grpo_token_advantages`` forms them)."""
         if self.ktae_use_trl_advantage:
             return output["advantages"].detach().to(torch.float64)
-        B = output["completion_ids"].shape[0]
         rewards, group, _ = grpo_groups(self._ktae_rewards_per_func, self.reward_weights,
                                         num_generations=self._ktae_num_generations())
-        _, dense = torch.unique(group, return_inverse=True)
-        size = torch.bincount(dense)
-        base = method.rollout_advantage(rewards.to(torch.float64), dense, size, self.ktae_config, None)
-        start = self.accelerator.process_index * B
-        return base[start:start + B]
+        return rollout_baseline(rewards, group, self.ktae_config)[self._ktae_own_rows(output["completion_ids"].shape[0])]
 
     # ------------------------------------------------------------------------------- logging
-    def _ktae_log(self, output: dict[str, Any], advantages: Tensor, base: Tensor, elapsed: float) -> None:
+    def _ktae_log(self, output: dict[str, Any], advantages: Tensor, base: Tensor, started: float) -> None:
+        """The completions table's ``advantage`` column: each completion's mean KTAE advantage (gathered
+        over processes); the ``ktae/*`` metrics of this process's rows into TRL's ``_metrics``."""
         mode = "train" if self.model.training else "eval"
         mask = self._ktae_mask(output)
-        B = advantages.shape[0]
-        start = self.accelerator.process_index * B
-        rewards, group, unscorable = grpo_groups(self._ktae_rewards_per_func, self.reward_weights,
-                                                 num_generations=self._ktae_num_generations())
-        # the completions table: each completion's mean KTAE advantage instead of TRL's stale (B,) value
-        lengths = mask.sum(1).clamp(min=1)
-        mean = (advantages * mask).sum(1) / lengths
+        mean = (advantages * mask).sum(1) / mask.sum(1).clamp(min=1)
         gathered = self.accelerator.gather(mean.float()) if self.accelerator.num_processes > 1 else mean
         column = self._logs["advantages"]
         n = min(len(gathered), len(column))
         for i, value in enumerate(gathered[len(gathered) - n:].tolist()):
             column[len(column) - n + i] = value
-        if self.ktae_metrics == "off":
-            return
-        correct = rewards > self.ktae_config.correct_threshold
-        local = slice(start, start + B)
-        if self.ktae_metrics == "scores":
-            t0 = time.perf_counter()
-            kts = key_token_scores(output["completion_ids"], mask.bool() & ~unscorable[local, None],
-                                   rewards[local], group[local], config=self.ktae_config, backend=self.ktae_backend)
-            values = ktae_metrics(kts, elapsed_s=elapsed + time.perf_counter() - t0)
-        else:
-            values = ktae_metrics(advantages=advantages, mask=mask.bool() & ~unscorable[local, None],
-                                  rollout_advantage=base, group=group[local], correct=correct[local],
-                                  weight=self.ktae_config.weight, elapsed_s=elapsed)
+        rewards, group, unscorable = grpo_groups(self._ktae_rewards_per_func, self.reward_weights,
+                                                 num_generations=self._ktae_num_generations())
+        own = self._ktae_own_rows(advantages.shape[0])
+        labels = self.ktae_labels()
+        local = Labels(labels.correct[own], labels.source)
+        scored = mask.bool() & ~unscorable[own, None].to(mask.device)
+        scores = lambda: key_token_scores(output["completion_ids"], scored, rewards[own], group[own],  # noqa: E731
+                                          config=self.ktae_config, backend=self.ktae_settings.backend,
+                                          correct=local.correct)
+        values = step_metrics(self.ktae_settings, local, started, scores=scores, advantages=advantages, mask=scored,
+                              rollout_advantage=base, group=group[own])
+        if values and self.accelerator.num_processes > 1:
+            values = self._ktae_across_processes(values, scored.sum(), group, labels.correct)
         for name, value in values.items():
             self._metrics[mode][name].append(value)
+
+    def _ktae_across_processes(self, values: dict[str, float], tokens: Tensor, group: Tensor,
+                               correct: Tensor) -> dict[str, float]:
+        """This step's metrics over every process's rows: token-weighted means of the token metrics, the
+        mixed-group share of the gathered groups, the slowest process's time, the mean of the rest
+        (``distinct_tokens_per_group``: of each process's groups)."""
+        names = sorted(values)
+        row = torch.tensor([[values[n] for n in names] + [float(tokens)]], dtype=torch.float64,
+                           device=self.accelerator.device)
+        every = self.accelerator.gather(row).reshape(-1, len(names) + 1).cpu()
+        weights = every[:, -1]
+        merged = {}
+        for i, name in enumerate(names):
+            column = every[:, i]
+            if name in TOKEN_METRICS:
+                merged[name] = float((column * weights).sum() / weights.sum().clamp(min=1))
+            else:
+                merged[name] = float(column.max() if name == "ktae/time_ms" else column.mean())
+        none = torch.zeros(group.shape[0], 0)
+        merged["ktae/mixed_group_share"] = ktae_metrics(
+            advantages=none, mask=none, rollout_advantage=torch.zeros(group.shape[0]), group=group.cpu(),
+            correct=correct.cpu(), weight=0.0)["ktae/mixed_group_share"]
+        return merged
 
     # ------------------------------------------------------------------- sequence-level branches
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:

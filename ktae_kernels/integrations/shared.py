@@ -1,0 +1,168 @@
+"""What every framework adapter shares: the settings section, group ids and the rollout baseline,
+correctness labels with their source, and the ``ktae/*`` metrics of a step (by metrics mode).
+
+Framework-free, so it runs and is tested anywhere.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .. import method
+from ..config import KTAEConfig
+from ..metrics import ktae_metrics
+from ..types import KeyTokenScores
+
+#: what an adapter logs under ``ktae/``: "advantages" (default: derived from the advantages, no extra
+#: pass), "scores" (one more ``key_token_scores`` call, adds ``distinct_tokens_per_group``) or "off".
+METRICS_MODES = ("advantages", "scores", "off")
+#: keys of a framework's "ktae" settings section besides the KTAEConfig fields.
+EXTRA_KEYS = ("backend", "metrics", "correct_key")
+#: label source used when no task-correctness record is present: the reward the advantage is built on.
+REWARD_SOURCE = "reward"
+
+
+@dataclass(frozen=True)
+class AdapterSettings:
+    """A framework's KTAE settings: the method's ``config``, the ``backend``, the ``metrics`` mode and
+    ``correct_key``, the per-rollout record of task correctness to label rollouts by when the framework
+    has it (verl's ``reward_extra_info``, OpenRLHF's ``experience.info``; None: never)."""
+
+    config: KTAEConfig = KTAEConfig()
+    backend: str = "auto"
+    metrics: str = "advantages"
+    correct_key: str | None = "acc"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, KTAEConfig):
+            raise ValueError(f"`config` must be a KTAEConfig, got {type(self.config).__name__}")
+        check_metrics_mode(self.metrics)
+        if self.correct_key is not None and not (isinstance(self.correct_key, str) and self.correct_key):
+            raise ValueError(f"`correct_key` must be a non-empty string or None, got {self.correct_key!r}")
+
+
+def check_metrics_mode(mode: Any, where: str = "metrics") -> str:
+    """``mode`` when it is one of ``METRICS_MODES``; else ValueError naming ``where``."""
+    if mode not in METRICS_MODES:
+        raise ValueError(f"{where} must be one of {METRICS_MODES}, got {mode!r}")
+    return mode
+
+
+def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
+                          default_baseline: str | None = None) -> AdapterSettings:
+    """``AdapterSettings`` from a framework's settings mapping (dict, OmegaConf DictConfig).
+
+    Keys: any ``KTAEConfig`` field, plus ``backend`` ("auto"), ``metrics`` ("advantages") and
+    ``correct_key`` ("acc"). ``default_baseline`` applies when the mapping names no ``baseline``.
+    ``where`` names the section in error messages (every error is a ValueError).
+    """
+    if section is not None and not hasattr(section, "keys"):
+        raise ValueError(f"{where} must be a mapping of KTAEConfig fields, got {section!r}")
+    values = {str(k): section[k] for k in section} if section is not None else {}
+    known = {f.name for f in fields(KTAEConfig)}
+    unknown = sorted(set(values) - known - set(EXTRA_KEYS))
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}; expected KTAEConfig fields {sorted(known)} "
+                         f"or one of {list(EXTRA_KEYS)}")
+    backend = str(values.pop("backend", "auto"))
+    metrics = check_metrics_mode(values.pop("metrics", "advantages"), f"{where}.metrics")
+    correct_key = values.pop("correct_key", "acc")
+    if default_baseline is not None:
+        values.setdefault("baseline", default_baseline)
+    if "ignore_token_ids" in values:
+        ids = values["ignore_token_ids"]
+        values["ignore_token_ids"] = (ids,) if isinstance(ids, int) else tuple(ids)
+    try:
+        return AdapterSettings(KTAEConfig(**values), backend, metrics, correct_key)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+
+
+# ------------------------------------------------------------------------------ groups and baseline
+def dense_groups(index: Any) -> tuple[Tensor, Tensor]:
+    """``(group, size)``: int64 ``[B]`` dense ids of any group labels (a tensor, a numpy array, uid
+    strings, a list), numbered in sorted label order, and int64 ``[n_groups]`` rollouts per group."""
+    if isinstance(index, Tensor):
+        _, group = torch.unique(index.detach(), return_inverse=True)
+        group = group.reshape(-1)
+    else:
+        _, dense = np.unique(np.asarray(index), return_inverse=True)
+        group = torch.as_tensor(dense.reshape(-1), dtype=torch.int64)
+    size = torch.bincount(group, minlength=int(group.max()) + 1 if group.numel() else 0)
+    return group, size
+
+
+def rollout_baseline(rewards: Tensor, index: Any, config: KTAEConfig) -> Tensor:
+    """float64 ``[B]`` rollout advantages ``A_i`` of ``config.baseline`` within the groups of ``index``
+    (verl's GRPO for "grpo")."""
+    group, size = dense_groups(index)
+    return method.rollout_advantage(rewards.to(torch.float64), group.to(rewards.device), size.to(rewards.device),
+                                    config, None)
+
+
+# ------------------------------------------------------------------------------------------ labels
+@dataclass(frozen=True)
+class Labels:
+    """bool ``[B]`` correct / wrong flags of a step and where they came from (a record's name, or
+    ``REWARD_SOURCE``)."""
+
+    correct: Tensor
+    source: str
+
+
+def correct_labels(rewards: Tensor, threshold: float, sources: Sequence[tuple[str, Any]] = ()) -> Labels:
+    """Labels from the first of ``sources`` (``(name, [B] values or None)``, in order of preference)
+    that has values, else from ``rewards``; a rollout is correct when its value is > ``threshold``."""
+    for name, values in sources:
+        if values is not None:
+            flags = torch.as_tensor(np.asarray(values, dtype=np.float64) if not isinstance(values, Tensor)
+                                    else values.detach().to(torch.float64))
+            if flags.shape != rewards.shape[:1]:
+                raise ValueError(f"label source {name!r} has shape {tuple(flags.shape)}, expected "
+                                 f"({rewards.shape[0]},) (one value per rollout)")
+            return Labels(flags.to(rewards.device) > threshold, name)
+    return Labels(rewards.detach().to(torch.float64) > threshold, REWARD_SOURCE)
+
+
+def column_values(columns: Mapping[str, Any] | None, key: str | None) -> Any:
+    """``columns[key]`` (one value per rollout) when present with no value missing (None), else None."""
+    if columns is None or key is None:
+        return None
+    values = columns.get(key, None) if hasattr(columns, "get") else None
+    if values is None or (not isinstance(values, Tensor) and any(v is None for v in values)):
+        return None
+    return values
+
+
+# ----------------------------------------------------------------------------------------- metrics
+def threads_used(config: KTAEConfig) -> int:
+    """Thread count of the native CPU kernel: ``config.threads`` when set, else torch's."""
+    return getattr(config, "threads", None) or torch.get_num_threads()
+
+
+def step_metrics(settings: AdapterSettings, labels: Labels, started: float, *,
+                 scores: KeyTokenScores | Callable[[], KeyTokenScores] | None = None,
+                 advantages: Tensor | None = None, mask: Tensor | None = None,
+                 rollout_advantage: Tensor | None = None, group: Any = None) -> dict[str, float]:
+    """A step's ``ktae/*`` metrics by ``settings.metrics``: none for "off"; from ``scores`` when they
+    are already computed or the mode is "scores" (a callable computes them then); else from the
+    advantages (``advantages``, ``mask``, ``rollout_advantage``, ``group``). Adds ``ktae/time_ms`` since
+    ``started`` (``time.perf_counter()``), ``ktae/threads`` and ``ktae/label_source/<source>`` = 1."""
+    if settings.metrics == "off":
+        return {}
+    if isinstance(scores, KeyTokenScores):
+        values = ktae_metrics(scores)
+    elif settings.metrics == "scores" and scores is not None:
+        values = ktae_metrics(scores())
+    else:
+        values = ktae_metrics(advantages=advantages, mask=mask, rollout_advantage=rollout_advantage, group=group,
+                              correct=labels.correct, weight=settings.config.weight)
+    values["ktae/time_ms"] = 1000.0 * (time.perf_counter() - started)
+    values["ktae/threads"] = float(threads_used(settings.config))
+    values[f"ktae/label_source/{labels.source}"] = 1.0
+    return values
