@@ -94,6 +94,35 @@ class KeyTokenScores:
         i = int(hit[0])
         return {f.name: getattr(self, f.name)[i].item() for f in fields(self) if f.name in ROW_FIELDS}
 
+    def token_scores(self, responses: Tensor, index: Sequence) -> Tensor:
+        """float64 ``[B, L]``: ``score[group, responses[i, t]]`` for rollouts of any batch, the row of
+        rollout ``i`` found by its caller label ``index[i]`` (in ``group_labels``) and its token; 0
+        for a (group, token) pair with no row, an unknown label or a negative id."""
+        labels = {label: g for g, label in enumerate(np.asarray(self.group_labels).tolist())}
+        group = torch.tensor([labels.get(label, -1) for label in np.asarray(index).tolist()], dtype=torch.int64)
+        ids = responses.detach().cpu().long()
+        score = torch.zeros(ids.shape, dtype=torch.float64)
+        if len(self) == 0 or ids.numel() == 0:
+            return score
+        width = max(int(self.token.max()), int(ids.max())) + 1
+        keys = self.group.cpu() * width + self.token.cpu()  # sorted: rows are in (group, token) order
+        queries = group[:, None] * width + ids.clamp(min=0)
+        pos = torch.searchsorted(keys, queries).clamp(max=len(self) - 1)
+        found = (keys[pos] == queries) & (group[:, None] >= 0) & (ids >= 0)
+        return torch.where(found, self.score.cpu()[pos], 0.0)
+
+    def token_advantage(self, responses: Tensor, response_mask: Tensor, index: Sequence,
+                        rollout_advantage: Tensor, weight: float = 1.0) -> Tensor:
+        """float32 ``[B, L]`` on ``response_mask``'s device: ``(A_i + weight * token_scores) * mask``,
+        summed in float64 and rounded once, as ``ktae_kernels.token_advantage`` gives the rows these
+        scores were counted from; for other rows (e.g. earlier turns of an agent session scored by its
+        final outputs) the same formula with their (group, token) lookups. ``rollout_advantage``:
+        ``[B]`` ``A_i``."""
+        score = self.token_scores(responses, index)
+        values = rollout_advantage.detach().cpu().to(torch.float64)[:, None] + weight * score
+        mask = response_mask.detach().cpu() != 0
+        return torch.where(mask, values, 0.0).to(torch.float32).to(response_mask.device)
+
     def key_rows(self, group: int, top_k: int | None = None, *, scored_only: bool = False) -> list[int]:
         """Row indices of dense group ``group``, most significant first: by Fisher p-value, then by
         ``|score|`` (descending), then by token id; at most ``top_k``; ``scored_only``: rows with a

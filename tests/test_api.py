@@ -261,3 +261,20 @@ def test_public_examples_run():
     for module, examples in ((api, 4), (fisher, 2), (config, 2)):
         failures, tried = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert tried >= examples and failures == 0, module.__name__
+
+
+@pytest.mark.parametrize("config", [KTAEConfig(), KTAEConfig(weight=0.3, ignore_token_ids=(3,))], ids=["default", "weight"])
+def test_scores_give_the_advantages_bitwise(config):
+    """``KeyTokenScores.token_advantage`` (the lookup path for rows scored by other rows' tables) gives
+    exactly ``token_advantage`` on the rows the scores were counted from, with string uids too."""
+    from cases import random_cases
+
+    for _, responses, mask, rewards, index in random_cases(seed=3, small=True):
+        uids = np.array([f"uid-{int(i)}" for i in index], dtype=object)
+        base = torch.randn(responses.shape[0], dtype=torch.float64)
+        want = token_advantage(responses, mask, rewards, uids, config=config, rollout_advantage=base, backend="torch")
+        kts = key_token_scores(responses, mask, rewards, uids, config=config, backend="torch")
+        got = kts.token_advantage(responses, mask, uids, base, config.weight)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        unknown = kts.token_scores(responses, np.array(["other"] * responses.shape[0], dtype=object))
+        assert not unknown.any()

@@ -122,7 +122,7 @@ def ktae_step(responses: Tensor, response_mask: Tensor, token_level_rewards: Ten
         base = rollout_baseline(rewards[rows], f_index, config)[session_final]
         kts = key_token_scores(responses[rows], mask[rows], rewards[rows], f_index, config=config, backend=backend,
                                correct=labels.correct[rows])
-        advantages = lookup_advantages(kts, responses, mask, index, base, config.weight)
+        advantages = kts.token_advantage(responses, mask, index, base, config.weight)
     metrics = step_metrics(settings, labels, started, scores=kts, advantages=advantages, mask=mask,
                            rollout_advantage=base, group=index)
     return advantages, metrics
@@ -151,24 +151,6 @@ def final_outputs(keys: list[str] | None, batch_size: int) -> tuple[Tensor, Tens
     position = {s: i for i, s in enumerate(best)}
     rows = torch.tensor([r for _, r in best.values()], dtype=torch.int64)
     return rows, torch.tensor([position[s] for s in sessions], dtype=torch.int64)
-
-
-def lookup_advantages(kts: Any, responses: Tensor, mask: Tensor, index: Any, base: Tensor, weight: float) -> Tensor:
-    """``(base_i + weight * score[uid(i), token]) * mask`` for rows that took no part in the tables of
-    ``kts`` (score 0 for a (uid, token) pair with no row): the public API scores only the rows it counts."""
-    labels = {lab: i for i, lab in enumerate(kts.group_labels.tolist())}
-    group = torch.tensor([labels.get(lab, -1) for lab in np.asarray(index).tolist()], dtype=torch.int64)
-    ids = responses.cpu().long().clamp(min=0)
-    score = torch.zeros(ids.shape, dtype=torch.float64)
-    if len(kts):
-        width = int(max(int(kts.token.max()), int(ids.max()) if ids.numel() else 0)) + 1
-        table_keys = kts.group.cpu() * width + kts.token.cpu()
-        queries = group[:, None] * width + ids
-        pos = torch.searchsorted(table_keys, queries).clamp(max=len(kts) - 1)
-        found = (table_keys[pos] == queries) & (group[:, None] >= 0)
-        score = torch.where(found, kts.score.cpu()[pos], 0.0)
-    values = (base.cpu().to(torch.float64)[:, None] + weight * score) * mask.cpu().to(torch.float64)
-    return values.to(torch.float32).to(mask.device)
 
 
 def fit_width(responses: Tensor, width: int) -> Tensor:
