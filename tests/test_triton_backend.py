@@ -126,10 +126,10 @@ def test_empty_batches(B, L, device):
 
 
 def test_large_grids_take_the_per_row_table_statistics(device, monkeypatch):
-    """Past ``method.FULL_GRID_WORK`` only the tables the rows use are computed, from the rows' counts."""
+    """Past ``device.GRID_MAX_GROUP`` only the tables the rows use are computed, from the rows' counts."""
     from ktae_kernels.backends import device as device_helpers
 
-    monkeypatch.setattr(method, "FULL_GRID_WORK", 0)
+    monkeypatch.setattr(device_helpers, "GRID_MAX_GROUP", 8)
     monkeypatch.setattr(device_helpers, "_GRID_CACHE", type(device_helpers._GRID_CACHE)())
     _, responses, mask, rewards, index = random_cases(seed=4, small=True)[1]
     check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)

@@ -3,16 +3,17 @@
 Each block builds its group's (token id -> a, b, f_c, f_w) hash table in shared memory from one read
 of the tokens, then either writes the group's rows sorted by token (``key_token_scores``; their
 statistics come from ``method.score_rows``) or scores every slot and writes its ``[B, L]`` advantages
-(``token_advantage``). A slot's score looks its table's statistics up in per-table arrays computed
-once per distinct ``(a, b, n_c, n_w)`` by ``method.table_statistics`` (at most ``(n_c + 1)(n_w + 1)``
-per group), then adds the per-row BM25 direction and squashes. A group whose distinct ids overflow
+(``token_advantage``). A slot's score looks its table's statistics up in per-table arrays that the
+extension's statistics kernel computes on the device for every table of a group of up to ``bound``
+rollouts, cached there (``device.grid_statistics``; tested against ``method.table_statistics``), then
+adds the per-row BM25 direction and squashes. A group whose distinct ids overflow
 the shared table is redone by a global-memory pass launched right behind the first without waiting
 for it: its blocks skip the groups that completed. ``fisher="upstream"`` (and batches whose grid of
 tables is too large to compute whole) score the rows first and pass their scores in.
 
 Host synchronisations of ``token_advantage``: one device -> host copy of the group sizes (they size
-the tables and the statistics) before the kernels, and the read of the out-of-range ids the kernels
-saw after them (the API's range check folded in: the registry declares ``checks_token_ids``, no
+the tables and pick the statistics grid) before the kernels, and the read of the out-of-range ids the
+kernels saw after them (a caller's ``out`` is then already written: see ``api.token_advantage``) (the API's range check folded in: the registry declares ``checks_token_ids``, no
 separate pass over the ids); everything else is enqueued (host -> device copies from pinned memory).
 
 The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
@@ -20,6 +21,7 @@ The compiled module ``ktae_kernels._C`` is imported on first use, so this module
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -31,7 +33,8 @@ from ..config import KTAEConfig
 from ..types import Batch, KeyTokenScores
 from ..validation import MAX_TOKEN_ID, check_id_range
 from .base import BackendUnavailableError
-from .device import grid_statistics, on_device, upload
+from ..fisher import _LOG_ERR, P_ONE, SCIPY_RTOL
+from .device import GridTables, grid_statistics, on_device, upload
 
 #: how to build ``ktae_kernels._C`` (on a machine with nvcc and a CUDA build of torch).
 BUILD_COMMAND = 'TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation'
@@ -180,8 +183,8 @@ class _Plan:
     """One call's inputs in kernel layout and its launch geometry.
 
     common: the ``launch`` arguments every pass shares. group_tokens: masked tokens per group
-    (host ints, bounds of the distinct ids). n_c, n_w: int64 CPU ``[n_groups]``. capacity: slots of
-    the shared tables (0: none).
+    (host ints, bounds of the distinct ids). largest: rollouts of the largest group. capacity: slots
+    of the shared tables (0: none).
     """
 
     ext: ModuleType
@@ -189,8 +192,7 @@ class _Plan:
     stats: method.GroupStats
     n_groups: int
     group_tokens: list[int]
-    n_c: Tensor
-    n_w: Tensor
+    largest: int
     words: int
     capacity: int
 
@@ -201,9 +203,9 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
     n = batch.n_groups
     starts = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(stats.size, 0, out=starts[1:])
-    # the one device -> host copy: largest group, masked tokens, n_c and n_w per group
+    # the one device -> host copy: largest group and masked tokens per group
     largest = stats.size.max().reshape(1) if n else stats.size.new_zeros(1)
-    host = torch.cat([largest, stats.T_c + stats.T_w, stats.n_c, stats.n_w]).cpu()
+    host = torch.cat([largest, stats.T_c + stats.T_w]).cpu()
     max_size = int(host[0])
     group_tokens = host[1:1 + n].tolist()
     max_tokens = max(group_tokens, default=0)
@@ -236,7 +238,7 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
         threads=block_threads(batch.responses.shape[1], max_threads),
         stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0,
     )
-    return _Plan(ext, common, stats, n, group_tokens, host[1 + n:1 + 2 * n], host[1 + 2 * n:], words, capacity)
+    return _Plan(ext, common, stats, n, group_tokens, max_size, words, capacity)
 
 
 def _check_table_slots(slots: object, words: int, limit: int, packed: bool) -> int:
@@ -325,11 +327,29 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
     return scores, row_offset, fits, host_counts
 
 
+@dataclass(frozen=True)
+class _GridKernel:
+    """The extension's statistics kernel as a ``device.StatisticsKernel`` (equal per extension: the
+    device cache key)."""
+
+    ext: ModuleType
+
+    def __call__(self, grid: GridTables, alpha: float, beta: float) -> Tensor:
+        device = grid.cells.device
+        out = torch.empty(5, grid.size, dtype=torch.float64, device=device)
+        constants = [math.log1p(SCIPY_RTOL), _LOG_ERR, P_ONE, math.log(2.0), alpha, beta]
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        self.ext.table_statistics(cells=grid.cells, log_factorial=grid.log_factorial, angle=grid.angle,
+                                  constants=constants, out=out, stream=stream)
+        return out
+
+
 def _table_lookup(plan: _Plan, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """The per-table statistics the advantage pass looks up (``table_index``: int64 ``[2, n_groups]``
-    grid offset and stride; ``table_values``: float64 ``[2, size]`` Cohen's h and strength), or None
-    (``grid_statistics``)."""
-    found = grid_statistics(plan.n_c, plan.n_w, config, device)
+    """The per-table statistics the advantage pass looks up, computed on the device by the
+    extension's statistics kernel and cached there (``table_index``: int64 ``[2, n_groups]`` grid
+    offset and stride; ``table_values``: float64 ``[2, size]`` Cohen's h and strength), or None
+    (``device.grid_statistics``)."""
+    found = grid_statistics(plan.stats.n_c, plan.stats.n_w, plan.largest, config, device, _GridKernel(plan.ext))
     return None if found is None else (found[0], found[1][3:5])
 
 
