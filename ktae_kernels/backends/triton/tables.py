@@ -299,8 +299,8 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
     guess = _log2_ceil(torch.ceil(tokens * (2 * _FIRST_GUESS)).long())
     safe = _log2_ceil(2 * tokens)
     n = batch.n_groups
-    if n:  # one device -> host copy: the sizes
-        largest, biggest, slots = torch.stack([stats.size.max(), tokens.max(), _slots(guess)]).tolist()
+    if n:
+        largest, biggest, slots = _read_sizes(torch.stack([stats.size.max(), tokens.max(), _slots(guess)]))
     else:
         largest, biggest, slots = 1, 0, 0
     if biggest > MAX_GROUP_TOKENS:
@@ -318,6 +318,12 @@ def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
         if lost:  # cannot happen: a slice of twice the group's tokens stays at most half full
             raise RuntimeError("triton backend: a rebuilt hash table overflowed")
     return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0))
+
+
+def _read_sizes(sizes: Tensor) -> list[int]:
+    """The device -> host copy before the insert kernel: the largest group, its masked tokens and the
+    slots of the first tables (bench/host_plan.py stubs it to time the host alone)."""
+    return sizes.tolist()
 
 
 def _slots(log_cap: Tensor) -> Tensor:
