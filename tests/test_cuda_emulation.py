@@ -372,3 +372,13 @@ def test_bad_ids_are_reported_once_after_the_kernels_so_out_is_unspecified(emula
     with pytest.raises(ValueError, match=r"token ids >= 0 where the mask is 1, found -7"):
         cuda.token_advantage(batch, KTAEConfig(), None, out, extension=emulator)
     assert not torch.isnan(out).all(), "the kernels wrote `out` before the flag was read"
+
+
+@pytest.mark.parametrize("sizes, length", [([128, 100], 6), ([1024], 3)], ids=["G128", "G1024"])
+def test_big_groups(emulator, sizes, length):
+    """Groups of 128 and 1024 rollouts (4 and 32 presence words a slot; past the device grid's bound,
+    so the statistics of the rows' tables), shuffled, against the reference, also with small tables."""
+    batch = normalise_batch(*make_batch(np.random.default_rng(11), sizes, length, 60, shuffle=True))
+    name = f"G{sizes[0]}-big"
+    check(emulator, name, batch, KTAEConfig())
+    check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=32))

@@ -164,3 +164,11 @@ def test_token_id_range_is_checked_by_the_table_build(bad, message, device):
     for api in (token_advantage, key_token_scores):
         with pytest.raises(ValueError, match=message):
             api(*on(device, responses, mask, rewards, index), backend="triton")
+
+
+@pytest.mark.parametrize("sizes, length", [([128, 100], 6), ([1024], 3)], ids=["G128", "G1024"])
+def test_big_groups(sizes, length, device):
+    """Groups of 128 and 1024 rollouts: 4 and 32 presence words a slot, the statistics of the rows'
+    tables (past the device grid's bound), shuffled rollouts."""
+    responses, mask, rewards, index = make_batch(np.random.default_rng(11), sizes, length, 60, shuffle=True)
+    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
