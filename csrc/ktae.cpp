@@ -118,14 +118,18 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
     const Tensor& keys = required(ws_keys, "ws_keys", when);
     const int64_t slots = keys.numel();
     check(keys, "ws_keys", at::kInt, {slots}, device);
-    check(required(ws_counts, "ws_counts", when), "ws_counts", at::kLong, {slots}, device);
-    check(required(ws_presence, "ws_presence", when), "ws_presence", at::kInt, {slots * words}, device);
+    if (mode != ktae::kCount) {  // counting reads and writes keys only
+      check(required(ws_counts, "ws_counts", when), "ws_counts", at::kLong, {slots}, device);
+      check(required(ws_presence, "ws_presence", when), "ws_presence", at::kInt, {slots * words}, device);
+    }
     check(required(ws_offset, "ws_offset", when), "ws_offset", at::kLong, {n_items}, device);
     check(required(ws_capacity, "ws_capacity", when), "ws_capacity", at::kLong, {n_items}, device);
     TORCH_CHECK(shared_bytes >= ktae::header_bytes(words), "ktae_kernels._C: `shared_bytes` is too small");
     args.ws_keys = reinterpret_cast<uint32_t*>(ptr<int32_t>(keys));
-    args.ws_counts = reinterpret_cast<unsigned long long*>(ptr<int64_t>(*ws_counts));
-    args.ws_presence = reinterpret_cast<uint32_t*>(ptr<int32_t>(*ws_presence));
+    if (mode != ktae::kCount) {
+      args.ws_counts = reinterpret_cast<unsigned long long*>(ptr<int64_t>(*ws_counts));
+      args.ws_presence = reinterpret_cast<uint32_t*>(ptr<int32_t>(*ws_presence));
+    }
     args.ws_offset = ptr<int64_t>(*ws_offset);
     args.ws_capacity = ptr<int64_t>(*ws_capacity);
   }

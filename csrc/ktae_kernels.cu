@@ -109,9 +109,13 @@ __device__ __forceinline__ uint32_t find(const Table& t, uint32_t key) {
   return kNoSlot;
 }
 
+// Empties the table; with kKeysOnly (kCount: only keys are read and written) its counters and
+// presence words are left alone (a global-memory count table has none).
+template <bool kKeysOnly>
 __device__ void clear_table(const Table& t, int words) {
   for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
     t.keys[s] = kEmptyKey;
+    if (kKeysOnly) continue;
     t.counts[s] = 0ull;
     if (!t.packed) {
       for (int w = 0; w < words; ++w) t.presence[static_cast<size_t>(w) * t.capacity + s] = 0u;
@@ -365,8 +369,10 @@ __device__ Table block_table(const KernelArgs& args, unsigned char* smem, int64_
     return Table{keys, counts, args.packed ? nullptr : keys + capacity, capacity, args.packed};
   }
   const int64_t offset = args.ws_offset[item];
-  return Table{args.ws_keys + offset, args.ws_counts + offset,
-               args.ws_presence + offset * args.words, static_cast<uint32_t>(args.ws_capacity[item]), false};
+  // kCount's workspace holds keys only (4 bytes a slot): no counters or presence words
+  return Table{args.ws_keys + offset, args.ws_counts ? args.ws_counts + offset : nullptr,
+               args.ws_presence ? args.ws_presence + offset * args.words : nullptr,
+               static_cast<uint32_t>(args.ws_capacity[item]), false};
 }
 
 // One group (block_group[item]) from the table build to its outputs. Every branch that returns
@@ -382,7 +388,7 @@ __device__ void process_group(const KernelArgs& args, unsigned char* smem, int64
   const int64_t first = args.starts[g];
   const int group_size = static_cast<int>(args.starts[g + 1] - first);
 
-  clear_table(t, args.words);
+  clear_table<kMode == kCount>(t, args.words);
   for (int w = threadIdx.x; w < args.words; w += blockDim.x) {
     uint32_t bits = 0u;
     for (int j = 0; j < 32 && 32 * w + j < group_size; ++j) {

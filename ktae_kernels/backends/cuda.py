@@ -126,6 +126,14 @@ def shared_limit(opt_in_bytes: int, blocks_per_sm: int) -> int:
     return (opt_in_bytes + 1024) // blocks_per_sm - 1024
 
 
+def fallback_blocks(n_items: int, widest: int, words: int, keys_only: bool) -> int:
+    """Blocks of a global-memory fallback pass over ``n_items`` groups with tables of at most ``widest``
+    slots: as many as ``FALLBACK_BLOCKS`` and ``FALLBACK_BYTES`` of workspace allow (a count pass's
+    table holds keys only, 4 bytes a slot; else ``12 + 4 * words``), at least one."""
+    per_block = widest * (4 if keys_only else 12 + 4 * words)
+    return max(1, min(n_items, FALLBACK_BLOCKS, FALLBACK_BYTES // per_block))
+
+
 def block_threads(length: int, max_threads: int | None = None) -> int:
     """Threads per block for rollouts of ``length`` positions.
 
@@ -282,13 +290,13 @@ def _launch(plan: _Plan, mode: int, groups: Tensor, status: Tensor, *, capacity:
         blocks, skip_done = n_items, False
         shared_bytes = shared_table_bytes(plan.capacity, plan.words, plan.common["packed"])
     else:
-        per_block = widest * (12 + 4 * plan.words)
-        blocks = max(1, min(n_items, FALLBACK_BLOCKS, FALLBACK_BYTES // per_block))
+        keys_only = mode == COUNT
+        blocks = fallback_blocks(n_items, widest, plan.words, keys_only)
         slots = blocks * widest
         args.update(
             ws_keys=torch.empty(slots, dtype=torch.int32, device=device),
-            ws_counts=torch.empty(slots, dtype=torch.int64, device=device),
-            ws_presence=torch.empty(slots * plan.words, dtype=torch.int32, device=device),
+            ws_counts=None if keys_only else torch.empty(slots, dtype=torch.int64, device=device),
+            ws_presence=None if keys_only else torch.empty(slots * plan.words, dtype=torch.int32, device=device),
             ws_offset=torch.arange(n_items, device=device) % blocks * widest,
             ws_capacity=capacity,
         )
