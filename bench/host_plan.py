@@ -125,13 +125,12 @@ def _ops(run: Callable[[], float]) -> int:
     return counter.ops
 
 
-def _median_us(run: Callable[[], float], repeats: int) -> float:
-    run()  # warm-up
-    return statistics.median(run() for _ in range(repeats)) * 1e6
-
-
 def _timed(run: Callable[[], float], repeats: int, label: str) -> dict[str, float]:
-    return {f"{label}_us": _median_us(run, repeats), f"{label}_torch_ops": _ops(run)}
+    """Median and least microseconds of ``repeats`` runs (after a warm-up; on a shared machine the
+    least is the run with the least interference), and the torch ops one run dispatches."""
+    run()
+    times = [run() * 1e6 for _ in range(repeats)]
+    return {f"{label}_us": statistics.median(times), f"{label}_min_us": min(times), f"{label}_torch_ops": _ops(run)}
 
 
 def cuda_host_times(repeats: int, config: KTAEConfig = KTAEConfig()) -> dict[str, float]:
