@@ -253,10 +253,11 @@ _CONSTANTS: dict[tuple, Tensor] = {}
 
 
 def _constant(values: tuple[int, ...], device: torch.device) -> Tensor:
-    """int64 ``values`` on ``device``, uploaded once (read-only: clone one a kernel writes)."""
+    """int64 ``values`` on ``device``, uploaded once (read-only: clone one a kernel writes). The first
+    upload waits for its copy, so a call on any stream may read it later."""
     key = (values, device)
     if key not in _CONSTANTS:
-        _CONSTANTS[key] = upload(torch.tensor(values, dtype=torch.int64), device)
+        _CONSTANTS[key] = torch.tensor(values, dtype=torch.int64).to(device)
     return _CONSTANTS[key]
 
 
