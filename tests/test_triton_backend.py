@@ -172,3 +172,21 @@ def test_big_groups(sizes, length, device):
     tables (past the device grid's bound), shuffled rollouts."""
     responses, mask, rewards, index = make_batch(np.random.default_rng(11), sizes, length, 60, shuffle=True)
     check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
+
+
+def test_first_tables_of_big_groups_are_capped():
+    """Groups of 1024 rollouts at the paper's token count (~1.1M masked tokens each) start from 2**16
+    slots, not 2**20: 16 such groups clear ~0.15 GB of first tables, not 2.4 GB."""
+    tokens = torch.tensor([16 * 1075, 1024 * 1075, 10])
+    assert tables.first_log_cap(tokens).tolist() == [14, 16, 4]
+
+
+def test_groups_past_the_capped_first_table_are_rebuilt(device, monkeypatch):
+    """With the cap at 16 slots, every group of 128 rollouts (more than 12 distinct ids) is rebuilt."""
+    monkeypatch.setattr(tables, "_MAX_FIRST_LOG_CAP", 4)
+    calls = []
+    regrow = tables._regrow
+    monkeypatch.setattr(tables, "_regrow", lambda *args: calls.append(int(args[2].ne(0).sum())) or regrow(*args))
+    responses, mask, rewards, index = make_batch(np.random.default_rng(12), [128, 100], 6, 60, shuffle=True)
+    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
+    assert calls and calls[0] == 2

@@ -18,7 +18,9 @@ claims a slot takes its place in ``order`` with its own atomic on ``fill``), add
 counters with one 64-bit atomic, and sets its rollout's presence bit unless a load shows it set.
 
 Nothing is vocabulary-sized. Slices start from a guess of ``2 * _FIRST_GUESS`` times the group's
-masked tokens; a group whose slice gets more than 3/4 full, or whose probes run past a limit, stops
+masked tokens, at most ``2**_MAX_FIRST_LOG_CAP`` slots (a group of 1024 rollouts holds a few tens
+of thousands of distinct ids, not its million tokens: without the cap, B = 16384 in groups of 1024
+would clear 2.4 GB of first tables); a group whose slice gets more than 3/4 full, or whose probes run past a limit, stops
 early and is rebuilt once with a slice of at least twice its masked tokens, which always suffices:
 only the overflowed groups' rollouts are inserted again (``_regrow``), into slices appended after
 the others, so an overflow costs in proportion to the groups that overflow.
@@ -45,6 +47,8 @@ _NEVER = tl.constexpr(-2)
 #: first guess of a group's distinct tokens, as a fraction of its masked tokens (slice = 2x this).
 _FIRST_GUESS = 0.25
 _MIN_LOG_CAP = 4
+#: the largest first slice, 2**16 slots (49k ids at 3/4 load); a group with more distinct ids is rebuilt.
+_MAX_FIRST_LOG_CAP = 16
 #: probe budget per lane on the first try; the rebuild probes without limit (its load is <= 1/2).
 _FIRST_PROBE_LIMIT = 256
 _UNLIMITED = 2**31 - 1
@@ -296,7 +300,7 @@ def _row_counts_kernel(slot_ptr, group_ptr, n_rows, keys_ptr, occ_ptr, bits_ptr,
 def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
     """Hash tables of every group of ``batch`` (``stats`` from ``method.group_stats``)."""
     tokens = stats.T_c + stats.T_w
-    guess = _log2_ceil(torch.ceil(tokens * (2 * _FIRST_GUESS)).long())
+    guess = first_log_cap(tokens)
     safe = _log2_ceil(2 * tokens)
     n = batch.n_groups
     if n:
@@ -324,6 +328,12 @@ def _read_sizes(sizes: Tensor) -> list[int]:
     """The device -> host copy before the insert kernel: the largest group, its masked tokens and the
     slots of the first tables (bench/host_plan.py stubs it to time the host alone)."""
     return sizes.tolist()
+
+
+def first_log_cap(tokens: Tensor) -> Tensor:
+    """int32 ``[n_groups]``: log2 of each group's first slice, from its masked tokens (int64), capped
+    at ``_MAX_FIRST_LOG_CAP``."""
+    return _log2_ceil(torch.ceil(tokens * (2 * _FIRST_GUESS)).long()).clamp(max=_MAX_FIRST_LOG_CAP)
 
 
 def _slots(log_cap: Tensor) -> Tensor:
