@@ -8,13 +8,14 @@ extension's statistics kernel computes on the device for every table of a group 
 rollouts, cached there (``device.grid_statistics``; tested against ``method.table_statistics``), then
 adds the per-row BM25 direction and squashes. A group whose distinct ids overflow
 the shared table is redone by a global-memory pass launched right behind the first without waiting
-for it: its blocks skip the groups that completed. ``fisher="upstream"`` (and batches whose grid of
-tables is too large to compute whole) score the rows first and pass their scores in.
+for it: its blocks skip the groups that completed. ``fisher="upstream"`` (and groups of more than
+``device.GRID_MAX_GROUP`` rollouts) score the rows first and pass their scores in.
 
-Host synchronisations of ``token_advantage``: one device -> host copy of the group sizes (they size
+Host synchronisations of ``token_advantage``: one device -> host copy of two group sizes (they size
 the tables and pick the statistics grid) before the kernels, and the read of the out-of-range ids the
-kernels saw after them (a caller's ``out`` is then already written: see ``api.token_advantage``) (the API's range check folded in: the registry declares ``checks_token_ids``, no
-separate pass over the ids); everything else is enqueued (host -> device copies from pinned memory).
+kernels saw after them: the API's range check folded in (the registry declares ``checks_token_ids``,
+no separate pass over the ids), so a caller's ``out`` is already written when it raises (see
+``api.token_advantage``). Everything else is enqueued (host -> device copies from pinned memory).
 
 The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
 """

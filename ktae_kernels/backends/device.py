@@ -142,6 +142,8 @@ def grid_statistics(n_c: Tensor, n_w: Tensor, largest: int, config: KTAEConfig, 
         _GRID_CACHE[key] = hit
         while len(_GRID_CACHE) > _GRID_CACHE_SIZE:
             _GRID_CACHE.popitem(last=False)
+    else:
+        _GRID_CACHE.move_to_end(key)
     values, ready = hit
     if ready is not None:
         stream = torch.cuda.current_stream(device)
