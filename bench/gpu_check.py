@@ -14,7 +14,13 @@ correctness (each against ``backend="torch"`` on the same device; integer column
 - ``stream``: inputs produced on a non-default stream and the call made on it, with work queued
   ahead; ``out=`` written in place;
 - ``devices``: tensors on the last GPU while GPU 0 is current (when there are two);
-- ``ids``: an out-of-range id under the mask raises ValueError naming ``responses``.
+- ``ids``: an out-of-range id under the mask raises ValueError naming ``responses``;
+- ``repeat``: each backend 5 times on ``diverse`` and ``hot``, bit for bit the same every run (races);
+- ``tuning``: every launch variant the timings use (``CUDA_VARIANTS``, ``TRITON_GUESSES``) against torch;
+- ``G128``, ``G1024``: groups of 128 and 1024 rollouts.
+
+The report is written after every check and every timed backend, so a run cut by its timeout keeps
+what it measured.
 
 timings (CUDA events, median of ``--repeats``): each backend's ``token_advantage`` on the paper
 batch, through the API and on a validated batch with a reused ``out``; Triton's stages
@@ -52,6 +58,13 @@ from bench.data import Shape, make_batch  # noqa: E402
 from bench.machine import machine_info, machine_slug, today  # noqa: E402
 from bench.paper import copy_bandwidth_gb_s, io_bytes  # noqa: E402
 
+#: the launch shapes the cuda backend is timed with (max threads a block, blocks per SM, packed slot),
+#: each also checked against torch (check "tuning").
+CUDA_VARIANTS = ((256, 1, True), (512, 1, True), (1024, 1, True), (1024, 1, False), (512, 2, True))
+#: the Triton first table-size guesses it is timed with, each also checked against torch.
+TRITON_GUESSES = (0.0625, 0.125, 0.25)
+#: runs of each backend on the same batch that must agree bit for bit (check "repeat": races).
+REPEATS_FOR_RACES = 5
 INT_COLUMNS = ("group", "token", "a", "b", "c", "d", "f_c", "f_w")
 REAL_COLUMNS = ("p_value", "F", "IG", "x", "score")
 ADVANTAGE_ATOL = 1e-6
@@ -78,6 +91,13 @@ def main(argv: list[str] | None = None) -> int:
                               "paper_shape": str(paper), "checks": {}, "timings": {}}
     checks = report["checks"]
 
+    stem = args.out / f"{machine_slug(device)}-{today()}-gpu-check{'-dry-run' if small else ''}"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        """Write what is measured so far: a stage killed by its timeout keeps it."""
+        stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+
     def check(name: str, fn: Callable[[], dict]) -> None:
         t0 = time.perf_counter()
         try:
@@ -88,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         checks[name] = result
         print(f"[{'ok' if result['ok'] else 'FAIL'}] {name} ({result['seconds']} s)"
               + ("" if result["ok"] else f": {result['error']}"), flush=True)
+        save()
 
     bench_batch = make_batch(paper, device=device, seed=0)
     check("paper", lambda: compare_all(bench_batch.args(), backends, KTAEConfig()))
@@ -103,16 +124,19 @@ def main(argv: list[str] | None = None) -> int:
         check("stream", lambda: non_default_stream(bench_batch.args(), backends))
         check("devices", lambda: other_device(backends))
     check("ids", lambda: bad_ids(diverse, backends))
+    check("repeat", lambda: repeat_and_compare([diverse, hot], backends))
+    check("tuning", lambda: tuning_variants(diverse if small else bench_batch.args(), backends))
+    for G, groups, L in ((128, 2, 8), (1024, 1, 3)) if small else ((128, 32, 1024), (1024, 16, 192)):
+        big = uniform_batch(groups=groups, G=G, L=L, vocab=60 if small else 30_000, device=device, seed=G)
+        check(f"G{G}", lambda: compare_all(big, backends, KTAEConfig()))
 
     if not args.skip_timings:
         try:
-            report["timings"] = timings(bench_batch, backends, args.repeats, device)
+            timings(bench_batch, backends, args.repeats, device, report["timings"], save)
         except Exception as err:
-            report["timings"] = {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
+            report["timings"] |= {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-3000:]}
             print("timings failed:", err, flush=True)
-    stem = args.out / f"{machine_slug(device)}-{today()}-gpu-check{'-dry-run' if small else ''}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    save()
     with contextlib.suppress(Exception):
         plot(report, stem.with_suffix(".png"))
     failed = [name for name, r in checks.items() if not r["ok"]]
@@ -253,6 +277,60 @@ def other_device(backends: list[str]) -> dict:
     return out
 
 
+def repeat_and_compare(batches: list[tuple], backends: list[str]) -> dict:
+    """Each backend ``REPEATS_FOR_RACES`` times on each batch: the advantages and every column of the
+    rows must agree bit for bit from run to run (an unsynchronised write or a lost atomic shows up as
+    a difference), and with torch to the usual tolerance."""
+    out: dict[str, Any] = {}
+    for i, args in enumerate(batches):
+        want = token_advantage(*args, backend="torch")
+        for name in backends:
+            first = token_advantage(*args, backend=name)
+            rows = key_token_scores(*args, backend=name)
+            for run in range(1, REPEATS_FOR_RACES):
+                again = token_advantage(*args, backend=name)
+                if not torch.equal(first, again):
+                    raise AssertionError(f"{name}, batch {i}: run {run} differs from run 0 by "
+                                         f"{float((first - again).abs().max()):.3g}")
+                rows_again = key_token_scores(*args, backend=name)
+                for col in INT_COLUMNS + REAL_COLUMNS:
+                    if not torch.equal(getattr(rows, col), getattr(rows_again, col)):
+                        raise AssertionError(f"{name}, batch {i}: column {col} of run {run} differs from run 0")
+            out[f"{name}[{i}]"] = {"runs": REPEATS_FOR_RACES, "advantage_max_diff": compare_advantage(want, first)}
+    return out
+
+
+def tuning_variants(args, backends: list[str]) -> dict:
+    """Every launch variant the timings use (``CUDA_VARIANTS``, ``TRITON_GUESSES``) against torch."""
+    config = KTAEConfig()
+    want = token_advantage(*args, config=config, backend="torch")
+    batch = normalise_batch(*args)
+    out: dict[str, Any] = {}
+    if "cuda" in backends:
+        from ktae_kernels.backends import cuda
+
+        for threads, blocks, packed in CUDA_VARIANTS:
+            tuning = cuda.Tuning(packed=packed, blocks_per_sm=blocks, max_threads=threads)
+            got = cuda.token_advantage(batch, config, None, tuning=tuning)
+            out[f"cuda {_variant_name(threads, blocks, packed)}"] = compare_advantage(want, got)
+    if "triton" in backends:
+        from ktae_kernels.backends.triton import tables
+
+        saved = tables._FIRST_GUESS
+        try:
+            for guess in TRITON_GUESSES:
+                tables._FIRST_GUESS = guess
+                got = get_backend("triton", batch.device).token_advantage(batch, config, None)
+                out[f"triton first guess {guess}"] = compare_advantage(want, got)
+        finally:
+            tables._FIRST_GUESS = saved
+    return out
+
+
+def _variant_name(threads: int, blocks: int, packed: bool) -> str:
+    return f"threads<={threads} blocks/SM={blocks} {'packed' if packed else 'wide'}"
+
+
 def bad_ids(args, backends: list[str]) -> dict:
     responses, mask = args[0].clone(), args[1].clone()
     mask[0, 0] = True
@@ -290,14 +368,16 @@ def cuda_time(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def timings(bench_batch, backends: list[str], repeats: int, device: torch.device) -> dict:
+def timings(bench_batch, backends: list[str], repeats: int, device: torch.device, result: dict[str, Any],
+            save: Callable[[], None]) -> None:
+    """The paper batch's timings into ``result``, saved after each backend."""
     args = bench_batch.args()
     positions = bench_batch.responses.numel()
     config = KTAEConfig()
     batch = normalise_batch(*args)
     out = torch.empty(batch.responses.shape, dtype=torch.float32, device=device)
     copy = copy_bandwidth_gb_s(device, gbytes=4.0 if device.type == "cuda" else 0.05)
-    result: dict[str, Any] = {"copy_gb_s": copy, "io_bytes": io_bytes(positions), "backends": {}}
+    result.update({"copy_gb_s": copy, "io_bytes": io_bytes(positions), "backends": {}})
     result["api_validation_s"] = cuda_time(lambda: normalise_batch(*args), repeats)
     for name in ["torch", *backends]:
         impl = get_backend(name, device)
@@ -315,9 +395,9 @@ def timings(bench_batch, backends: list[str], repeats: int, device: torch.device
             row["stages_s"] = cuda_stages(batch, config, repeats)
             row["backend_s_by_max_threads"] = cuda_threads_sweep(impl, batch, config, out, repeats)
         result["backends"][name] = row
+        save()
         print(f"  {name:<7} api {1e3 * api_s:8.3f} ms, backend {1e3 * backend_s:8.3f} ms, "
               f"{row['achieved_gb_s']:.0f} GB/s ({100 * row['share_of_copy']:.1f}% of copy)", flush=True)
-    return result
 
 
 def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
@@ -349,7 +429,7 @@ def triton_guess_sweep(impl, batch, config: KTAEConfig, out: torch.Tensor, repea
 
     saved, result = tables._FIRST_GUESS, {}
     try:
-        for guess in (0.0625, 0.125, 0.25):
+        for guess in TRITON_GUESSES:
             tables._FIRST_GUESS = guess
             built = tables.build_hash_tables(batch, group_stats(batch, config))
             seconds = cuda_time(lambda: impl.token_advantage(batch, config, None, out), repeats)
@@ -365,11 +445,9 @@ def cuda_threads_sweep(impl, batch, config: KTAEConfig, out: torch.Tensor, repea
     from ktae_kernels.backends import cuda
 
     times = {}
-    for threads, blocks, packed in ((256, 1, True), (512, 1, True), (1024, 1, True), (1024, 1, False),
-                                    (512, 2, True)):
+    for threads, blocks, packed in CUDA_VARIANTS:
         tuning = cuda.Tuning(packed=packed, blocks_per_sm=blocks, max_threads=threads)
-        key = f"threads<={threads} blocks/SM={blocks} {'packed' if packed else 'wide'}"
-        times[key] = cuda_time(lambda: impl.token_advantage(batch, config, None, out, tuning=tuning), repeats)
+        times[_variant_name(threads, blocks, packed)] = cuda_time(lambda: impl.token_advantage(batch, config, None, out, tuning=tuning), repeats)
     return times
 
 

@@ -118,14 +118,18 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
     const Tensor& keys = required(ws_keys, "ws_keys", when);
     const int64_t slots = keys.numel();
     check(keys, "ws_keys", at::kInt, {slots}, device);
-    check(required(ws_counts, "ws_counts", when), "ws_counts", at::kLong, {slots}, device);
-    check(required(ws_presence, "ws_presence", when), "ws_presence", at::kInt, {slots * words}, device);
+    if (mode != ktae::kCount) {  // counting reads and writes keys only
+      check(required(ws_counts, "ws_counts", when), "ws_counts", at::kLong, {slots}, device);
+      check(required(ws_presence, "ws_presence", when), "ws_presence", at::kInt, {slots * words}, device);
+    }
     check(required(ws_offset, "ws_offset", when), "ws_offset", at::kLong, {n_items}, device);
     check(required(ws_capacity, "ws_capacity", when), "ws_capacity", at::kLong, {n_items}, device);
     TORCH_CHECK(shared_bytes >= ktae::header_bytes(words), "ktae_kernels._C: `shared_bytes` is too small");
     args.ws_keys = reinterpret_cast<uint32_t*>(ptr<int32_t>(keys));
-    args.ws_counts = reinterpret_cast<unsigned long long*>(ptr<int64_t>(*ws_counts));
-    args.ws_presence = reinterpret_cast<uint32_t*>(ptr<int32_t>(*ws_presence));
+    if (mode != ktae::kCount) {
+      args.ws_counts = reinterpret_cast<unsigned long long*>(ptr<int64_t>(*ws_counts));
+      args.ws_presence = reinterpret_cast<uint32_t*>(ptr<int32_t>(*ws_presence));
+    }
     args.ws_offset = ptr<int64_t>(*ws_offset);
     args.ws_capacity = ptr<int64_t>(*ws_capacity);
   }
@@ -176,6 +180,39 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   TORCH_CHECK(err == 0, "ktae_kernels._C: kernel launch failed: ", ktae::error_string(err));
 }
 
+// The per-table statistics of a grid (see ktae::StatsArgs): `constants` = [log1p(1e-14), LOG_ERR,
+// P_ONE, log(2), alpha, beta]; `out` float64 [5, size] is written on `stream`.
+void table_statistics(const Tensor& cells, const Tensor& log_factorial, const Tensor& angle,
+                      const std::vector<double>& constants, const Tensor& out, int64_t stream) {
+  const at::DeviceType kind = ktae::runs_on_cpu() ? at::kCPU : at::kCUDA;
+  TORCH_CHECK(cells.device().type() == kind, "ktae_kernels._C: `cells` must be on ", at::DeviceTypeName(kind),
+              ", got ", cells.device());
+  TORCH_CHECK(cells.dim() == 2 && cells.size(0) == 4, "ktae_kernels._C: `cells` must be [4, size], got ", cells.sizes());
+  const at::Device device = cells.device();
+  const int64_t size = cells.size(1);
+  check(cells, "cells", at::kInt, {4, size}, device);
+  check(log_factorial, "log_factorial", at::kDouble, {log_factorial.numel()}, device);
+  check(angle, "angle", at::kDouble, {angle.numel()}, device);
+  check(out, "out", at::kDouble, {5, size}, device);
+  TORCH_CHECK(constants.size() == 6,
+              "ktae_kernels._C: `constants` must be [log_rtol, log_err, p_one, ln2, alpha, beta], got ",
+              constants.size(), " values");
+  ktae::StatsArgs args{};
+  args.cells = ptr<int32_t>(cells);
+  args.size = size;
+  args.log_factorial = ptr<double>(log_factorial);
+  args.angle = ptr<double>(angle);
+  args.log_rtol = constants[0];
+  args.log_err = constants[1];
+  args.p_one = constants[2];
+  args.ln2 = constants[3];
+  args.alpha = constants[4];
+  args.beta = constants[5];
+  args.out = ptr<double>(out);
+  const int err = ktae::launch_table_statistics(args, reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  TORCH_CHECK(err == 0, "ktae_kernels._C: statistics kernel launch failed: ", ktae::error_string(err));
+}
+
 int64_t max_shared_bytes(int64_t device) {
   const int64_t bytes = ktae::max_shared_bytes(static_cast<int>(device));
   TORCH_CHECK(bytes > 0, "ktae_kernels._C: cannot read the shared memory size of device ", device);
@@ -198,6 +235,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("row_offset"), py::arg("row_ints"), py::arg("base"),
         py::arg("advantage"), py::arg("given_token"),
         py::arg("given_score"), py::arg("threads"), py::arg("shared_bytes"),
+        py::arg("stream"));
+  m.def("table_statistics", &table_statistics, "Per-table statistics of a grid (see csrc/ktae_kernels.h).",
+        py::arg("cells"), py::arg("log_factorial"), py::arg("angle"), py::arg("constants"), py::arg("out"),
         py::arg("stream"));
   m.def("max_shared_bytes", &max_shared_bytes, "Opt-in dynamic shared memory per block of a device.",
         py::arg("device"));

@@ -109,9 +109,13 @@ __device__ __forceinline__ uint32_t find(const Table& t, uint32_t key) {
   return kNoSlot;
 }
 
+// Empties the table; with kKeysOnly (kCount: only keys are read and written) its counters and
+// presence words are left alone (a global-memory count table has none).
+template <bool kKeysOnly>
 __device__ void clear_table(const Table& t, int words) {
   for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
     t.keys[s] = kEmptyKey;
+    if (kKeysOnly) continue;
     t.counts[s] = 0ull;
     if (!t.packed) {
       for (int w = 0; w < words; ++w) t.presence[static_cast<size_t>(w) * t.capacity + s] = 0u;
@@ -365,8 +369,10 @@ __device__ Table block_table(const KernelArgs& args, unsigned char* smem, int64_
     return Table{keys, counts, args.packed ? nullptr : keys + capacity, capacity, args.packed};
   }
   const int64_t offset = args.ws_offset[item];
-  return Table{args.ws_keys + offset, args.ws_counts + offset,
-               args.ws_presence + offset * args.words, static_cast<uint32_t>(args.ws_capacity[item]), false};
+  // kCount's workspace holds keys only (4 bytes a slot): no counters or presence words
+  return Table{args.ws_keys + offset, args.ws_counts ? args.ws_counts + offset : nullptr,
+               args.ws_presence ? args.ws_presence + offset * args.words : nullptr,
+               static_cast<uint32_t>(args.ws_capacity[item]), false};
 }
 
 // One group (block_group[item]) from the table build to its outputs. Every branch that returns
@@ -382,7 +388,7 @@ __device__ void process_group(const KernelArgs& args, unsigned char* smem, int64
   const int64_t first = args.starts[g];
   const int group_size = static_cast<int>(args.starts[g + 1] - first);
 
-  clear_table(t, args.words);
+  clear_table<kMode == kCount>(t, args.words);
   for (int w = threadIdx.x; w < args.words; w += blockDim.x) {
     uint32_t bits = 0u;
     for (int j = 0; j < 32 && 32 * w + j < group_size; ++j) {
@@ -421,6 +427,82 @@ __global__ void __launch_bounds__(kMaxThreads) group_kernel(const KernelArgs arg
     process_group<kMode, kSharedTable>(args, smem, item);
     __syncthreads();  // the shared header and table are reused by the next item
   }
+}
+
+// ---------------------------------------------------------------------------- per-table statistics
+// The statistics of every table of a grid (ktae_kernels/backends/device.py, GridTables), one thread
+// per table: the same formulas, in the same order of operations, as method.table_statistics (exact
+// mode). Each log-pmf is -(((lf[k] + lf[n1 - k]) + lf[col - k]) + lf[n2 - col + k]) from the same
+// log-factorial table, so the tie test and the p = 1 rule of F classify every table as the CPU does;
+// p = exp(lse(kept) - lse(all)), each log-sum-exp shifted by its own maximum (torch's logsumexp), and
+// only the order of the two sums differs from torch's reduction. Every product that feeds a sum is
+// rounded on its own (__dmul_rn / __dadd_rn: no FMA contraction), as on the CPU.
+
+__device__ __forceinline__ double log_pmf(const double* lf, int k, int n1, int n2, int col) {
+  return -(((lf[k] + lf[n1 - k]) + lf[col - k]) + lf[n2 - col + k]);
+}
+
+__device__ double fisher_pvalue(const StatsArgs& args, int a, int b, int n_c, int n_w) {
+  const int n1 = a + b, n2 = n_c + n_w - n1, col = n_c;
+  if (n1 == 0 || n2 == 0 || col == 0 || col == n1 + n2) return 1.0;
+  const int lo = col - n2 > 0 ? col - n2 : 0;
+  const int hi = n1 < col ? n1 : col;
+  const double* lf = args.log_factorial;
+  const double lp_obs = log_pmf(lf, a, n1, n2, col);
+  const double tol = __dadd_rn(args.log_rtol, __dmul_rn(args.log_err, fabs(lp_obs)));
+  const double limit = lp_obs + tol;
+  double top = lp_obs, top_kept = lp_obs;
+  for (int k = lo; k <= hi; ++k) {
+    const double lp = log_pmf(lf, k, n1, n2, col);
+    top = fmax(top, lp);
+    if (lp <= limit) top_kept = fmax(top_kept, lp);
+  }
+  if (lp_obs >= top - tol) return 1.0;
+  double total = 0.0, kept = 0.0;
+  for (int k = lo; k <= hi; ++k) {
+    const double lp = log_pmf(lf, k, n1, n2, col);
+    total += exp(lp - top);
+    if (lp <= limit) kept += exp(lp - top_kept);
+  }
+  return fmin(exp((log(kept) + top_kept) - (log(total) + top)), 1.0);
+}
+
+// Binary entropy in bits, 0 log 0 = 0 (method.binary_entropy).
+__device__ __forceinline__ double entropy_bits(double p, double ln2) {
+  const double q = 1.0 - p;
+  const double xp = p == 0.0 ? 0.0 : __dmul_rn(p, log(p));
+  const double xq = q == 0.0 ? 0.0 : __dmul_rn(q, log(q));
+  return -__dadd_rn(xp, xq) / ln2;
+}
+
+// H(Y) - H(Y | X) in bits, clamped at 0 (method.information_gain).
+__device__ double information_gain(int a, int b, int n_c, int n_w, double ln2) {
+  const double af = a, bf = b, ncf = n_c, nwf = n_w;
+  const double cf = ncf - af, df = nwf - bf;
+  const double n = fmax(ncf + nwf, 1.0);
+  const double present = af + bf, absent = cf + df;
+  const double h_y = entropy_bits(ncf / n, ln2);
+  const double h_present = present > 0 ? __dmul_rn(present / n, entropy_bits(af / fmax(present, 1.0), ln2)) : 0.0;
+  const double h_absent = absent > 0 ? __dmul_rn(absent / n, entropy_bits(cf / fmax(absent, 1.0), ln2)) : 0.0;
+  return fmax(__dadd_rn(__dadd_rn(h_y, -h_present), -h_absent), 0.0);
+}
+
+__global__ void table_statistics_kernel(const StatsArgs args) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= args.size) return;
+  const int a = args.cells[t], b = args.cells[args.size + t];
+  const int n_c = args.cells[2 * args.size + t], n_w = args.cells[3 * args.size + t];
+  const double p = fisher_pvalue(args, a, b, n_c, n_w);
+  const bool informative = n_c > 0 && n_w > 0 && a + b < n_c + n_w;
+  const double F = informative && p < args.p_one ? exp(-2.0 * p) : 0.0;
+  const double IG = informative ? information_gain(a, b, n_c, n_w, args.ln2) : 0.0;
+  const int64_t tri_c = static_cast<int64_t>(n_c) * (n_c + 1) / 2, tri_w = static_cast<int64_t>(n_w) * (n_w + 1) / 2;
+  double* out = args.out;
+  out[t] = p;
+  out[args.size + t] = F;
+  out[2 * args.size + t] = IG;
+  out[3 * args.size + t] = args.angle[tri_c + a] - args.angle[tri_w + b];
+  out[4 * args.size + t] = __dadd_rn(__dmul_rn(args.alpha, F), __dmul_rn(args.beta, IG));
 }
 
 }  // namespace
@@ -466,6 +548,13 @@ int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, in
     case kAdvantage: return launch_mode<kAdvantage>(args, shared_table, n_blocks, threads, shared_bytes, s);
   }
   return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int launch_table_statistics(const StatsArgs& args, void* stream) {
+  if (args.size == 0) return 0;
+  const int64_t blocks = (args.size + kStatsThreads - 1) / kStatsThreads;
+  table_statistics_kernel<<<static_cast<unsigned>(blocks), kStatsThreads, 0, static_cast<cudaStream_t>(stream)>>>(args);
+  return static_cast<int>(cudaGetLastError());
 }
 
 const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }

@@ -101,6 +101,23 @@ struct KernelArgs {
   const double* given_score;
 };
 
+// The per-table statistics of a grid (ktae_kernels/backends/device.py, GridTables): for each table
+// t, out[:, t] = p_value, F, IG, Cohen's h, strength (alpha F + beta IG), as method.table_statistics.
+struct StatsArgs {
+  const int32_t* cells;          // [4, size] rows a, b, n_c, n_w
+  int64_t size;
+  const double* log_factorial;   // log(k!) up to the largest n_c + n_w
+  const double* angle;           // asin(sqrt(k / max(n, 1))) at n (n + 1) / 2 + k
+  double log_rtol, log_err, p_one, ln2, alpha, beta;  // log1p(1e-14), fisher._LOG_ERR, fisher.P_ONE, log(2)
+  double* out;                   // [5, size]
+};
+
+// Threads per block of the statistics kernel (one table per thread).
+constexpr int kStatsThreads = 128;
+
+// Launches the statistics kernel on `stream`; 0 or a CUDA error code.
+int launch_table_statistics(const StatsArgs& args, void* stream);
+
 // Launches one group-kernel pass over `n_blocks` blocks (<= args.n_items) of `threads` threads with `shared_bytes`
 // of dynamic shared memory on `stream` (a cudaStream_t). Returns 0 or a CUDA error code.
 int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,

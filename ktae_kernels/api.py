@@ -49,7 +49,10 @@ def token_advantage(
             Collective: every rank of the group must call. Runs the torch path (``backend`` "auto"
             or "torch"); see ``ktae_kernels.distributed``. None (default): this batch alone.
         out: optional preallocated contiguous float32 ``[B, L]`` tensor on the device of
-            ``responses``, overwritten with the result (a trainer can reuse it every step).
+            ``responses``, overwritten with the result (a trainer can reuse it every step). After a
+            ValueError for an out-of-range token id its contents are unspecified: the cpu, triton
+            and cuda backends check ids inside their kernels, with no host round trip before they
+            write, and raise after.
 
     Returns:
         float32 ``[B, L]`` on the device of ``responses`` (``out`` when given):
@@ -57,7 +60,8 @@ def token_advantage(
 
     Raises:
         ValueError: an argument has the wrong type, shape, dtype or values; the message names it
-            and the fix (e.g. float ids: "convert with `responses.long()`").
+            and the fix (e.g. float ids: "convert with `responses.long()`"). A token id out of range
+            may be reported after ``out`` was partly written (see ``out``).
         BackendUnavailableError: ``backend`` cannot run here or on these tensors' device; the
             message says why and what to do.
 

@@ -86,3 +86,16 @@ def test_setup_skips_the_extension_without_cuda_and_fails_when_forced():
     forced = _setup_version(KTAE_FORCE_CUDA_BUILD="1")
     assert forced.returncode != 0
     assert "KTAE_FORCE_CUDA_BUILD=1 but the CUDA extension cannot be built" in forced.stderr
+
+
+def test_big_groups_keep_many_fallback_blocks():
+    """G = 1024 at the paper's token count (16 groups of ~1.1M masked tokens): the count pass's keys-only
+    tables (2M slots, 8 MB) give every group its own block; so do the rows / advantage passes, whose
+    tables are sized by the counted distinct ids (30k -> 64k slots of 140 bytes). Before, a 2M-slot
+    wide table (294 MB) left one block for all 16 groups."""
+    tokens, distinct, words = 1024 * 1075, 30_000, cuda.presence_words(1024)
+    assert words == 32
+    assert cuda.fallback_blocks(16, cuda.table_capacity(tokens), words, keys_only=True) == 16
+    assert cuda.fallback_blocks(16, cuda.table_capacity(distinct), words, keys_only=False) == 16
+    assert cuda.fallback_blocks(16, cuda.table_capacity(tokens), words, keys_only=False) == 1  # the old cliff
+    assert cuda.fallback_blocks(1000, 1 << 10, 1, keys_only=False) == cuda.FALLBACK_BLOCKS

@@ -87,3 +87,51 @@ def test_groups_with_many_distinct_ids_raced_by_many_programs(backend):
     args = _batch("cuda", groups=4, G=64, L=2048, vocab=50_000, seed=1)
     want = token_advantage(*args, backend="torch")
     torch.testing.assert_close(token_advantage(*args, backend=backend), want, rtol=0, atol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("G, groups, L", [(128, 8, 1024), (1024, 2, 256)], ids=["G128", "G1024"])
+def test_big_groups_match_torch_and_repeat_bit_for_bit(backend, G, groups, L):
+    """Groups of 128 and 1024 rollouts (many presence words, tables past shared memory, statistics of
+    the rows' tables), three runs identical (a race would show as a difference)."""
+    args = _batch("cuda", groups=groups, G=G, L=L, vocab=30_000, seed=G)
+    want = token_advantage(*args, backend="torch")
+    runs = [token_advantage(*args, backend=backend) for _ in range(3)]
+    torch.testing.assert_close(runs[0], want, rtol=0, atol=1e-6)
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+
+
+@pytest.mark.skipif("cuda" not in GPU_BACKENDS, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.parametrize("threads, blocks_per_sm, packed", [(256, 1, True), (512, 1, True), (1024, 1, True),
+                                                            (1024, 1, False), (512, 2, True), (512, 2, False)])
+def test_cuda_launch_variants_match_torch(threads, blocks_per_sm, packed):
+    """Every launch shape bench/gpu_check.py times (cuda.Tuning) against torch."""
+    from ktae_kernels import KTAEConfig
+    from ktae_kernels.backends import cuda
+    from ktae_kernels.validation import normalise_batch
+
+    args = _batch("cuda", groups=8, G=16, L=3072, vocab=151_936, seed=2)
+    want = token_advantage(*args, backend="torch")
+    tuning = cuda.Tuning(packed=packed, blocks_per_sm=blocks_per_sm, max_threads=threads)
+    got = cuda.token_advantage(normalise_batch(*args), KTAEConfig(), None, tuning=tuning)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@needs_gpu
+def test_device_statistics_grid_matches_the_cpu_on_the_gpu():
+    """The Triton and CUDA statistics kernels on the GPU against method.table_statistics (as the
+    interpreter and emulator tests, statistics_cases.py)."""
+    from ktae_kernels import KTAEConfig
+    from ktae_kernels.backends.device import grid_tables
+    from statistics_cases import assert_matches_method
+
+    grid = grid_tables(32, torch.device("cuda"))
+    if "triton" in GPU_BACKENDS:
+        from ktae_kernels.backends.triton.statistics import grid_statistics_kernel
+
+        assert_matches_method(grid_statistics_kernel(grid, 1.0, 1.0), grid, KTAEConfig())
+    if "cuda" in GPU_BACKENDS:
+        from ktae_kernels.backends import cuda
+
+        assert_matches_method(cuda._GridKernel(cuda.load_extension())(grid, 1.0, 1.0), grid, KTAEConfig())

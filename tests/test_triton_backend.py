@@ -126,10 +126,10 @@ def test_empty_batches(B, L, device):
 
 
 def test_large_grids_take_the_per_row_table_statistics(device, monkeypatch):
-    """Past ``method.FULL_GRID_WORK`` only the tables the rows use are computed, from the rows' counts."""
+    """Past ``device.GRID_MAX_GROUP`` only the tables the rows use are computed, from the rows' counts."""
     from ktae_kernels.backends import device as device_helpers
 
-    monkeypatch.setattr(method, "FULL_GRID_WORK", 0)
+    monkeypatch.setattr(device_helpers, "GRID_MAX_GROUP", 8)
     monkeypatch.setattr(device_helpers, "_GRID_CACHE", type(device_helpers._GRID_CACHE)())
     _, responses, mask, rewards, index = random_cases(seed=4, small=True)[1]
     check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
@@ -164,3 +164,29 @@ def test_token_id_range_is_checked_by_the_table_build(bad, message, device):
     for api in (token_advantage, key_token_scores):
         with pytest.raises(ValueError, match=message):
             api(*on(device, responses, mask, rewards, index), backend="triton")
+
+
+@pytest.mark.parametrize("sizes, length", [([128, 100], 6), ([1024], 3)], ids=["G128", "G1024"])
+def test_big_groups(sizes, length, device):
+    """Groups of 128 and 1024 rollouts: 4 and 32 presence words a slot, the statistics of the rows'
+    tables (past the device grid's bound), shuffled rollouts."""
+    responses, mask, rewards, index = make_batch(np.random.default_rng(11), sizes, length, 60, shuffle=True)
+    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
+
+
+def test_first_tables_of_big_groups_are_capped():
+    """Groups of 1024 rollouts at the paper's token count (~1.1M masked tokens each) start from 2**16
+    slots, not 2**20: 16 such groups clear ~0.15 GB of first tables, not 2.4 GB."""
+    tokens = torch.tensor([16 * 1075, 1024 * 1075, 10])
+    assert tables.first_log_cap(tokens).tolist() == [14, 16, 4]
+
+
+def test_groups_past_the_capped_first_table_are_rebuilt(device, monkeypatch):
+    """With the cap at 16 slots, every group of 128 rollouts (more than 12 distinct ids) is rebuilt."""
+    monkeypatch.setattr(tables, "_MAX_FIRST_LOG_CAP", 4)
+    calls = []
+    regrow = tables._regrow
+    monkeypatch.setattr(tables, "_regrow", lambda *args: calls.append(int(args[2].ne(0).sum())) or regrow(*args))
+    responses, mask, rewards, index = make_batch(np.random.default_rng(12), [128, 100], 6, 60, shuffle=True)
+    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
+    assert calls and calls[0] == 2

@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
     print("NO_PTXAS"); sys.exit(0)
-from ktae_kernels.backends.triton import advantage, scores, tables
+from ktae_kernels.backends.triton import advantage, scores, statistics, tables
 
 def ptr(t):
     return "*" + t
@@ -115,9 +115,9 @@ def _row_atomic_broadcast(fill_ptr, out_ptr, ROWS: tl.constexpr, COLS: tl.conste
     tl.store(out_ptr + first * COLS + col, 1)
 
 
-def compile_sm90(kernel, signature, constants):
+def compile_sm90(kernel, signature, constants, **options):
     return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
-                          target=GPUTarget("cuda", 90, 32))
+                          target=GPUTarget("cuda", 90, 32), options=options or None)
 
 
 buggy = compile_sm90(_row_atomic_broadcast, dict(fill_ptr=ptr("i32"), out_ptr=ptr("i32")), dict(ROWS=1, COLS=1024))
@@ -130,6 +130,21 @@ for kernel, signature, variants in KERNELS:
         bad = replicated_atomics(compiled.asm["ttgir"])
         assert not bad, (kernel.__name__, constants, bad)
         print("compiled", kernel.__name__, constants)
+
+# the kernels that promise one rounding per float64 operation, as on the CPU, are launched with
+# enable_fp_fusion=False: that removes every contraction of their own arithmetic (the fma left in
+# the statistics and score kernels are libdevice's exp / log, which rely on fma; the advantage
+# kernel calls none and keeps none)
+STATS = dict(cells_ptr=ptr("i32"), size="i32", lf_ptr=ptr("fp64"), angle_ptr=ptr("fp64"), const_ptr=ptr("fp64"),
+             out_ptr=ptr("fp64"))
+UNFUSED = [(statistics._statistics_kernel, STATS, dict(BLOCK=128), None),
+           (KERNELS[3][0], KERNELS[3][1], KERNELS[3][2][0], None),
+           (KERNELS[4][0], KERNELS[4][1], KERNELS[4][2][0], 0)]
+for kernel, signature, constants, left in UNFUSED:
+    fused = compile_sm90(kernel, signature, constants).asm["ptx"].count("fma.rn.f64")
+    unfused = compile_sm90(kernel, signature, constants, enable_fp_fusion=False).asm["ptx"].count("fma.rn.f64")
+    assert unfused < fused and (left is None or unfused == left), (kernel.__name__, fused, unfused)
+    print("unfused", kernel.__name__, fused, "->", unfused)
 '''
 
 
@@ -146,3 +161,4 @@ def test_kernels_compile_for_sm90_and_use_no_replicated_atomic_result(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "flagged the #7402 pattern" in done.stdout
     assert done.stdout.count("compiled") == 8 + 1 + 1 + 4 + 2
+    assert done.stdout.count("unfused") == 3

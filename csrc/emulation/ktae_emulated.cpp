@@ -38,6 +38,13 @@ int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, in
   return kBadLaunch;
 }
 
+int launch_table_statistics(const StatsArgs& args, void* /*stream*/) {
+  if (args.size == 0) return 0;
+  const int64_t blocks = (args.size + kStatsThreads - 1) / kStatsThreads;
+  ktae_emu::run([&] { table_statistics_kernel(args); }, blocks, kStatsThreads, 0);
+  return 0;
+}
+
 const char* error_string(int code) {
   return code == 0 ? "no error" : "invalid launch configuration (CPU emulator)";
 }

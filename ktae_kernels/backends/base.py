@@ -37,7 +37,10 @@ class BackendSpec:
     devices: torch device types it accepts. auto_rank: per device type, its place in the "auto"
     order (lower first; absent: never chosen automatically). unavailable: None when it can run on
     that device type, else the reason and the fix. checks_token_ids: the backend checks the
-    token-id range while counting (``validation.check_id_range``), so the API skips its own pass.
+    token-id range while counting (``validation.check_id_range``), so the API skips its own pass;
+    the kernels report a bad id through a flag read once, after they ran, so such a backend may
+    have written part of a caller's ``out`` before it raises (the API documents ``out`` as
+    unspecified after that ValueError).
     """
 
     name: str

@@ -3,23 +3,26 @@
 Each block builds its group's (token id -> a, b, f_c, f_w) hash table in shared memory from one read
 of the tokens, then either writes the group's rows sorted by token (``key_token_scores``; their
 statistics come from ``method.score_rows``) or scores every slot and writes its ``[B, L]`` advantages
-(``token_advantage``). A slot's score looks its table's statistics up in per-table arrays computed
-once per distinct ``(a, b, n_c, n_w)`` by ``method.table_statistics`` (at most ``(n_c + 1)(n_w + 1)``
-per group), then adds the per-row BM25 direction and squashes. A group whose distinct ids overflow
+(``token_advantage``). A slot's score looks its table's statistics up in per-table arrays that the
+extension's statistics kernel computes on the device for every table of a group of up to ``bound``
+rollouts, cached there (``device.grid_statistics``; tested against ``method.table_statistics``), then
+adds the per-row BM25 direction and squashes. A group whose distinct ids overflow
 the shared table is redone by a global-memory pass launched right behind the first without waiting
-for it: its blocks skip the groups that completed. ``fisher="upstream"`` (and batches whose grid of
-tables is too large to compute whole) score the rows first and pass their scores in.
+for it: its blocks skip the groups that completed. ``fisher="upstream"`` (and groups of more than
+``device.GRID_MAX_GROUP`` rollouts) score the rows first and pass their scores in.
 
-Host synchronisations of ``token_advantage``: one device -> host copy of the group sizes (they size
-the tables and the statistics) before the kernels, and the read of the out-of-range ids the kernels
-saw after them (the API's range check folded in: the registry declares ``checks_token_ids``, no
-separate pass over the ids); everything else is enqueued (host -> device copies from pinned memory).
+Host synchronisations of ``token_advantage``: one device -> host copy of two group sizes (they size
+the tables and pick the statistics grid) before the kernels, and the read of the out-of-range ids the
+kernels saw after them: the API's range check folded in (the registry declares ``checks_token_ids``,
+no separate pass over the ids), so a caller's ``out`` is already written when it raises (see
+``api.token_advantage``). Everything else is enqueued (host -> device copies from pinned memory).
 
 The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
 """
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -31,7 +34,8 @@ from ..config import KTAEConfig
 from ..types import Batch, KeyTokenScores
 from ..validation import MAX_TOKEN_ID, check_id_range
 from .base import BackendUnavailableError
-from .device import grid_statistics, on_device, upload
+from ..fisher import _LOG_ERR, P_ONE, SCIPY_RTOL
+from .device import GridTables, grid_statistics, on_device, upload
 
 #: how to build ``ktae_kernels._C`` (on a machine with nvcc and a CUDA build of torch).
 BUILD_COMMAND = 'TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation'
@@ -123,6 +127,14 @@ def shared_limit(opt_in_bytes: int, blocks_per_sm: int) -> int:
     return (opt_in_bytes + 1024) // blocks_per_sm - 1024
 
 
+def fallback_blocks(n_items: int, widest: int, words: int, keys_only: bool) -> int:
+    """Blocks of a global-memory fallback pass over ``n_items`` groups with tables of at most ``widest``
+    slots: as many as ``FALLBACK_BLOCKS`` and ``FALLBACK_BYTES`` of workspace allow (a count pass's
+    table holds keys only, 4 bytes a slot; else ``12 + 4 * words``), at least one."""
+    per_block = widest * (4 if keys_only else 12 + 4 * words)
+    return max(1, min(n_items, FALLBACK_BLOCKS, FALLBACK_BYTES // per_block))
+
+
 def block_threads(length: int, max_threads: int | None = None) -> int:
     """Threads per block for rollouts of ``length`` positions.
 
@@ -179,18 +191,17 @@ def load_extension() -> ModuleType:
 class _Plan:
     """One call's inputs in kernel layout and its launch geometry.
 
-    common: the ``launch`` arguments every pass shares. group_tokens: masked tokens per group
-    (host ints, bounds of the distinct ids). n_c, n_w: int64 CPU ``[n_groups]``. capacity: slots of
-    the shared tables (0: none).
+    common: the ``launch`` arguments every pass shares. largest: rollouts of the largest group.
+    max_tokens: masked tokens of the largest group (a bound of every group's distinct ids).
+    capacity: slots of the shared tables (0: none).
     """
 
     ext: ModuleType
     common: dict
     stats: method.GroupStats
     n_groups: int
-    group_tokens: list[int]
-    n_c: Tensor
-    n_w: Tensor
+    max_tokens: int
+    largest: int
     words: int
     capacity: int
 
@@ -201,12 +212,7 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
     n = batch.n_groups
     starts = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(stats.size, 0, out=starts[1:])
-    # the one device -> host copy: largest group, masked tokens, n_c and n_w per group
-    largest = stats.size.max().reshape(1) if n else stats.size.new_zeros(1)
-    host = torch.cat([largest, stats.T_c + stats.T_w, stats.n_c, stats.n_w]).cpu()
-    max_size = int(host[0])
-    group_tokens = host[1:1 + n].tolist()
-    max_tokens = max(group_tokens, default=0)
+    max_size, max_tokens = _read_sizes(stats.size, stats.T_c + stats.T_w) if n else (0, 0)
     if max_tokens > MAX_GROUP_TOKENS:
         raise ValueError(f"`responses`: the cuda backend takes at most 2**30 masked tokens per group, "
                          f"a group holds {max_tokens}")
@@ -218,7 +224,6 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
     else:
         capacity = _check_table_slots(tuning.table_slots, words, opt_in, packed)
     max_threads = min(tuning.max_threads, MAX_THREADS if tuning.blocks_per_sm <= 1 else 512)
-    ignore = [i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID]
     common = dict(
         responses=batch.responses.contiguous(),
         mask=batch.mask.contiguous(),
@@ -226,8 +231,8 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
         starts=starts,
         correct=stats.correct.contiguous(),
         group_counts=torch.stack([stats.n_c, stats.n_w, stats.T_c, stats.T_w]).contiguous(),
-        ignore_ids=upload(torch.tensor(ignore, dtype=torch.int64), device),
-        bad_ids=upload(torch.tensor([0, MAX_TOKEN_ID], dtype=torch.int64), device),
+        ignore_ids=_constant(tuple(i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID), device),
+        bad_ids=_constant((0, MAX_TOKEN_ID), device).clone(),  # written by the kernels
         words=words,
         shared_capacity=capacity,
         packed=packed,
@@ -236,7 +241,25 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
         threads=block_threads(batch.responses.shape[1], max_threads),
         stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0,
     )
-    return _Plan(ext, common, stats, n, group_tokens, host[1 + n:1 + 2 * n], host[1 + 2 * n:], words, capacity)
+    return _Plan(ext, common, stats, n, max_tokens, max_size, words, capacity)
+
+
+def _read_sizes(size: Tensor, group_tokens: Tensor) -> list[int]:
+    """The one device -> host copy before the kernels: the largest group's rollouts and masked tokens
+    (two ints, whatever the number of groups; bench/host_plan.py stubs it to time the host alone)."""
+    return torch.stack([size.max(), group_tokens.max()]).tolist()
+
+
+_CONSTANTS: dict[tuple, Tensor] = {}
+
+
+def _constant(values: tuple[int, ...], device: torch.device) -> Tensor:
+    """int64 ``values`` on ``device``, uploaded once (read-only: clone one a kernel writes). The first
+    upload waits for its copy, so a call on any stream may read it later."""
+    key = (values, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=torch.int64).to(device)
+    return _CONSTANTS[key]
 
 
 def _check_table_slots(slots: object, words: int, limit: int, packed: bool) -> int:
@@ -252,54 +275,72 @@ _OPTIONAL = ("ws_keys", "ws_counts", "ws_presence", "ws_offset", "ws_capacity", 
              "row_offset", "row_ints", "base", "advantage", "given_token", "given_score")
 
 
-def _launch(plan: _Plan, mode: int, groups: list[int], status: Tensor, *, capacities: list[int] | None = None,
-            **outputs: Tensor | None) -> None:
-    """One kernel pass over ``groups``: one block per group with shared-memory tables, or, with
-    ``capacities`` (one per group), a fallback over global-memory tables that skips the groups whose
-    ``status`` is already set: at most ``FALLBACK_BLOCKS`` blocks, each reusing one slice of the
-    workspace for its groups ``i, i + blocks, ...``."""
-    if not groups:
+def _launch(plan: _Plan, mode: int, groups: Tensor, status: Tensor, *, capacity: Tensor | None = None,
+            widest: int = 0, **outputs: Tensor | None) -> None:
+    """One kernel pass over ``groups`` (int64 ``[n_items]`` on the device): one block per group with
+    shared-memory tables, or, with ``capacity`` (int64 ``[n_items]``, each group's table slots, at
+    most ``widest``), a fallback over global-memory tables that skips the groups whose ``status``
+    is already set: at most ``FALLBACK_BLOCKS`` blocks, each reusing one slice of the workspace for
+    its groups ``i, i + blocks, ...``."""
+    n_items = groups.shape[0]
+    if not n_items:
         return
     device = status.device
     args: dict[str, object] = dict.fromkeys(_OPTIONAL)
     args.update(outputs)
-    block_group = upload(torch.tensor(groups, dtype=torch.int64), device)
-    if capacities is None:
-        blocks, skip_done = len(groups), False
+    if capacity is None:
+        blocks, skip_done = n_items, False
         shared_bytes = shared_table_bytes(plan.capacity, plan.words, plan.common["packed"])
     else:
-        widest = max(capacities)
-        per_block = widest * (12 + 4 * plan.words)
-        blocks = max(1, min(len(groups), FALLBACK_BLOCKS, FALLBACK_BYTES // per_block))
+        keys_only = mode == COUNT
+        blocks = fallback_blocks(n_items, widest, plan.words, keys_only)
         slots = blocks * widest
-        offsets = [(i % blocks) * widest for i in range(len(groups))]
         args.update(
             ws_keys=torch.empty(slots, dtype=torch.int32, device=device),
-            ws_counts=torch.empty(slots, dtype=torch.int64, device=device),
-            ws_presence=torch.empty(slots * plan.words, dtype=torch.int32, device=device),
-            ws_offset=upload(torch.tensor(offsets, dtype=torch.int64), device),
-            ws_capacity=upload(torch.tensor(capacities, dtype=torch.int64), device),
+            ws_counts=None if keys_only else torch.empty(slots, dtype=torch.int64, device=device),
+            ws_presence=None if keys_only else torch.empty(slots * plan.words, dtype=torch.int32, device=device),
+            ws_offset=torch.arange(n_items, device=device) % blocks * widest,
+            ws_capacity=capacity,
         )
         skip_done = True
         shared_bytes = header_bytes(plan.words)
-    plan.ext.launch(mode=mode, shared_table=capacities is None, block_group=block_group, blocks=blocks,
+    plan.ext.launch(mode=mode, shared_table=capacity is None, block_group=groups, blocks=blocks,
                     skip_done=skip_done, status=status, shared_bytes=shared_bytes, **plan.common, **args)
 
 
-def _table_pass(plan: _Plan, mode: int, distinct: list[int], shared_groups: list[int] | None = None,
-                **outputs: Tensor | None) -> Tensor:
-    """Run ``mode`` on every group without waiting for the device: ``shared_groups`` (None: all) with
-    shared-memory tables, then, right behind, a global-memory fallback over every group that may
-    have overflowed (more than ``max_keys`` of the shared table in ``distinct``, a bound of each
-    group's distinct ids) or took no shared table; its tables hold ``distinct[g]`` ids.
-    Returns the distinct ids per group (int64 ``[n_groups]`` on the device)."""
-    status = torch.full((plan.n_groups,), -1, dtype=torch.int64, device=plan.common["starts"].device)
-    shared = (list(range(plan.n_groups)) if shared_groups is None else shared_groups) if plan.capacity else []
-    _launch(plan, mode, shared, status, **outputs)
-    in_shared = set(shared)
-    room = max_keys(plan.capacity) if plan.capacity else -1
-    fallback = [g for g in range(plan.n_groups) if g not in in_shared or distinct[g] > room]
-    _launch(plan, mode, fallback, status, capacities=[table_capacity(distinct[g]) for g in fallback], **outputs)
+def _new_status(plan: _Plan) -> Tensor:
+    return torch.full((plan.n_groups,), -1, dtype=torch.int64, device=plan.common["starts"].device)
+
+
+def _bounded_pass(plan: _Plan, mode: int, **outputs: Tensor | None) -> Tensor:
+    """Run ``mode`` on every group without waiting for the device or listing groups on the host:
+    shared-memory tables, then, right behind, when the largest group's masked tokens could overflow
+    them (or there is no shared table), a global-memory fallback over every group, with tables of
+    ``max_tokens`` ids, that skips the groups completed. Returns the status (int64 ``[n_groups]``:
+    distinct ids per group, on the device)."""
+    status = _new_status(plan)
+    groups = torch.arange(plan.n_groups, device=status.device)
+    if plan.capacity:
+        _launch(plan, mode, groups, status, **outputs)
+    if not plan.capacity or plan.max_tokens > max_keys(plan.capacity):
+        widest = table_capacity(plan.max_tokens)
+        _launch(plan, mode, groups, status, capacity=torch.full_like(groups, widest), widest=widest, **outputs)
+    return status
+
+
+def _listed_pass(plan: _Plan, mode: int, distinct: list[int], fits: list[int], **outputs: Tensor | None) -> Tensor:
+    """Run ``mode`` with the distinct ids per group known (host ints): the groups ``fits`` with
+    shared-memory tables, the others on global-memory tables of their own size. Returns the status."""
+    status = _new_status(plan)
+    device = status.device
+    fits = fits if plan.capacity else []
+    _launch(plan, mode, upload(torch.tensor(fits, dtype=torch.int64), device), status, **outputs)
+    in_shared = set(fits)
+    rest = [g for g in range(plan.n_groups) if g not in in_shared]
+    capacity = [table_capacity(distinct[g]) for g in rest]
+    _launch(plan, mode, upload(torch.tensor(rest, dtype=torch.int64), device), status,
+            capacity=upload(torch.tensor(capacity, dtype=torch.int64), device), widest=max(capacity, default=0),
+            **outputs)
     return status
 
 
@@ -307,7 +348,7 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
     """The rows, their offsets per group (int64 ``[n_groups + 1]``), the groups whose ids fit the
     shared table and the distinct ids per group (host ints)."""
     device = plan.common["starts"].device
-    counts = _table_pass(plan, COUNT, plan.group_tokens)
+    counts = _bounded_pass(plan, COUNT)
     row_offset = torch.zeros(plan.n_groups + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=row_offset[1:])
     *host_counts, low, high = torch.cat([counts, plan.common["bad_ids"]]).tolist()  # sizes the rows
@@ -316,7 +357,7 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
     ints = torch.empty(8, n_rows, dtype=torch.int64, device=device)
     room = max_keys(plan.capacity) if plan.capacity else -1
     fits = [g for g in range(plan.n_groups) if host_counts[g] <= room]
-    status = _table_pass(plan, ROWS, host_counts, fits, row_offset=row_offset, row_ints=ints)
+    status = _listed_pass(plan, ROWS, host_counts, fits, row_offset=row_offset, row_ints=ints)
     if not torch.equal(status, counts):
         raise RuntimeError("ktae_kernels.cuda: the rows pass found other tokens than the count pass (internal error)")
     stats = plan.stats
@@ -325,11 +366,29 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
     return scores, row_offset, fits, host_counts
 
 
+@dataclass(frozen=True)
+class _GridKernel:
+    """The extension's statistics kernel as a ``device.StatisticsKernel`` (equal per extension: the
+    device cache key)."""
+
+    ext: ModuleType
+
+    def __call__(self, grid: GridTables, alpha: float, beta: float) -> Tensor:
+        device = grid.cells.device
+        out = torch.empty(5, grid.size, dtype=torch.float64, device=device)
+        constants = [math.log1p(SCIPY_RTOL), _LOG_ERR, P_ONE, math.log(2.0), alpha, beta]
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        self.ext.table_statistics(cells=grid.cells, log_factorial=grid.log_factorial, angle=grid.angle,
+                                  constants=constants, out=out, stream=stream)
+        return out
+
+
 def _table_lookup(plan: _Plan, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """The per-table statistics the advantage pass looks up (``table_index``: int64 ``[2, n_groups]``
-    grid offset and stride; ``table_values``: float64 ``[2, size]`` Cohen's h and strength), or None
-    (``grid_statistics``)."""
-    found = grid_statistics(plan.n_c, plan.n_w, config, device)
+    """The per-table statistics the advantage pass looks up, computed on the device by the
+    extension's statistics kernel and cached there (``table_index``: int64 ``[2, n_groups]`` grid
+    offset and stride; ``table_values``: float64 ``[2, size]`` Cohen's h and strength), or None
+    (``device.grid_statistics``)."""
+    found = grid_statistics(plan.stats.n_c, plan.stats.n_w, plan.largest, config, device, _GridKernel(plan.ext))
     return None if found is None else (found[0], found[1][3:5])
 
 
@@ -344,10 +403,10 @@ def _advantage(plan: _Plan, batch: Batch, config: KTAEConfig, given: Tensor | No
         scores, row_offset, fits, distinct = _scores(plan, batch, config)
         outputs.update(row_offset=row_offset, given_token=scores.token.contiguous(),
                        given_score=scores.score.contiguous())
-        _table_pass(plan, ADVANTAGE, distinct, fits, **outputs)
+        _listed_pass(plan, ADVANTAGE, distinct, fits, **outputs)
     else:
         outputs.update(table_index=lookup[0], table_values=lookup[1])
-        _table_pass(plan, ADVANTAGE, plan.group_tokens, **outputs)
+        _bounded_pass(plan, ADVANTAGE, **outputs)
         # the id check folded into the kernels: this read replaces the API's pass over the ids
         check_id_range(*plan.common["bad_ids"].tolist())
     return out

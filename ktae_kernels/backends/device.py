@@ -1,16 +1,18 @@
-"""Host/device helpers the GPU backends share: a device guard, non-blocking uploads and the device
-copies of the per-table statistics grid (``method.full_grid_statistics``), cached per grid."""
+"""Host/device helpers the GPU backends share: a device guard, non-blocking uploads, and the grid of
+per-table statistics computed on the device by a backend's kernel and cached there (``grid_statistics``)."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import OrderedDict
-from typing import Iterator, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
 
-from .. import method
 from ..config import KTAEConfig
+from ..fisher import log_factorial_table
 
 
 @contextlib.contextmanager
@@ -30,31 +32,110 @@ def upload(t: Tensor, device: torch.device) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-#: device copies of recently used grids (a training run sees the same few sets of group shapes again).
+#: the largest group size whose every table the device grid holds: ``C(N + 4, 4)`` tables for bound
+#: ``N`` (814,385 at 64); past it only the tables the rows use are computed (``method.row_statistics``).
+GRID_MAX_GROUP = 64
+#: the smallest grid bound (tables of every group of up to 16 rollouts: 4,845 entries).
+_MIN_BOUND = 16
+
+
+@dataclass(frozen=True)
+class GridTables:
+    """Every table of a group of at most ``bound`` rollouts, in triangle order (``grid_index``), or
+    any ``size`` tables of such groups (``tables_of``).
+
+    ``cells``: int32 ``[4, size]`` rows ``a, b, n_c, n_w``; ``log_factorial``: float64 ``[bound + 1]``,
+    ``log(k!)``; ``angle``: float64 ``[(bound + 1)(bound + 2) / 2]``, ``asin(sqrt(k / max(n, 1)))`` at
+    ``n (n + 1) / 2 + k``. All on the grid's device, computed there by torch (the same ops, and so the
+    same values, as ``method.table_statistics``)."""
+
+    bound: int
+    size: int
+    cells: Tensor
+    log_factorial: Tensor
+    angle: Tensor
+
+
+#: a backend's statistics kernel: float64 ``[5, size]`` rows ``p_value, F, IG, h, strength`` of every
+#: table of the grid, for ``(alpha, beta)``.
+StatisticsKernel = Callable[[GridTables, float, float], Tensor]
+
+
+def grid_bound(largest: int) -> int | None:
+    """The grid bound for groups of at most ``largest`` rollouts: a power of two >= 16 (few distinct
+    grids over a run), or None past ``GRID_MAX_GROUP``."""
+    bound = _MIN_BOUND
+    while bound < largest:
+        bound *= 2
+    return bound if bound <= GRID_MAX_GROUP else None
+
+
+def grid_size(bound: int) -> int:
+    """Tables of every group of at most ``bound`` rollouts: ``C(bound + 4, 4)``."""
+    return math.comb(bound + 4, 4)
+
+
+def grid_index(n_c: Tensor, n_w: Tensor) -> Tensor:
+    """int64 ``[2, n_groups]``: each group's grid offset and stride ``n_w + 1``, in closed form on the
+    counts' device (no host sync). Blocks ``(n_c, n_w)`` come by ``n = n_c + n_w``, then ``n_c``: block
+    ``(c, n - c)`` starts at ``C(n + 3, 4) + (n + 2) c (c + 1) / 2 - c (c + 1)(2c + 1) / 6``, and its table
+    ``(a, b)`` is entry ``offset + a (n_w + 1) + b``; the offset does not depend on the grid's bound."""
+    n, c = n_c + n_w, n_c
+    before = (n + 3) * (n + 2) * (n + 1) * n // 24
+    inside = (n + 2) * c * (c + 1) // 2 - c * (c + 1) * (2 * c + 1) // 6
+    return torch.stack([before + inside, n_w + 1])
+
+
+def grid_tables(bound: int, device: torch.device) -> GridTables:
+    """Every table of a group of at most ``bound`` rollouts, on ``device`` (torch ops there)."""
+    n = torch.arange(bound + 1, device=device)
+    n_of_block = torch.repeat_interleave(n, n + 1)  # blocks (c, n - c), c = 0..n, by n then c
+    n_c = torch.arange(n_of_block.shape[0], device=device) - n_of_block * (n_of_block + 1) // 2
+    n_w = n_of_block - n_c
+    block_size = (n_c + 1) * (n_w + 1)
+    member = torch.repeat_interleave(torch.arange(n_c.shape[0], device=device), block_size)
+    local = torch.arange(member.shape[0], device=device) - (torch.cumsum(block_size, 0) - block_size)[member]
+    stride = n_w[member] + 1
+    return tables_of(torch.stack([local // stride, local % stride, n_c[member], n_w[member]]), bound)
+
+
+def tables_of(cells: Tensor, bound: int) -> GridTables:
+    """``GridTables`` of the given tables: ``cells`` int ``[4, size]`` rows ``a, b, n_c, n_w`` on the
+    device, every ``n_c + n_w <= bound``; log-factorials and angles up to ``bound``."""
+    device = cells.device
+    n = torch.arange(bound + 1, device=device)
+    n_of = torch.repeat_interleave(n, n + 1)
+    k = torch.arange(n_of.shape[0], device=device) - n_of * (n_of + 1) // 2
+    angle = torch.asin(torch.sqrt(k.double() / n_of.clamp(min=1)))  # as method.cohen_h
+    return GridTables(bound, int(cells.shape[1]), cells.to(torch.int32).contiguous(),
+                      log_factorial_table(bound, device), angle)
+
+
+#: device statistics of recently used grids, per (kernel, alpha, beta, bound, device): a run sees one or two.
 _GRID_CACHE: "OrderedDict[tuple, tuple[Tensor, Optional[torch.cuda.Event]]]" = OrderedDict()
-_GRID_CACHE_SIZE = 64
+_GRID_CACHE_SIZE = 16
 
 
-def grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """``method.full_grid_statistics`` on ``device``: ``index`` int64 ``[2, n_groups]`` (each group's grid
-    offset and stride ``n_w + 1``) and ``values`` float64 ``[5, size]`` (``p_value, F, IG, h,
+def grid_statistics(n_c: Tensor, n_w: Tensor, largest: int, config: KTAEConfig, device: torch.device,
+                    kernel: StatisticsKernel) -> tuple[Tensor, Tensor] | None:
+    """The statistics of every table a group of at most ``largest`` rollouts can have, computed on
+    ``device`` by ``kernel`` and cached there: ``index`` int64 ``[2, n_groups]`` (``grid_index`` of the
+    int64 device counts ``n_c, n_w``) and ``values`` float64 ``[5, size]`` (``p_value, F, IG, h,
     strength``); the table ``(a, b)`` of group ``g`` is column ``index[0, g] + a * index[1, g] + b``.
 
-    ``n_c, n_w``: int64 CPU ``[n_groups]``. None where the statistics must come from the rows. The
-    device copy of a grid is cached, so a call usually costs the host lookup and one pinned,
-    non-blocking upload of ``index``.
+    None where the statistics must come from the rows (``fisher="upstream"``, or ``largest`` past
+    ``GRID_MAX_GROUP``). A cache hit costs a dict lookup and the few device ops of ``grid_index``:
+    nothing is computed or copied on the host.
     """
-    full = method.full_grid_statistics(n_c, n_w, config)
-    if full is None:
+    bound = grid_bound(largest)
+    if config.fisher != "exact" or bound is None:
         return None
-    offset, stride, table = full
-    shapes = tuple(sorted(set(zip(n_c.tolist(), n_w.tolist()))))  # the grid's blocks, in its order
-    key = (config, shapes, str(device))
+    key = (kernel, config.alpha, config.beta, bound, device)
     hit = _GRID_CACHE.get(key)
     if hit is None:
-        values = upload(torch.stack([table.p_value, table.F, table.IG, table.h, table.strength]).contiguous(), device)
+        values = kernel(grid_tables(bound, device), config.alpha, config.beta)
         ready = None
-        if device.type == "cuda":  # later calls may come on other streams: they wait for the upload
+        if device.type == "cuda":  # later calls may come on other streams: they wait for the kernel
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
         hit = (values, ready)
@@ -68,4 +149,4 @@ def grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig, device: torch.
         stream = torch.cuda.current_stream(device)
         stream.wait_event(ready)
         values.record_stream(stream)  # not reused while this stream may still read it
-    return upload(torch.stack([offset, stride]).contiguous(), device), values
+    return grid_index(n_c, n_w), values

@@ -1,8 +1,8 @@
 """Triton backend: a whole batch in a few kernels, on CUDA (or on CPU under ``TRITON_INTERPRET=1``).
 
 groups (``method.group_stats``, [B]-sized) -> ``tables``: one hash table per group, filled from one
-read of the tokens -> per-table statistics (``method.table_statistics``: once per distinct
-``(a, b, n_c, n_w)``) -> ``scores``: one kernel per occupied slot (lookup of its table's statistics,
+read of the tokens -> per-table statistics (``statistics``: every table of the groups' sizes, computed
+on the device and cached there) -> ``scores``: one kernel per occupied slot (lookup of its table's statistics,
 direction, score) -> ``advantage``: one kernel that looks every token's score up and writes
 ``[B, L]``. Working memory is O(masked tokens), never groups x vocabulary. Every launch runs on the
 batch's device. ``fisher="upstream"`` computes its float32 p-values with
@@ -19,7 +19,7 @@ from ...config import KTAEConfig
 from ...types import Batch, KeyTokenScores
 from ..device import on_device
 from .advantage import token_advantages
-from .scores import RowStats, TableLookup, full_grid_lookup, kernel_constants, score_rows, table_lookup
+from .scores import RowStats, TableLookup, kernel_constants, score_rows, table_lookup
 from .tables import HashTables, Rows, build_hash_tables, occupied_rows, row_counts
 
 __all__ = ["key_token_scores", "token_advantage", "pipeline", "Pipeline"]
@@ -59,8 +59,7 @@ def pipeline(batch: Batch, config: KTAEConfig) -> Pipeline:
     """Run the stages of ``token_advantage`` up to the per-slot scores."""
     consts = kernel_constants(config, batch.device)
     stats = method.group_stats(batch, config)
-    # the per-table statistics are prepared on the host while the insert kernel runs
-    tables = build_hash_tables(batch, stats, lambda counts: full_grid_lookup(counts, config, batch.device))
+    tables = build_hash_tables(batch, stats)
     rows = occupied_rows(tables, sort=False)
     lookup, _ = table_lookup(tables, rows, stats, config)
     slot_score, _ = score_rows(tables, rows, stats, config, consts, lookup, write_rows=False)

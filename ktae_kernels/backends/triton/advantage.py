@@ -48,5 +48,5 @@ def token_advantages(batch: Batch, tables: HashTables, slot_score: Tensor, base:
         _advantage_kernel[(triton.cdiv(B, rows), triton.cdiv(L, cols))](
             batch.responses.contiguous(), batch.mask.contiguous().view(torch.uint8), B, L, batch.group,
             base.to(torch.float64).contiguous(), consts, tables.keys, tables.offset, tables.log_cap, slot_score, out,
-            ROWS=rows, COLS=cols)
+            ROWS=rows, COLS=cols, enable_fp_fusion=False)
     return out

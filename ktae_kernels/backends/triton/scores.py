@@ -1,22 +1,19 @@
-"""The statistics stage: per occupied slot, a lookup of its table's statistics and the per-row
+"""The score stage: per occupied slot, a lookup of its table's statistics and the per-row
 direction and squash, in one kernel over the flat rows of ``tables.occupied_rows``.
 
 The Fisher p-value, ``F``, ``IG`` and Cohen's ``h`` depend only on the table ``(a, b, n_c, n_w)``,
-so they are computed once per distinct table by ``ktae_kernels.method.table_statistics`` (a group
-of G rollouts has at most ``(n_c + 1)(n_w + 1)`` tables, 81 for G = 16) and looked up by every row
-at ``offset[g] + a * stride[g] + b``. When the whole grid of the batch's ``(n_c, n_w)`` is small
-(the usual case, ``method.FULL_GRID_WORK``) it is computed on the CPU from the group counts the table
-build already brought to the host, cached per set of distinct ``(n_c, n_w)`` and reaches the
-device in one non-blocking copy (``device.grid_statistics``, shared with the cuda backend);
-otherwise (very large groups, or ``fisher="upstream"``, whose p-value depends on the group's rows)
-only the tables the rows use are computed, on the device, from the rows' counts
-(``method.row_statistics``).
+so they are computed once per table of the grid of every group of up to ``bound`` rollouts, on the
+device, by ``statistics.grid_statistics_kernel``, and cached there per (alpha, beta, bound, device)
+(``device.grid_statistics``); every row looks its table up at ``offset[g] + a * stride[g] + b``,
+offsets in closed form on the device. Past ``device.GRID_MAX_GROUP`` rollouts, or with
+``fisher="upstream"`` (whose p-value depends on the group's rows), only the tables the rows use are
+computed, from the rows' counts (``method.row_statistics``).
 
-The kernel then does the only per-row maths, in float64: ``x = h + BM25 TF ratio``,
-``key = strength * x / (alpha + beta)``, ``score = top * tanh(key / 2)`` kept strictly inside
-``(-top, top)``, 0 where the table is not informative and for ``ignore_token_ids``. Every float64
-constant, and the ignored ids, reach the kernel in one float64 tensor (a Python float argument
-would be float32).
+The kernel then does the only per-row maths, in float64 with FP contraction off (one rounding per
+operation, as on the CPU): ``x = h + BM25 TF ratio``, ``key = strength * x / (alpha + beta)``,
+``score = top * tanh(key / 2)`` kept strictly inside ``(-top, top)``, 0 where the table is not
+informative and for ``ignore_token_ids``. Every float64 constant, and the ignored ids, reach the
+kernel in one float64 tensor (a Python float argument would be float32).
 """
 from __future__ import annotations
 
@@ -33,6 +30,7 @@ from ...config import KTAEConfig
 from ...method import TF_EPS, GroupStats
 from ...validation import MAX_TOKEN_ID
 from ..device import grid_statistics, upload
+from .statistics import grid_statistics_kernel
 from .tables import HashTables, RowCounts, Rows, load_row_counts, row_counts
 
 #: indices into the float64 constant vector of the score and advantage kernels (``kernel_constants``),
@@ -144,23 +142,16 @@ def kernel_constants(config: KTAEConfig, device: torch.device) -> Tensor:
     return device_constants(values, device)
 
 
-def full_grid_lookup(host_counts: tuple[Tensor, Tensor], config: KTAEConfig, device: torch.device) -> TableLookup | None:
-    """The statistics of every table the groups of ``host_counts`` (``(n_c, n_w)`` on the CPU) can
-    have (``device.grid_statistics``), or None when they must come from the rows."""
-    found = grid_statistics(*host_counts, config, device)
-    return None if found is None else TableLookup(*found)
-
-
 def table_lookup(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAEConfig,
                  counts: RowCounts | None = None) -> tuple[TableLookup, RowCounts | None]:
     """The per-table statistics the rows look up, and the rows' counts if they had to be read
-    (``counts``: already read ones, reused)."""
+    (``counts``: already read ones, reused). The whole grid comes from the device cache
+    (``device.grid_statistics``, computed by ``statistics.grid_statistics_kernel``); past its bound,
+    or with ``fisher="upstream"``, only the tables the rows use (``method.row_statistics``)."""
     device = tables.keys.device
-    found = tables.prepared if isinstance(tables.prepared, TableLookup) else None
-    if found is None and tables.host_counts is not None:
-        found = full_grid_lookup(tables.host_counts, config, device)
+    found = grid_statistics(stats.n_c, stats.n_w, tables.largest, config, device, grid_statistics_kernel)
     if found is not None:
-        return found, counts
+        return TableLookup(*found), counts
     if counts is None:
         counts = row_counts(tables, rows)
     tab_rows = method.Rows(group=rows.group.long(), token=counts.token, a=counts.a, b=counts.b,
@@ -188,5 +179,6 @@ def score_rows(tables: HashTables, rows: Rows, stats: GroupStats, config: KTAECo
         stats.n_c, stats.n_w, stats.T_c, stats.T_w, lookup.index, lookup.index.shape[1],
         lookup.values, lookup.values.shape[1], consts, consts.shape[0] - _IGNORE.value,
         slot_score, *((out.p_value, out.F, out.IG, out.x, out.score) if write_rows else (slot_score,) * 5),
-        USE_TF=config.use_tf, WRITE_ROWS=write_rows, BLOCK=_BLOCK)
+        USE_TF=config.use_tf, WRITE_ROWS=write_rows, BLOCK=_BLOCK,
+        enable_fp_fusion=False)
     return slot_score, out

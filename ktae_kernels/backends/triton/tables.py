@@ -18,7 +18,9 @@ claims a slot takes its place in ``order`` with its own atomic on ``fill``), add
 counters with one 64-bit atomic, and sets its rollout's presence bit unless a load shows it set.
 
 Nothing is vocabulary-sized. Slices start from a guess of ``2 * _FIRST_GUESS`` times the group's
-masked tokens; a group whose slice gets more than 3/4 full, or whose probes run past a limit, stops
+masked tokens, at most ``2**_MAX_FIRST_LOG_CAP`` slots (a group of 1024 rollouts holds a few tens
+of thousands of distinct ids, not its million tokens: without the cap, B = 16384 in groups of 1024
+would clear 2.4 GB of first tables); a group whose slice gets more than 3/4 full, or whose probes run past a limit, stops
 early and is rebuilt once with a slice of at least twice its masked tokens, which always suffices:
 only the overflowed groups' rollouts are inserted again (``_regrow``), into slices appended after
 the others, so an overflow costs in proportion to the groups that overflow.
@@ -26,8 +28,6 @@ the others, so an overflow costs in proportion to the groups that overflow.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
-
 import torch
 import triton
 import triton.language as tl
@@ -47,6 +47,8 @@ _NEVER = tl.constexpr(-2)
 #: first guess of a group's distinct tokens, as a fraction of its masked tokens (slice = 2x this).
 _FIRST_GUESS = 0.25
 _MIN_LOG_CAP = 4
+#: the largest first slice, 2**16 slots (49k ids at 3/4 load); a group with more distinct ids is rebuilt.
+_MAX_FIRST_LOG_CAP = 16
 #: probe budget per lane on the first try; the rebuild probes without limit (its load is <= 1/2).
 _FIRST_PROBE_LIMIT = 256
 _UNLIMITED = 2**31 - 1
@@ -65,8 +67,6 @@ class HashTables:
     ``offset`` int64 / ``log_cap`` int32 / ``fill`` int32 ``[n_groups]`` on the device;
     ``correct_bits`` int32 ``[n_groups, words]``. Host ints: ``largest``, the largest group's size;
     ``n_rows`` = ``fill.sum()`` and ``max_fill``, which size the passes over occupied slots.
-    ``host_counts``: ``(n_c, n_w)``, int64 CPU ``[n_groups]``, brought over with the table sizes;
-    ``prepared``: what ``build_hash_tables``' ``while_inserting`` returned.
     """
 
     keys: Tensor
@@ -81,8 +81,6 @@ class HashTables:
     largest: int
     n_rows: int
     max_fill: int
-    host_counts: tuple[Tensor, Tensor] | None = None
-    prepared: object = None
 
 
 @dataclass(frozen=True)
@@ -299,30 +297,22 @@ def _row_counts_kernel(slot_ptr, group_ptr, n_rows, keys_ptr, occ_ptr, bits_ptr,
 # ----------------------------------------------------------------------------- host side
 
 
-def build_hash_tables(batch: Batch, stats: GroupStats,
-                      while_inserting: Callable[[tuple[Tensor, Tensor]], object] | None = None) -> HashTables:
-    """Hash tables of every group of ``batch`` (``stats`` from ``torch_backend.group_stats``).
-
-    ``while_inserting(host_counts)``: host work run while the insert kernel runs (before the host
-    waits for it), given ``(n_c, n_w)`` on the CPU; its result is kept as ``prepared``."""
+def build_hash_tables(batch: Batch, stats: GroupStats) -> HashTables:
+    """Hash tables of every group of ``batch`` (``stats`` from ``method.group_stats``)."""
     tokens = stats.T_c + stats.T_w
-    guess = _log2_ceil(torch.ceil(tokens * (2 * _FIRST_GUESS)).long())
+    guess = first_log_cap(tokens)
     safe = _log2_ceil(2 * tokens)
     n = batch.n_groups
-    if n:  # one device -> host copy: the sizes and the group counts of the per-table statistics
-        host = torch.cat([torch.stack([stats.size.max(), tokens.max(), _slots(guess)]), stats.n_c, stats.n_w]).cpu()
-        largest, biggest, slots = host[:3].tolist()
-        host_counts = (host[3:3 + n], host[3 + n:])
+    if n:
+        largest, biggest, slots = _read_sizes(torch.stack([stats.size.max(), tokens.max(), _slots(guess)]))
     else:
         largest, biggest, slots = 1, 0, 0
-        host_counts = (torch.zeros(0, dtype=torch.int64),) * 2
     if biggest > MAX_GROUP_TOKENS:
         raise ValueError(f"the triton backend takes at most {MAX_GROUP_TOKENS} masked tokens per group, "
                          f"got a group of {biggest}")
     words = max(triton.cdiv(largest, 32), 1)
     rank, inc, correct_bits = _rollout_layout(batch, stats, words)
     tables, overflow, bad = _insert(batch, guess, slots, words, rank, inc, correct_bits, _FIRST_PROBE_LIMIT)
-    prepared = while_inserting(host_counts) if while_inserting is not None else None
     grown_cap = torch.where(overflow != 0, 1 << safe.long(), 0)
     extra, low, high, *fill = torch.cat([grown_cap.sum().reshape(1), bad, tables.fill]).tolist()
     check_id_range(low, high)
@@ -331,8 +321,19 @@ def build_hash_tables(batch: Batch, stats: GroupStats,
         lost, *fill = torch.cat([overflow.any().reshape(1), tables.fill]).tolist()
         if lost:  # cannot happen: a slice of twice the group's tokens stays at most half full
             raise RuntimeError("triton backend: a rebuilt hash table overflowed")
-    return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0), host_counts=host_counts,
-                   prepared=prepared)
+    return replace(tables, largest=largest, n_rows=sum(fill), max_fill=max(fill, default=0))
+
+
+def _read_sizes(sizes: Tensor) -> list[int]:
+    """The device -> host copy before the insert kernel: the largest group, its masked tokens and the
+    slots of the first tables (bench/host_plan.py stubs it to time the host alone)."""
+    return sizes.tolist()
+
+
+def first_log_cap(tokens: Tensor) -> Tensor:
+    """int32 ``[n_groups]``: log2 of each group's first slice, from its masked tokens (int64), capped
+    at ``_MAX_FIRST_LOG_CAP``."""
+    return _log2_ceil(torch.ceil(tokens * (2 * _FIRST_GUESS)).long()).clamp(max=_MAX_FIRST_LOG_CAP)
 
 
 def _slots(log_cap: Tensor) -> Tensor:
