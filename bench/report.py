@@ -4,7 +4,9 @@ Columns: ``time`` is the median wall time of the whole batch (``~``: extrapolate
 groups); ``Mtok/s`` counts real (masked) response tokens; ``x ref`` / ``x upstream`` are the
 speed-ups against the scipy reference and the upstream-style loop on the same batch (``~`` when
 either side is extrapolated); ``x floor`` is the time over the machine's memory floor for the same
-batch, measured in the same run (``bench.floor``: one read of ids and mask, one float32 write);
+batch, measured in the same run (``bench.floor``: one read of ids and mask, one float32 write; the
+fastest of its samples, ``bench.floor_stats``), ``-`` for batches too small to measure it, and
+``error`` where a time came out under the floor (a disturbed measurement, never a result);
 ``peak MB`` is the extra memory of one call at its peak (output included); ``max|d| ref`` is the
 largest difference from the reference's advantages on the groups both ran.
 """
@@ -72,7 +74,7 @@ def format_table(results: list[Result]) -> str:
         time = ("~" if r.extrapolated else "") + format_time(r.seconds) if r.status == "ok" else r.status
         rate = f"{r.tokens_per_s / 1e6:.3g}" if r.tokens_per_s else "-"
         diff = f"{r.max_abs_diff_vs_reference:.1e}" if r.max_abs_diff_vs_reference is not None else "-"
-        floor = format_ratio(r.x_floor) if r.x_floor else "-"
+        floor = "error" if r.floor_error else format_ratio(r.x_floor) if r.x_floor else "-"
         peak = f"{r.peak_extra_bytes / 1e6:,.0f}" if r.peak_extra_bytes is not None else "-"
         rows.append((str(r.shape.G), str(r.shape.prompts), str(r.shape.L), f"{r.tokens:,}" if r.tokens else "-",
                      r.backend, time, rate, _speedup(sp["vs_reference"], sp["vs_reference_extrapolated"]),
@@ -88,6 +90,9 @@ def format_table(results: list[Result]) -> str:
         out.append(line(row))
         previous = r.shape
     out += ["", "~ = extrapolated linearly from the first groups of the batch (per-group Python loops)."]
+    if any(r.floor_error for r in results):
+        out.append("x floor = error: measured faster than the memory floor of the same batch, which no code can "
+                   "be: other processes disturbed the timings. Rerun on a quieter machine.")
     out += [f"[{i + 1}] {n}" for i, n in enumerate(notes)]
     return "\n".join(out)
 
@@ -107,7 +112,8 @@ def result_json(results: list[Result]) -> list[dict]:
             "speedup_vs_reference_extrapolated": sp["vs_reference_extrapolated"],
             "speedup_vs_upstream_extrapolated": sp["vs_upstream_extrapolated"],
             "max_abs_diff_vs_reference": r.max_abs_diff_vs_reference,
-            "memory_floor_s": r.floor_s, "x_memory_floor": r.x_floor, "peak_extra_bytes": r.peak_extra_bytes,
+            "memory_floor_s": r.floor_s, "memory_floor_samples_s": r.floor_samples_s, "x_memory_floor": r.x_floor,
+            "x_memory_floor_error": r.floor_error, "peak_extra_bytes": r.peak_extra_bytes,
         })
     return rows
 
