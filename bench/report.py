@@ -144,6 +144,7 @@ def plot(results: list[Result], path: Path, title: str) -> None:
 
     ups = speedups(results)
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(14, 5.6))
+    labels: dict = {ax_t: [], ax_s: []}
     names = list(dict.fromkeys(r.backend for r in results))
     for i, name in enumerate(names):
         rows = sorted((r for r in results if r.backend == name and r.seconds), key=lambda r: r.tokens)
@@ -160,7 +161,7 @@ def plot(results: list[Result], path: Path, title: str) -> None:
                 hollow = sp["vs_upstream_extrapolated"]
                 ax_s.plot(r.tokens, sp["vs_upstream"], "o", color=color, mfc="none" if hollow else color)
                 if name != "reference":
-                    _label_shape(ax_s, r, sp["vs_upstream"])
+                    labels[ax_s].append(_label_shape(ax_s, r, sp["vs_upstream"]))
             if pts:
                 ax_s.plot([], [], "o", color=color, label=name)
     # each shape once on the time panel, above its slowest point
@@ -169,7 +170,7 @@ def plot(results: list[Result], path: Path, title: str) -> None:
         if r.seconds and (r.shape not in slowest or r.seconds > slowest[r.shape].seconds):
             slowest[r.shape] = r
     for r in slowest.values():
-        _label_shape(ax_t, r, r.seconds, rotate=True)
+        labels[ax_t].append(_label_shape(ax_t, r, r.seconds, rotate=True))
     ax_t.plot([], [], "o", color="grey", mfc="none", label="hollow: extrapolated")
     ax_t.set(xscale="log", yscale="log", xlabel="real response tokens in the batch", ylabel="median time (s)",
              title="token_advantage end to end (labels: G,L)")
@@ -186,14 +187,40 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     ax_s.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    for ax, texts in labels.items():
+        drop_overlapping(texts, keep_clear=[ax.get_legend()])
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
-def _label_shape(ax, r: Result, y: float, rotate: bool = False) -> None:
+#: the least room around a point label, in pixels (glyph boxes are tight: touching labels read as one).
+LABEL_GAP_PX = 3
+
+
+def drop_overlapping(texts: list, keep_clear: list = ()) -> int:
+    """Remove every text that would overlap an earlier kept one or an artist of ``keep_clear`` (a
+    legend), so that the labels left are all readable; returns how many were removed. Call it once
+    the figure's layout is final."""
+    if not texts:
+        return 0
+    texts[0].figure.canvas.draw()  # final limits and positions (autoscaling is lazy)
+    renderer = texts[0].figure.canvas.get_renderer()
+    taken = [artist.get_window_extent(renderer) for artist in keep_clear if artist is not None]
+    removed = 0
+    for text in texts:
+        box = text.get_window_extent(renderer).padded(LABEL_GAP_PX)
+        if any(box.overlaps(other) for other in taken):
+            text.remove()
+            removed += 1
+        else:
+            taken.append(box)
+    return removed
+
+
+def _label_shape(ax, r: Result, y: float, rotate: bool = False):
     """A small ``G,L`` label above the point ``(r.tokens, y)`` (slanted where points crowd)."""
-    ax.annotate(f"{r.shape.G},{r.shape.L}", (r.tokens, y), xytext=(2, 5) if rotate else (0, 5),
+    return ax.annotate(f"{r.shape.G},{r.shape.L}", (r.tokens, y), xytext=(2, 5) if rotate else (0, 5),
                 textcoords="offset points", ha="left" if rotate else "center", va="bottom", fontsize=6,
                 color="#444", rotation=50 if rotate else 0, rotation_mode="anchor")
 

@@ -77,3 +77,20 @@ def test_quick_grid_small_shapes_get_no_floor():
     from bench.grid import PRESETS
     small = [s for s in PRESETS["quick"] if s.positions < MIN_FLOOR_POSITIONS]
     assert small and all(s.prompts == 1 for s in small)  # one prompt: 4k to 49k positions
+
+
+def test_plot_labels_never_overlap():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench.report import drop_overlapping
+
+    fig, ax = plt.subplots()
+    ax.set(xlim=(0, 1), ylim=(0, 1))
+    ax.legend(handles=ax.plot([], [], label="legend")[0:1], loc="upper left")
+    texts = [ax.annotate("16,512", (0.5, 0.5)), ax.annotate("16,3072", (0.505, 0.505)),  # on top of the first
+             ax.annotate("64,512", (0.9, 0.1)), ax.annotate("8,512", (0.01, 0.97))]   # clear / under the legend
+    assert drop_overlapping(texts, keep_clear=[ax.get_legend()]) == 2
+    assert [t.get_text() for t in ax.texts] == ["16,512", "64,512"]
+    plt.close(fig)
