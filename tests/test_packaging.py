@@ -44,6 +44,7 @@ def test_package_is_typed():
     assert "py.typed" in pyproject()["tool"]["setuptools"]["package-data"]["ktae_kernels"]
 
 
+@pytest.mark.slow
 def test_sdist_holds_every_source_a_build_needs(tmp_path):
     pytest.importorskip("build")
     # in an isolated environment with pyproject's build requirements, as pip and `python -m build` do

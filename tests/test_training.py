@@ -153,6 +153,7 @@ def test_two_step_smoke_run_ktae(warm_checkpoint, tmp_path):
     assert (tmp_path / "reward.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ktae_run_reward_rises(warm_checkpoint, tmp_path):
     """Seeded, so deterministic on one machine; the margins hold for every seed tried (0..5: reward
     +0.04..+0.10 between the first and last 25 steps, greedy accuracy 0.50 -> 0.62..0.77)."""
