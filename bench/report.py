@@ -4,7 +4,9 @@ Columns: ``time`` is the median wall time of the whole batch (``~``: extrapolate
 groups); ``Mtok/s`` counts real (masked) response tokens; ``x ref`` / ``x upstream`` are the
 speed-ups against the scipy reference and the upstream-style loop on the same batch (``~`` when
 either side is extrapolated); ``x floor`` is the time over the machine's memory floor for the same
-batch, measured in the same run (``bench.floor``: one read of ids and mask, one float32 write);
+batch, measured in the same run (``bench.floor``: one read of ids and mask, one float32 write; the
+fastest of its samples, ``bench.floor_stats``), ``-`` for batches too small to measure it, and
+``error`` where a time came out under the floor (a disturbed measurement, never a result);
 ``peak MB`` is the extra memory of one call at its peak (output included); ``max|d| ref`` is the
 largest difference from the reference's advantages on the groups both ran.
 """
@@ -72,7 +74,7 @@ def format_table(results: list[Result]) -> str:
         time = ("~" if r.extrapolated else "") + format_time(r.seconds) if r.status == "ok" else r.status
         rate = f"{r.tokens_per_s / 1e6:.3g}" if r.tokens_per_s else "-"
         diff = f"{r.max_abs_diff_vs_reference:.1e}" if r.max_abs_diff_vs_reference is not None else "-"
-        floor = format_ratio(r.x_floor) if r.x_floor else "-"
+        floor = "error" if r.floor_error else format_ratio(r.x_floor) if r.x_floor else "-"
         peak = f"{r.peak_extra_bytes / 1e6:,.0f}" if r.peak_extra_bytes is not None else "-"
         rows.append((str(r.shape.G), str(r.shape.prompts), str(r.shape.L), f"{r.tokens:,}" if r.tokens else "-",
                      r.backend, time, rate, _speedup(sp["vs_reference"], sp["vs_reference_extrapolated"]),
@@ -88,6 +90,9 @@ def format_table(results: list[Result]) -> str:
         out.append(line(row))
         previous = r.shape
     out += ["", "~ = extrapolated linearly from the first groups of the batch (per-group Python loops)."]
+    if any(r.floor_error for r in results):
+        out.append("x floor = error: measured faster than the memory floor of the same batch, which no code can "
+                   "be: other processes disturbed the timings. Rerun on a quieter machine.")
     out += [f"[{i + 1}] {n}" for i, n in enumerate(notes)]
     return "\n".join(out)
 
@@ -107,7 +112,8 @@ def result_json(results: list[Result]) -> list[dict]:
             "speedup_vs_reference_extrapolated": sp["vs_reference_extrapolated"],
             "speedup_vs_upstream_extrapolated": sp["vs_upstream_extrapolated"],
             "max_abs_diff_vs_reference": r.max_abs_diff_vs_reference,
-            "memory_floor_s": r.floor_s, "x_memory_floor": r.x_floor, "peak_extra_bytes": r.peak_extra_bytes,
+            "memory_floor_s": r.floor_s, "memory_floor_samples_s": r.floor_samples_s, "x_memory_floor": r.x_floor,
+            "x_memory_floor_error": r.floor_error, "peak_extra_bytes": r.peak_extra_bytes,
         })
     return rows
 
@@ -138,6 +144,7 @@ def plot(results: list[Result], path: Path, title: str) -> None:
 
     ups = speedups(results)
     fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(14, 5.6))
+    labels: dict = {ax_t: [], ax_s: []}
     names = list(dict.fromkeys(r.backend for r in results))
     for i, name in enumerate(names):
         rows = sorted((r for r in results if r.backend == name and r.seconds), key=lambda r: r.tokens)
@@ -154,7 +161,7 @@ def plot(results: list[Result], path: Path, title: str) -> None:
                 hollow = sp["vs_upstream_extrapolated"]
                 ax_s.plot(r.tokens, sp["vs_upstream"], "o", color=color, mfc="none" if hollow else color)
                 if name != "reference":
-                    _label_shape(ax_s, r, sp["vs_upstream"])
+                    labels[ax_s].append(_label_shape(ax_s, r, sp["vs_upstream"]))
             if pts:
                 ax_s.plot([], [], "o", color=color, label=name)
     # each shape once on the time panel, above its slowest point
@@ -163,7 +170,7 @@ def plot(results: list[Result], path: Path, title: str) -> None:
         if r.seconds and (r.shape not in slowest or r.seconds > slowest[r.shape].seconds):
             slowest[r.shape] = r
     for r in slowest.values():
-        _label_shape(ax_t, r, r.seconds, rotate=True)
+        labels[ax_t].append(_label_shape(ax_t, r, r.seconds, rotate=True))
     ax_t.plot([], [], "o", color="grey", mfc="none", label="hollow: extrapolated")
     ax_t.set(xscale="log", yscale="log", xlabel="real response tokens in the batch", ylabel="median time (s)",
              title="token_advantage end to end (labels: G,L)")
@@ -180,14 +187,40 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     ax_s.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncols=2, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    for ax, texts in labels.items():
+        drop_overlapping(texts, keep_clear=[ax.get_legend()])
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
-def _label_shape(ax, r: Result, y: float, rotate: bool = False) -> None:
+#: the least room around a point label, in pixels (glyph boxes are tight: touching labels read as one).
+LABEL_GAP_PX = 3
+
+
+def drop_overlapping(texts: list, keep_clear: list = ()) -> int:
+    """Remove every text that would overlap an earlier kept one or an artist of ``keep_clear`` (a
+    legend), so that the labels left are all readable; returns how many were removed. Call it once
+    the figure's layout is final."""
+    if not texts:
+        return 0
+    texts[0].figure.canvas.draw()  # final limits and positions (autoscaling is lazy)
+    renderer = texts[0].figure.canvas.get_renderer()
+    taken = [artist.get_window_extent(renderer) for artist in keep_clear if artist is not None]
+    removed = 0
+    for text in texts:
+        box = text.get_window_extent(renderer).padded(LABEL_GAP_PX)
+        if any(box.overlaps(other) for other in taken):
+            text.remove()
+            removed += 1
+        else:
+            taken.append(box)
+    return removed
+
+
+def _label_shape(ax, r: Result, y: float, rotate: bool = False):
     """A small ``G,L`` label above the point ``(r.tokens, y)`` (slanted where points crowd)."""
-    ax.annotate(f"{r.shape.G},{r.shape.L}", (r.tokens, y), xytext=(2, 5) if rotate else (0, 5),
+    return ax.annotate(f"{r.shape.G},{r.shape.L}", (r.tokens, y), xytext=(2, 5) if rotate else (0, 5),
                 textcoords="offset points", ha="left" if rotate else "center", va="bottom", fontsize=6,
                 color="#444", rotation=50 if rotate else 0, rotation_mode="anchor")
 

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from bench.contenders import Contender, make_contender, unavailable_reason
 from bench.data import BenchBatch, Shape, batch_tokens, make_batch
 from bench.floor import memory_floor_s, peak_extra_bytes
+from bench.floor_stats import floor_ratio, floor_samples, floor_seconds, is_measuring_error
 from bench.grid import Budget
 from bench.timing import MIN_GROUPS, Timing, measure_per_group, measure_vectorised
 
@@ -44,12 +45,20 @@ class Result:
     extrapolated: bool = False
     max_abs_diff_vs_reference: float | None = None
     floor_s: float | None = None
+    floor_samples_s: list[float] = field(default_factory=list)
     peak_extra_bytes: int | None = None
 
     @property
     def x_floor(self) -> float | None:
-        """Time over the machine's memory floor for this batch (measured in the same run)."""
-        return self.seconds / self.floor_s if self.seconds and self.floor_s and not self.extrapolated else None
+        """Time over the machine's memory floor for this batch (measured in the same run); None where
+        either is missing, extrapolated, or below 1 (a measuring error: see ``floor_error``)."""
+        ratio = None if self.extrapolated else floor_ratio(self.seconds, self.floor_s)
+        return None if is_measuring_error(ratio) else ratio
+
+    @property
+    def floor_error(self) -> bool:
+        """Whether this cell measured faster than the memory floor, which no implementation can be."""
+        return not self.extrapolated and is_measuring_error(floor_ratio(self.seconds, self.floor_s))
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -71,12 +80,13 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
         batch = _batch_for(shape, [n for n, skip, hit in plan if skip is None and hit is None], seed, device)
         tokens = batch_tokens(shape, seed)
         full = batch is not None and batch.responses.shape[0] == shape.B
-        floor = memory_floor_s(batch, device) if full else None
+        floor = _floor_samples(batch, device) if full else []  # again after the contenders: bench.floor_stats
+        shape_results: list[Result] = []
         reference: tuple[int, Tensor] | None = None
         for name, not_run, hit in plan:
             bar.set_postfix_str(f"{shape} {name}")
             if not_run is not None:
-                results.append(Result(shape, name, *not_run, tokens=tokens))
+                shape_results.append(Result(shape, name, *not_run, tokens=tokens))
                 bar.update()
                 continue
             contender = make_contender(name)
@@ -87,7 +97,6 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
                 if isinstance(timing, Timing) and contender.per_group:
                     loops[(name, shape.G, shape.L)] = timing
             result = _result(shape, name, timing, tokens)
-            result.floor_s = floor
             if result.status == "ok" and not contender.per_group and hit is None:
                 result.peak_extra_bytes = peak_extra_bytes(lambda b=batch: contender.run(b), device)
             output = timing.output if isinstance(timing, Timing) else None
@@ -95,16 +104,25 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
                 reference = (result.groups, output.cpu())
             elif reference is not None and output is not None:
                 result.max_abs_diff_vs_reference = _max_diff(reference, output, result.groups, shape.G)
-            results.append(result)
+            shape_results.append(result)
             del output, timing
             _free(device)
             bar.update()
+        floor += _floor_samples(batch, device) if full else []
+        for result in shape_results:
+            result.floor_s, result.floor_samples_s = floor_seconds(floor), floor
+        results += shape_results
         del batch
         _free(device)
         if on_shape_done is not None:
             on_shape_done(results)
     bar.close()
     return results
+
+
+def _floor_samples(batch: BenchBatch, device: torch.device) -> list[float]:
+    """Samples of the memory floor pass over ``batch``, one pass each (none for a small batch)."""
+    return floor_samples(lambda: memory_floor_s(batch, device, repeats=1), batch.responses.numel())
 
 
 def _cached(loops: dict, name: str, shape: Shape) -> Timing | None:

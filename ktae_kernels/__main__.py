@@ -1,6 +1,7 @@
 """`python -m ktae_kernels`: KTAE explained on a small built-in batch, its advantages, and a timing.
 
-``python -m ktae_kernels --report demo.html`` also writes the batch's coloured key-token report.
+``python -m ktae_kernels --report demo.html`` also writes the batch's coloured key-token report, and
+``--png demo.png`` its matplotlib summary (the ``viz`` extra). Every line printed fits in ``WIDTH``.
 """
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ import time
 import torch
 
 from . import KTAEConfig, available_backends, key_token_scores, token_advantage
+
+#: the demo's lines are shorter than this, so a terminal never wraps one.
+WIDTH = 99
+#: the command and duration the demo suggests next (measured on 2 cores, 2026-12-03: 22-29 s idle,
+#: up to 4 min with three busy processes beside it).
+NEXT_BENCH = "python -m bench --quick"
 
 #: the tokens ``demo_batch`` plants first in every correct / every wrong rollout.
 PLANTED_CORRECT, PLANTED_WRONG = 7, 13
@@ -40,8 +47,9 @@ KTAE scores every (group, token id) from a 2x2 table of the group's rollouts:
   p       Fisher exact test of the table: small = the token separates correct from wrong rollouts
   F, IG   exp(-2p) (0 when p = 1) and the information gain in bits: how strongly it separates them
   x       direction: Cohen's h of a/4 against b/4, plus (use_tf) a BM25 ratio of its frequencies
-  score   2 sigmoid((F + IG) / 2 * x) - 1, in (-1, 1): + goes with correct rollouts, - with wrong ones
-A token's advantage = its rollout's advantage A (GRPO: group z-score of the reward) + weight * score."""
+  score   2 sigmoid((F + IG) / 2 * x) - 1, in (-1, 1): + goes with correct rollouts, - with wrong
+A token's advantage = its rollout's advantage A (GRPO: the group z-score of the reward)
+                      + weight * score."""
 
 
 def _key_table(scores, group: int, shown: int) -> list[str]:
@@ -67,6 +75,7 @@ def _aligned(responses, mask, adv, rollout: int, label: str) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ktae_kernels", description=__doc__.split("\n\n")[0])
     parser.add_argument("--report", metavar="FILE.html", help="also write the demo batch's key-token HTML report")
+    parser.add_argument("--png", metavar="FILE.png", help="also write its PNG summary (needs matplotlib: the viz extra)")
     args = parser.parse_args(argv)
 
     responses, mask, rewards, index = demo_batch()
@@ -89,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         f"Why one-sided tokens (a or b = 0) score +-1 whatever their p: their BM25 ratio tf_c/tf_w is huge "
         f"(token 2: x = {x2:.0f}) and the sigmoid saturates; KTAEConfig(use_tf=False) drops the ratio (then "
         f"{PLANTED_CORRECT}: {plain_score(PLANTED_CORRECT):+.2f}, {PLANTED_WRONG}: {plain_score(PLANTED_WRONG):+.2f}, "
-        f"2: {plain_score(2):+.2f}), and top / weight cap how far any token moves the advantage.", width=110) + "\n")
+        f"2: {plain_score(2):+.2f}), and top / weight cap how far any token moves the advantage.", width=WIDTH) + "\n")
 
     base = token_advantage(responses, mask, rewards, index, config=KTAEConfig(weight=0.0))[:, 0]  # A alone
     print("Advantages (A + score of each token), aligned with the token ids ('.': padding, mask 0):")
@@ -104,15 +113,19 @@ def main(argv: list[str] | None = None) -> None:
         token_advantage(responses, mask, rewards, index, config=config, backend=backend)
         print(f"{backend:>10}: {1e3 * (time.perf_counter() - start):.2f} ms")
 
+    print()
+    title = "KTAE key tokens: the python -m ktae_kernels demo batch"
     if args.report:
         from .viz import write_report
-        path = write_report(args.report, responses, mask, rewards, index, config=config,
-                            title="KTAE key tokens: the python -m ktae_kernels demo batch")
-        print(f"\nWrote {path}: open it in a browser (tokens coloured by score; hover one for its table).")
-    else:
-        print("\nSee these key tokens coloured, one rollout per line: python -m ktae_kernels --report demo.html")
-    print("Next: `python -m bench` compares every backend with the scipy reference and the upstream-style loop "
-          "on realistic batches.")
+        path = write_report(args.report, responses, mask, rewards, index, config=config, title=title)
+        print(f"Wrote {path}\n  open it in a browser: tokens coloured by score; hover one for its table.")
+    if args.png:
+        from .viz import write_png
+        print(f"Wrote {write_png(args.png, responses, mask, rewards, index, config=config, title=title)}")
+    if not (args.report or args.png):
+        print("See these key tokens coloured: python -m ktae_kernels --report demo.html --png demo.png")
+    print(f"Next: `{NEXT_BENCH}` (about 30 s on 2 idle cores) times every backend against the scipy\n"
+          "reference, the upstream-style loop and the memory floor; `python -m bench` runs the full grid.")
 
 
 if __name__ == "__main__":

@@ -23,3 +23,11 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert readme_commands()[1] in [line.strip() for line in ci]
     assert any(line.strip() == "pip install torch==2.13.0" for line in ci)
+
+
+def test_quick_start_runs_as_written_and_prints_no_negative_zero(capsys):
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python", text.index("## Quick start")) + len("```python")
+    exec(compile(text[start:text.index("```", start)], "README.md quick start", "exec"), {})
+    out = capsys.readouterr().out
+    assert "group 0  token 7" in out and "-0.000" not in out

@@ -153,6 +153,7 @@ def test_two_step_smoke_run_ktae(warm_checkpoint, tmp_path):
     assert (tmp_path / "reward.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ktae_run_reward_rises(warm_checkpoint, tmp_path):
     """Seeded, so deterministic on one machine; the margins hold for every seed tried (0..5: reward
     +0.04..+0.10 between the first and last 25 steps, greedy accuracy 0.50 -> 0.62..0.77)."""
@@ -164,3 +165,22 @@ def test_ktae_run_reward_rises(warm_checkpoint, tmp_path):
     assert last > first + 0.02, f"reward should rise: first {WINDOW} steps {first:.3f}, last {WINDOW} {last:.3f}"
     start_acc, end_acc = history[0]["eval_acc"], history[-1]["eval_acc"]
     assert end_acc > start_acc + 0.05, f"greedy accuracy should rise: {start_acc:.3f} -> {end_acc:.3f}"
+
+
+def test_progress_bar_shows_accuracy_and_the_shaped_reward_as_two_quantities():
+    from training.train import progress_fields
+
+    row = dict(acc=0.5, reward=0.4375, ktae_s=0.002)
+    history = [{"step": 0, "eval_acc": 0.25}, {"step": 1}]
+    grpo = progress_fields(TrainConfig(preset="grpo").resolved(), row, history)
+    assert grpo == {"acc": "0.50", "eval_acc": "0.25", "ktae_ms": "2.0"}  # unshaped: the reward is acc again
+    dapo = progress_fields(TrainConfig(preset="dapo").resolved(), row, history)
+    assert dapo["acc"] == "0.50" and dapo["reward"] == "0.438"
+
+
+def test_warm_up_reports_each_step_as_it_goes():
+    policy, tokenizer = load_policy("tiny", "cpu")
+    seen: list[float] = []
+    losses = sft_warmup(policy, tokenizer, AdditionTask(digits=2, eval_size=0), steps=2, lr=3e-3, batch=4,
+                        rng=random.Random(0), on_step=seen.append)
+    assert seen == losses and len(seen) == 2

@@ -75,8 +75,11 @@ def train(config: TrainConfig) -> RunResult:
     policy, tokenizer = load_policy(cfg.model, device, getattr(torch, cfg.dtype))
     task = TASKS[cfg.task](digits=cfg.digits, eval_size=cfg.eval_size)
     engine = make_engine(cfg, policy, tokenizer)  # first: a missing vLLM fails before any work
-    warmup_losses = sft_warmup(policy, tokenizer, task, steps=cfg.warmup_steps, lr=cfg.warmup_lr,
-                               batch=cfg.warmup_batch, rng=rng)
+    # a bar from the first warm-up step on: the warm-up is a good part of a short run
+    with tqdm(total=cfg.warmup_steps, desc=f"{cfg.name} warm-up (SFT)", file=sys.stderr,
+              disable=not cfg.progress or not cfg.warmup_steps) as warm:
+        warmup_losses = sft_warmup(policy, tokenizer, task, steps=cfg.warmup_steps, lr=cfg.warmup_lr,
+                                   batch=cfg.warmup_batch, rng=rng, on_step=lambda loss: _advance(warm, loss))
     engine.sync(policy)
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -94,12 +97,30 @@ def train(config: TrainConfig) -> RunResult:
         if cfg.report_every and step % cfg.report_every == 0 and step_tensors:
             write_step_report(out_dir / f"report-step{step:04d}.html", step_tensors, tokenizer, cfg.ktae_config(),
                               f"KTAE key tokens, {cfg.name}, step {step}", backend=cfg.ktae_backend)
-        bar.set_postfix(reward=f"{row['reward']:.2f}", acc=f"{row['acc']:.2f}", ktae_ms=f"{1e3 * row['ktae_s']:.1f}")
+        bar.set_postfix(progress_fields(cfg, row, history))
 
     write_csv(history, out_dir / "log.csv")
     write_json(summarise(cfg, history, warmup_losses), out_dir / "summary.json")
     plot_run(history, out_dir / "reward.png", f"{cfg.preset.upper()} + {cfg.adv} advantages, seed {cfg.seed}")
     return RunResult(cfg, history, warmup_losses, out_dir, policy, last)
+
+
+def _advance(bar: tqdm, loss: float) -> None:
+    """One warm-up step done: move the bar and show the step's loss."""
+    bar.update()
+    bar.set_postfix(loss=f"{loss:.3f}")
+
+
+def progress_fields(cfg: TrainConfig, row: dict, history: list[dict]) -> dict[str, str]:
+    """The RL bar's fields: ``acc`` (share of this step's sampled rollouts that are correct), the
+    mean shaped reward ``reward`` only where the reward is shaped (DAPO's overlong penalty; without
+    shaping it is ``acc`` again), the last greedy ``eval_acc``, and the KTAE milliseconds."""
+    fields = {"acc": f"{row['acc']:.2f}"}
+    if cfg.overlong_buffer:
+        fields["reward"] = f"{row['reward']:.3f}"
+    fields["eval_acc"] = f"{next(r['eval_acc'] for r in reversed(history) if 'eval_acc' in r):.2f}"
+    fields["ktae_ms"] = f"{1e3 * row['ktae_s']:.1f}"
+    return fields
 
 
 def rl_step(cfg: TrainConfig, engine: Engine, policy: PreTrainedModel, ref: PreTrainedModel | None,

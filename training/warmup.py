@@ -7,6 +7,7 @@ accuracy to a middling level; RL starts from there. Skip it (``--warmup-steps 0`
 from __future__ import annotations
 
 import random
+from typing import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,8 +19,10 @@ from .tokenizer import encode_prompt
 
 
 def sft_warmup(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: AdditionTask, *, steps: int,
-               lr: float, batch: int, rng: random.Random) -> list[float]:
-    """``steps`` AdamW steps of token-mean cross-entropy on the answer + eos; returns the losses."""
+               lr: float, batch: int, rng: random.Random,
+               on_step: Callable[[float], None] | None = None) -> list[float]:
+    """``steps`` AdamW steps of token-mean cross-entropy on the answer + eos; returns the losses.
+    ``on_step(loss)`` is called after each step (a progress bar)."""
     device = next(policy.parameters()).device
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
     policy.train()
@@ -34,4 +37,6 @@ def sft_warmup(policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+        if on_step is not None:
+            on_step(losses[-1])
     return losses

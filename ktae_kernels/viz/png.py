@@ -28,6 +28,7 @@ def write_png(path: str | Path, responses: Any, response_mask: Any, rewards: Any
         raise ImportError('write_png needs matplotlib: pip install "ktae_kernels[viz]"') from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"`top_k` must be an int >= 1, got {top_k!r}")
@@ -57,6 +58,7 @@ def write_png(path: str | Path, responses: Any, response_mask: Any, rewards: Any
     else:
         ax.text(0.5, 0.5, "every score is 0", ha="center", va="center", transform=ax.transAxes)
     ax.set(xlim=(-top, top), xlabel="key-token score", ylabel="(group, token) pairs")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts: no fractional ticks
     ax.set_title(f"non-zero scores: {nonzero.numel()} of {len(s)} (group, token) pairs", fontsize=10)
 
     for ax, g in zip(flat[1:], prep.shown):

@@ -1,0 +1,60 @@
+"""What a user who installs the package relies on: one version, the license, type hints, a complete sdist.
+
+The wheel itself (built from the sdist, installed in a fresh venv without a compiler, running the demo)
+is checked by ``.ci/package``, which CI runs.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tarfile
+import tomllib
+from pathlib import Path
+
+import pytest
+
+import ktae_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+
+
+def test_version_has_one_source_and_the_changelog_names_it():
+    project = pyproject()
+    assert project["project"]["dynamic"] == ["version"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "ktae_kernels.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", ktae_kernels.__version__)
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert re.search(r"^## (\S+)", changelog, re.M).group(1) == ktae_kernels.__version__
+
+
+def test_license_file_matches_the_metadata():
+    assert pyproject()["project"]["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+def test_package_is_typed():
+    assert (ROOT / "ktae_kernels" / "py.typed").is_file()
+    assert "py.typed" in pyproject()["tool"]["setuptools"]["package-data"]["ktae_kernels"]
+
+
+@pytest.mark.slow
+def test_sdist_holds_every_source_a_build_needs(tmp_path):
+    pytest.importorskip("build")
+    # in an isolated environment with pyproject's build requirements, as pip and `python -m build` do
+    done = subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (sdist,) = tmp_path.glob("ktae_kernels-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    needed = {"setup.py", "pyproject.toml", "LICENSE", "CHANGELOG.md", "README.md", "ktae_kernels/py.typed"}
+    needed |= {str(path.relative_to(ROOT)) for path in (ROOT / "csrc").rglob("*") if path.is_file()}
+    assert needed <= names, sorted(needed - names)
+    assert not [name for name in names if name.endswith((".so", ".o"))]
