@@ -260,7 +260,8 @@ def squash(strength: Tensor, x: Tensor, scorable: Tensor, config: KTAEConfig) ->
     ``key = strength * x / (alpha + beta)`` and ``strength = alpha F + beta IG``; 0 where not ``scorable``."""
     key = strength * x / (config.alpha + config.beta)
     bound = math.nextafter(config.top, 0.0)  # keep the open interval even where tanh rounds to 1
-    return torch.where(scorable, (config.top * torch.tanh(key / 2.0)).clamp(-bound, bound), 0.0)
+    squashed = (config.top * torch.tanh(key / 2.0)).clamp(-bound, bound) + 0.0  # + 0.0: no -0.0 scores
+    return torch.where(scorable, squashed, 0.0)
 
 
 def ignored_rows(token: Tensor, config: KTAEConfig) -> Tensor:

@@ -108,7 +108,7 @@ def _score_group(g: int, responses: np.ndarray, mask: np.ndarray, correct: np.nd
 def _squash(key: float, top: float) -> float:
     """``top * (2 sigmoid(key) - 1) = top * tanh(key / 2)``, kept strictly inside ``(-top, top)``."""
     bound = math.nextafter(top, 0.0)
-    return max(-bound, min(bound, top * math.tanh(key / 2.0)))
+    return max(-bound, min(bound, top * math.tanh(key / 2.0))) + 0.0  # no -0.0 scores
 
 
 def _fisher_pvalues(a: list[int], b: list[int], n_c: int, n_w: int, config: KTAEConfig) -> list[float]:

@@ -278,3 +278,15 @@ def test_scores_give_the_advantages_bitwise(config):
         assert torch.equal(got.view(torch.int32), want.view(torch.int32))
         unknown = kts.token_scores(responses, np.array(["other"] * responses.shape[0], dtype=object))
         assert not unknown.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_no_negative_zero_scores(backend):
+    """A scorable table with zero strength and a negative direction gives +0.0, never -0.0 (which
+    would print as -0.000)."""
+    from cases import random_cases
+
+    for _, responses, mask, rewards, index in random_cases(seed=2, small=True):
+        score = key_token_scores(responses, mask, rewards, index, backend=backend).score
+        zero = score == 0
+        assert not torch.signbit(score[zero]).any()

@@ -120,7 +120,7 @@ def _score_kernel(slot_ptr, group_ptr, n_rows,
     key = strength * x / (tl.load(const_ptr + _ALPHA) + tl.load(const_ptr + _BETA))
     bound = tl.load(const_ptr + _BOUND)
     squashed = tl.minimum(tl.maximum(tl.load(const_ptr + _TOP) * _tanh_half(key), -bound), bound)
-    score = tl.where(scorable, squashed, 0.0)
+    score = tl.where(scorable, squashed, 0.0) + 0.0  # no -0.0 scores, as method.squash
 
     tl.store(slot_score_ptr + slot, score, mask=valid)
     if WRITE_ROWS:
