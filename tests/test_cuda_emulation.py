@@ -28,6 +28,7 @@ import torch
 from ktae_kernels import KTAEConfig, method, reference
 from ktae_kernels.backends import cuda
 from ktae_kernels.validation import normalise_batch
+from build_cache import cache_root
 from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
 
 pytestmark = pytest.mark.slow
@@ -49,14 +50,6 @@ setup(name="ktae_emulated", script_args=["build_ext", "--parallel", "2", "--buil
 
 #: emulator builds kept in the cache (one per source version).
 KEEP_BUILDS = 3
-
-
-def cache_root() -> Path:
-    """Where built test extensions are kept across runs and clones: ``$KTAE_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/ktae_kernels``, else ``~/.cache/ktae_kernels``."""
-    if os.environ.get("KTAE_CACHE_DIR"):
-        return Path(os.environ["KTAE_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ktae_kernels"
 
 
 def _build_key() -> str:
