@@ -1,16 +1,21 @@
-// Native CPU kernel of ktae_kernels (module ktae_kernels._cpu): C++17, OpenMP, no torch at build time.
+// Native CPU kernel of ktae_kernels (module ktae_kernels._cpu): C++17, OpenMP, nanobind, no torch at build time.
 //
 // One OpenMP task per group. A thread counts its group's tokens into a compact table reached from
-// the token id (a dense map for ids < kDenseIds, a hash map above), scores every distinct id once from the per-table
-// statistics that ktae_kernels/method.py computed (strength = alpha F + beta IG and Cohen's h, looked
-// up at offset[g] + a * stride[g] + b), and writes the group's [G, L] advantages while its ids are
-// still in cache. Groups are independent and each is computed by one thread in a fixed order, so the
-// output is bitwise identical for any number of threads.
+// the token id (a dense map for ids < kDenseIds, a seeded open-addressing hash table above), scores
+// every distinct id once from its table's statistics (strength = alpha F + beta IG and Cohen's h), and
+// writes the group's [G, L] advantages while its ids are still in cache. Groups are independent and
+// each is computed by one thread in a fixed order, so the output is bitwise identical for any number
+// of threads.
 //
-// The Python side (ktae_kernels/cpu.py) passes raw addresses of tensors it validated and keeps alive;
-// the GIL is released while the kernel runs.
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+// The statistics come either from a grid that ktae_kernels/method.py computed (looked up at
+// offset[g] + a * stride[g] + b; small groups) or from statistics.h (big groups: each distinct table
+// computed here once, memoised across groups and calls).
+//
+// Arguments are nanobind ndarrays (DLPack: torch, numpy, ...), checked here for dtype, shape, stride
+// and device; the GIL is released while the kernel runs.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 
 #include <algorithm>
 #include <cmath>
@@ -18,7 +23,8 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
+#include <optional>
+#include <string>
 #include <vector>
 
 #ifdef _OPENMP
@@ -28,9 +34,16 @@
 #include <sys/mman.h>
 #endif
 
+#include "arrays.h"
+#include "sparse_map.h"
+#include "statistics.h"
+
+namespace nb = nanobind;
+
+namespace ktae {
 namespace {
 
-constexpr int64_t kMaxTokenId = 2147483647;  // ids are < 2**31
+constexpr int64_t kMaxTokenId = 2147483647;       // ids are < 2**31
 constexpr int64_t kDenseIds = int64_t(1) << 18;  // covers every common vocabulary (Qwen 151,936; Gemma 262,144)
 constexpr double kTfEps = 1e-5;                   // method.TF_EPS
 
@@ -54,16 +67,17 @@ struct Batch {
   const uint8_t* correct;  // [B]
 };
 
+// Where a table's statistics come from: the precomputed grid (offset != nullptr) or statistics.h.
 struct Params {
-  const int64_t* offset;    // [n_groups] grid offset
+  const int64_t* offset;    // [n_groups] grid offset, or nullptr: statistics computed here
   const int64_t* stride;    // [n_groups] grid stride (n_w + 1)
   const double* strength;   // [grid] alpha F + beta IG
   const double* h;          // [grid] Cohen's h
   const int64_t* ignore;    // sorted ignored ids
   int64_t n_ignore;
   const double* base;       // [B] rollout advantage
-  double k1, b, alpha_beta, top, bound, weight;
-  int use_tf;
+  double k1, b, alpha, beta, top, bound, weight;
+  bool use_tf;
 };
 
 // A growable array whose contents are undefined until written.
@@ -82,11 +96,12 @@ struct Buffer {
 };
 
 // A thread's counting table: token id -> 1 + index of the id's entry in the current group (0: not
-// seen yet), in a 4-byte dense map for small ids and a hash map above; the group's entries, token
-// ids and weighted scores are compact arrays in first-seen order. `slot` is all-zero between groups.
+// seen yet), in a 4-byte dense map for small ids and a seeded hash table above; the group's entries,
+// token ids and weighted scores are compact arrays in first-seen order. Both maps are empty between
+// groups. `stats` memoises table statistics on this thread (in front of the shared cache).
 struct Workspace {
   std::vector<uint32_t> slot;
-  std::unordered_map<int64_t, uint32_t> sparse;
+  SparseMap sparse;
   Buffer<Entry> entries;
   Buffer<int64_t> last;       // groups of more than kBitsRollouts rollouts: the last rollout of each entry
   Buffer<int64_t> tokens;
@@ -94,6 +109,7 @@ struct Workspace {
   int64_t n_entries = 0;
   std::vector<double> scores;
   std::vector<double> memo;  // score by (a, b, f_c, f_w) for small counts, NaN when not computed yet
+  LocalStatistics stats;
 
   Workspace() : slot(kDenseIds, 0) {}
 
@@ -106,6 +122,8 @@ struct Workspace {
     position.ensure(positions);
     n_entries = 0;
   }
+
+  uint32_t& slot_of(int64_t id) { return id < kDenseIds ? slot[size_t(id)] : sparse.at(uint32_t(id)); }
 
   void reset() {
     for (int64_t j = 0; j < n_entries; ++j)
@@ -146,7 +164,7 @@ Pool& pool() {
 }
 
 struct GroupTotals {
-  int64_t n_c = 0;           // correct rollouts
+  int64_t n_c = 0, n_w = 0;  // correct / wrong rollouts
   int64_t T_c = 0, T_w = 0;  // masked tokens of correct / wrong rollouts
   bool bad_id = false;       // a masked id outside [0, 2**31)
 };
@@ -195,7 +213,7 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
         continue;
       }
       ++n;
-      uint32_t& s = id < kDenseIds ? ws.slot[size_t(id)] : ws.sparse[id];
+      uint32_t& s = ws.slot_of(id);
       const uint32_t found = s;
       entries[n_entries] = Entry{0, 0};
       tokens[n_entries] = id;
@@ -216,7 +234,7 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
       e.occ += inc;
     }
     (is_c ? tot.T_c : tot.T_w) += n;
-    tot.n_c += is_c ? 1 : 0;
+    (is_c ? tot.n_c : tot.n_w) += 1;
   }
   ws.n_entries = n_entries;
   if (kBits) bits_to_counts(entries, n_entries, correct_bits);
@@ -236,15 +254,31 @@ inline double bm25_tf(uint64_t f, int64_t T, double avg, const Params& p) {
   return (q * (p.k1 + 1.0)) / (q + K);
 }
 
+// strength (alpha F + beta IG) and Cohen's h of one table.
+struct Strength {
+  double strength, h;
+};
+
 // The score of one (group, token) row, as method.score_rows.
-inline double score_of(int64_t entry, uint64_t occ, const GroupTotals& tot, double avg, const Params& p) {
-  double x = p.h[entry];
+inline double score_of(Strength s, uint64_t occ, const GroupTotals& tot, double avg, const Params& p) {
+  double x = s.h;
   if (p.use_tf) {
     const double tf_c = bm25_tf(lo(occ), tot.T_c, avg, p), tf_w = bm25_tf(hi(occ), tot.T_w, avg, p);
     x = x + (tf_c / (tf_w + kTfEps) - tf_w / (tf_c + kTfEps));
   }
-  const double key = (p.strength[entry] * x) / p.alpha_beta;
+  const double key = (s.strength * x) / (p.alpha + p.beta);
   return std::min(p.bound, std::max(-p.bound, p.top * std::tanh(key / 2.0)));
+}
+
+// The statistics of table (a, b) of group g with totals `tot`: from the grid, or from the caches.
+inline Strength strength_of(int64_t g, int64_t a, int64_t b, const GroupTotals& tot, const Params& p,
+                            Workspace& ws) {
+  if (p.offset != nullptr) {
+    const int64_t entry = p.offset[g] + a * p.stride[g] + b;
+    return {p.strength[entry], p.h[entry]};
+  }
+  const TableStats s = ws.stats.get(Table{a, b, tot.n_c, tot.n_w});
+  return {p.alpha * s.F + p.beta * s.IG, s.h};
 }
 
 // Most ids of a group are rare, and the score depends only on (a, b, f_c, f_w): scores of ids seen at
@@ -255,21 +289,22 @@ constexpr int64_t kMemoLimit = int64_t(1) << 16;
 // weight * score of every distinct id of group g, into ws.scores, as method.score_rows.
 void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws) {
   const double avg = double(tot.T_c + tot.T_w) / 2.0;
-  const int64_t offset = p.offset[g], stride = p.stride[g];
+  const int64_t stride = tot.n_w + 1;
   const int64_t memo_size = (tot.n_c + 1) * stride * int64_t(kMemoCount * kMemoCount);
   const bool memo = memo_size <= kMemoLimit;
   if (memo) ws.memo.assign(size_t(memo_size), std::nan(""));
   ws.scores.resize(size_t(ws.n_entries));
   for (int64_t j = 0; j < ws.n_entries; ++j) {
     const Entry& e = ws.entries.data[j];
-    const int64_t table = int64_t(lo(e.pres)) * stride + int64_t(hi(e.pres));
+    const int64_t a = int64_t(lo(e.pres)), b = int64_t(hi(e.pres));
     double score;
     if (memo && lo(e.occ) < kMemoCount && hi(e.occ) < kMemoCount) {
+      const int64_t table = a * stride + b;
       double& cached = ws.memo[size_t((table * int64_t(kMemoCount) + int64_t(lo(e.occ))) * int64_t(kMemoCount) + int64_t(hi(e.occ)))];
-      if (std::isnan(cached)) cached = score_of(offset + table, e.occ, tot, avg, p);
+      if (std::isnan(cached)) cached = score_of(strength_of(g, a, b, tot, p, ws), e.occ, tot, avg, p);
       score = cached;
     } else {
-      score = score_of(offset + table, e.occ, tot, avg, p);
+      score = score_of(strength_of(g, a, b, tot, p, ws), e.occ, tot, avg, p);
     }
     if (p.n_ignore && std::binary_search(p.ignore, p.ignore + p.n_ignore, ws.tokens.data[j])) score = 0.0;
     ws.scores[size_t(j)] = score * p.weight;
@@ -291,27 +326,22 @@ void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, flo
   }
 }
 
-// Rows of group g sorted by token id: token, a, b, f_c, f_w written from `row`.
-int64_t emit_rows(Workspace& ws, int64_t row, int64_t* const cols[5]) {
+// Rows of group g sorted by token id: token, a, b, f_c, f_w written from `row` into cols[5][capacity].
+int64_t emit_rows(Workspace& ws, int64_t row, int64_t* cols, int64_t capacity) {
   const int64_t* tokens = ws.tokens.data.get();
   std::vector<uint32_t> by_token(size_t(ws.n_entries));
   for (size_t j = 0; j < by_token.size(); ++j) by_token[j] = uint32_t(j);
   std::sort(by_token.begin(), by_token.end(), [&](uint32_t x, uint32_t y) { return tokens[x] < tokens[y]; });
   for (uint32_t j : by_token) {
     const Entry& e = ws.entries.data[j];
-    cols[0][row] = tokens[j];
-    cols[1][row] = int64_t(lo(e.pres));
-    cols[2][row] = int64_t(hi(e.pres));
-    cols[3][row] = int64_t(lo(e.occ));
-    cols[4][row] = int64_t(hi(e.occ));
+    cols[row] = tokens[j];
+    cols[capacity + row] = int64_t(lo(e.pres));
+    cols[2 * capacity + row] = int64_t(hi(e.pres));
+    cols[3 * capacity + row] = int64_t(lo(e.occ));
+    cols[4 * capacity + row] = int64_t(hi(e.occ));
     ++row;
   }
   return int64_t(by_token.size());
-}
-
-template <typename T>
-T* ptr(unsigned long long address) {
-  return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
 }
 
 int clamp_threads(int n) { return n < 1 ? 1 : n; }
@@ -319,140 +349,210 @@ int clamp_threads(int n) { return n < 1 ? 1 : n; }
 // fn(g, workspace) -> whether group g held an out-of-range id, for every group, on `threads` OpenMP
 // threads (dynamic schedule), each with a workspace from the pool. Returns whether any group did.
 template <typename Fn>
-bool for_each_group(long long n_groups, int threads, Fn fn) {
+bool for_each_group(int64_t n_groups, int threads, Fn fn) {
   int bad = 0;
-#pragma omp parallel num_threads(clamp_threads(threads)) reduction(| : bad)
+#pragma omp parallel num_threads(clamp_threads(threads)) reduction(| : bad) if (threads > 1)
   {
     std::unique_ptr<Workspace> owned = pool().take();
 #pragma omp for schedule(dynamic, 1)
-    for (long long g = 0; g < n_groups; ++g) bad |= fn(int64_t(g), *owned) ? 1 : 0;
+    for (int64_t g = 0; g < n_groups; ++g) bad |= fn(g, *owned) ? 1 : 0;
     pool().give(std::move(owned));
   }
   return bad != 0;
 }
 
-// advantage(ids, ids_stride, mask, mask_stride, L, order, start, n_groups, correct, offset, stride,
-//           strength, h, ignore, n_ignore, base, k1, b, alpha_beta, top, bound, weight, use_tf, out, threads)
-// -> True when every masked id was in range (else the output is incomplete).
-PyObject* advantage(PyObject*, PyObject* args) {
-  unsigned long long ids, mask, order, start, correct, offset, stride, strength, h, ignore, base, out;
-  long long ids_stride, mask_stride, L, n_groups, n_ignore;
-  double k1, b, alpha_beta, top, bound, weight;
-  int use_tf, threads;
-  if (!PyArg_ParseTuple(args, "KLKLLKKLKKKKKKLKddddddpKi", &ids, &ids_stride, &mask, &mask_stride, &L, &order,
-                        &start, &n_groups, &correct, &offset, &stride, &strength, &h, &ignore, &n_ignore, &base,
-                        &k1, &b, &alpha_beta, &top, &bound, &weight, &use_tf, &out, &threads))
-    return nullptr;
-  const Batch in{ptr<const int64_t>(ids), ids_stride, ptr<const uint8_t>(mask), mask_stride, L,
-                 ptr<const int64_t>(order), ptr<const int64_t>(start), ptr<const uint8_t>(correct)};
-  const Params p{ptr<const int64_t>(offset), ptr<const int64_t>(stride), ptr<const double>(strength),
-                 ptr<const double>(h), ptr<const int64_t>(ignore), n_ignore, ptr<const double>(base),
-                 k1, b, alpha_beta, top, bound, weight, use_tf};
-  float* result = ptr<float>(out);
-  bool bad;
-  Py_BEGIN_ALLOW_THREADS
-  bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
-    const GroupTotals tot = count_group(in, g, ws);
-    if (!tot.bad_id) {  // an out-of-range id was never counted: do not look it up
-      score_group(g, tot, p, ws);
-      write_group(in, g, p, ws, result);
-    }
-    ws.reset();
-    return tot.bad_id;
-  });
-  Py_END_ALLOW_THREADS
-  return PyBool_FromLong(!bad);
+// The batch's arrays, checked: ids int64 and mask bool [B, L] with unit column stride, order int64
+// [B], start int64 [n_groups + 1], correct bool [B].
+Batch batch_of(const char* fn, const Array& ids, const Array& mask, const Array& order, const Array& start,
+               const Array& correct) {
+  const Check check{fn};
+  check.matrix("ids", ids, kInt64);
+  const int64_t B = int64_t(ids.shape(0)), L = int64_t(ids.shape(1));
+  check.matrix("mask", mask, kBool, B, L);
+  check.vector("order", order, kInt64, B);
+  check.vector("start", start, kInt64);
+  check.vector("correct", correct, kBool, B);
+  if (start.shape(0) < 1) check.fail("start", "at least one entry ([n_groups + 1])", start);
+  return Batch{static_cast<const int64_t*>(ids.data()), row_stride(ids), static_cast<const uint8_t*>(mask.data()),
+               row_stride(mask), L, static_cast<const int64_t*>(order.data()),
+               static_cast<const int64_t*>(start.data()), static_cast<const uint8_t*>(correct.data())};
 }
 
-// rows(ids, ids_stride, mask, mask_stride, L, order, start, n_groups, correct, row_offset,
-//      token, a, b, f_c, f_w, n_rows, T_c, T_w, threads)
-// Group g's rows, sorted by token, go to row_offset[g] ..; n_rows[g], T_c[g], T_w[g] are written.
+// Group sizes from `start`, checked against B: non-decreasing, from 0 to B; the largest group.
+int64_t largest_group(const char* fn, const Array& start, int64_t B) {
+  const int64_t* s = static_cast<const int64_t*>(start.data());
+  const int64_t n = int64_t(start.shape(0)) - 1;
+  int64_t largest = 0;
+  bool ok = s[0] == 0 && s[n] == B;
+  for (int64_t g = 0; ok && g < n; ++g) {
+    ok = s[g + 1] >= s[g];
+    largest = std::max(largest, s[g + 1] - s[g]);
+  }
+  if (!ok) throw nb::value_error((std::string(fn) + ": `start` must rise from 0 to B = " + std::to_string(B)).c_str());
+  return largest;
+}
+
+// advantage(...) -> True when every masked id was in range (else the output is incomplete).
+bool advantage(const Array& ids, const Array& mask, const Array& order, const Array& start, const Array& correct,
+               const Array& base, const Array& ignore, const Array& out, const Array* offset, const Array* stride,
+               const Array* strength, const Array* h, double k1, double b, double alpha, double beta, double top,
+               double bound, double weight, bool use_tf, int threads) {
+  const char* fn = "_cpu.advantage";
+  const Check check{fn};
+  const Batch in = batch_of(fn, ids, mask, order, start, correct);
+  const int64_t B = int64_t(ids.shape(0)), n_groups = int64_t(start.shape(0)) - 1;
+  check.vector("base", base, kFloat64, B);
+  check.vector("ignore", ignore, kInt64);
+  check.contiguous_matrix("out", out, kFloat32, B, in.L);
+  const int64_t largest = largest_group(fn, start, B);
+  Params p{nullptr, nullptr, nullptr, nullptr, static_cast<const int64_t*>(ignore.data()), int64_t(ignore.shape(0)),
+           static_cast<const double*>(base.data()), k1, b, alpha, beta, top, bound, weight, use_tf};
+  const bool grid = offset != nullptr || stride != nullptr || strength != nullptr || h != nullptr;
+  if (grid) {
+    if (!(offset && stride && strength && h))
+      throw nb::value_error("_cpu.advantage: pass all of `offset`, `stride`, `strength`, `h` (a grid) or none");
+    check.vector("offset", *offset, kInt64, n_groups);
+    check.vector("stride", *stride, kInt64, n_groups);
+    check.vector("strength", *strength, kFloat64);
+    check.vector("h", *h, kFloat64, int64_t(strength->shape(0)));
+    p.offset = static_cast<const int64_t*>(offset->data());
+    p.stride = static_cast<const int64_t*>(stride->data());
+    p.strength = static_cast<const double*>(strength->data());
+    p.h = static_cast<const double*>(h->data());
+  } else {
+    ensure_log_factorials(largest);
+  }
+  float* result = static_cast<float*>(out.data());
+  bool bad;
+  {
+    nb::gil_scoped_release release;
+    bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
+      const GroupTotals tot = count_group(in, g, ws);
+      if (!tot.bad_id) {  // an out-of-range id was never counted: do not look it up
+        score_group(g, tot, p, ws);
+        write_group(in, g, p, ws, result);
+      }
+      ws.reset();
+      return tot.bad_id;
+    });
+  }
+  return !bad;
+}
+
+// rows(...): group g's rows, sorted by token, go to row_offset[g] .. of cols (int64 [5, capacity]:
+// token, a, b, f_c, f_w); totals (int64 [3, n_groups]: n_rows, T_c, T_w) are written.
 // -> True when every masked id was in range.
-PyObject* rows(PyObject*, PyObject* args) {
-  unsigned long long ids, mask, order, start, correct, row_offset, token, a, b, f_c, f_w, n_rows, T_c, T_w;
-  long long ids_stride, mask_stride, L, n_groups;
-  int threads;
-  if (!PyArg_ParseTuple(args, "KLKLLKKLKKKKKKKKKKi", &ids, &ids_stride, &mask, &mask_stride, &L, &order, &start,
-                        &n_groups, &correct, &row_offset, &token, &a, &b, &f_c, &f_w, &n_rows, &T_c, &T_w, &threads))
-    return nullptr;
-  const Batch in{ptr<const int64_t>(ids), ids_stride, ptr<const uint8_t>(mask), mask_stride, L,
-                 ptr<const int64_t>(order), ptr<const int64_t>(start), ptr<const uint8_t>(correct)};
-  int64_t* const cols[5] = {ptr<int64_t>(token), ptr<int64_t>(a), ptr<int64_t>(b), ptr<int64_t>(f_c), ptr<int64_t>(f_w)};
-  const int64_t* offsets = ptr<const int64_t>(row_offset);
-  int64_t *counts = ptr<int64_t>(n_rows), *tc = ptr<int64_t>(T_c), *tw = ptr<int64_t>(T_w);
+bool rows(const Array& ids, const Array& mask, const Array& order, const Array& start, const Array& correct,
+          const Array& row_offset, const Array& cols, const Array& totals, int threads) {
+  const char* fn = "_cpu.rows";
+  const Check check{fn};
+  const Batch in = batch_of(fn, ids, mask, order, start, correct);
+  const int64_t n_groups = int64_t(start.shape(0)) - 1;
+  largest_group(fn, start, int64_t(ids.shape(0)));
+  check.vector("row_offset", row_offset, kInt64, n_groups);
+  check.contiguous_matrix("cols", cols, kInt64, 5);
+  check.contiguous_matrix("totals", totals, kInt64, 3, n_groups);
+  const int64_t capacity = int64_t(cols.shape(1));
+  const int64_t* offsets = static_cast<const int64_t*>(row_offset.data());
+  int64_t* out = static_cast<int64_t*>(cols.data());
+  int64_t* tot_out = static_cast<int64_t*>(totals.data());
   bool bad;
-  Py_BEGIN_ALLOW_THREADS
-  bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
-    const GroupTotals tot = count_group(in, g, ws);
-    counts[g] = emit_rows(ws, offsets[g], cols);
-    tc[g] = tot.T_c;
-    tw[g] = tot.T_w;
-    ws.reset();
-    return tot.bad_id;
-  });
-  Py_END_ALLOW_THREADS
-  return PyBool_FromLong(!bad);
+  {
+    nb::gil_scoped_release release;
+    bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
+      const GroupTotals tot = count_group(in, g, ws);
+      tot_out[g] = emit_rows(ws, offsets[g], out, capacity);
+      tot_out[n_groups + g] = tot.T_c;
+      tot_out[2 * n_groups + g] = tot.T_w;
+      ws.reset();
+      return tot.bad_id;
+    });
+  }
+  return !bad;
 }
 
-// floor(ids, ids_stride, mask, mask_stride, B, L, out, threads): out[i, t] = mask ? float(id) : 0, the
-// least any implementation must do (read the ids and the mask once, write float32 once); the
-// benchmark's memory floor.
-PyObject* floor_pass(PyObject*, PyObject* args) {
-  unsigned long long ids, mask, out;
-  long long ids_stride, mask_stride, B, L;
-  int threads;
-  if (!PyArg_ParseTuple(args, "KLKLLLKi", &ids, &ids_stride, &mask, &mask_stride, &B, &L, &out, &threads))
-    return nullptr;
-  const int64_t* id = ptr<const int64_t>(ids);
-  const uint8_t* m = ptr<const uint8_t>(mask);
-  float* o = ptr<float>(out);
-  Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(static) num_threads(clamp_threads(threads))
-  for (long long i = 0; i < B; ++i)
-    for (long long t = 0; t < L; ++t)
-      o[i * L + t] = m[i * mask_stride + t] ? static_cast<float>(id[i * ids_stride + t]) : 0.0f;
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
+// table_statistics(tables int64 [4, T] (a, b, n_c, n_w), out float64 [4, T] (p, F, IG, h)): the
+// statistics this module computes for big groups, for tests against method.table_statistics.
+void table_statistics(const Array& tables, const Array& out) {
+  const Check check{"_cpu.table_statistics"};
+  check.contiguous_matrix("tables", tables, kInt64, 4);
+  const int64_t T = int64_t(tables.shape(1));
+  check.contiguous_matrix("out", out, kFloat64, 4, T);
+  const int64_t* t = static_cast<const int64_t*>(tables.data());
+  double* o = static_cast<double*>(out.data());
+  int64_t largest = 0;
+  for (int64_t j = 0; j < T; ++j) {
+    const Table x{t[j], t[T + j], t[2 * T + j], t[3 * T + j]};
+    if (x.a < 0 || x.b < 0 || x.a > x.n_c || x.b > x.n_w)
+      throw nb::value_error("_cpu.table_statistics: `tables` must hold 0 <= a <= n_c and 0 <= b <= n_w");
+    largest = std::max(largest, x.n_c + x.n_w);
+  }
+  ensure_log_factorials(largest);
+  for (int64_t j = 0; j < T; ++j) {
+    const Table x{t[j], t[T + j], t[2 * T + j], t[3 * T + j]};
+    const double p = fisher_pvalue(x);
+    const TableStats s = statistics_of(x, p);
+    o[j] = p;
+    o[T + j] = s.F;
+    o[2 * T + j] = s.IG;
+    o[3 * T + j] = s.h;
+  }
 }
 
-// advise_huge(address, bytes): ask Linux to back a fresh output buffer with transparent huge pages,
-// so the first write faults in 2 MB pages instead of 4 KB ones (a no-op elsewhere). Returns whether
-// the hint was taken.
-PyObject* advise_huge(PyObject*, PyObject* args) {
-  unsigned long long address, bytes;
-  if (!PyArg_ParseTuple(args, "KK", &address, &bytes)) return nullptr;
+// advise_huge(out): ask Linux to back a fresh output buffer with transparent huge pages, so the first
+// write faults in 2 MB pages instead of 4 KB ones (a no-op elsewhere). Returns whether it was taken.
+bool advise_huge(const Array& out) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(1) << 21;
-  const uintptr_t start = (uintptr_t(address) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (uintptr_t(address) + uintptr_t(bytes)) & ~(kHuge - 1);
-  if (end > start && madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE) == 0) Py_RETURN_TRUE;
+  const uintptr_t address = reinterpret_cast<uintptr_t>(out.data());
+  const uintptr_t start = (address + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (address + uintptr_t(out.nbytes())) & ~(kHuge - 1);
+  return end > start && madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE) == 0;
 #else
-  (void)address;
-  (void)bytes;
+  (void)out;
+  return false;
 #endif
-  Py_RETURN_FALSE;
 }
 
-PyObject* openmp(PyObject*, PyObject*) {
+bool openmp() {
 #ifdef _OPENMP
-  Py_RETURN_TRUE;
+  return true;
 #else
-  Py_RETURN_FALSE;
+  return false;
 #endif
 }
-
-PyMethodDef kMethods[] = {
-    {"advantage", advantage, METH_VARARGS, "Fused count, score and write of the [B, L] advantages."},
-    {"rows", rows, METH_VARARGS, "Per-group (token, a, b, f_c, f_w) rows sorted by token, and T_c, T_w."},
-    {"floor", floor_pass, METH_VARARGS, "The memory floor: read ids and mask once, write float32 once."},
-    {"advise_huge", advise_huge, METH_VARARGS, "Hint huge pages for a fresh output buffer (Linux)."},
-    {"openmp", openmp, METH_NOARGS, "Whether the module was built with OpenMP."},
-    {nullptr, nullptr, 0, nullptr},
-};
-
-PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_cpu", "ktae_kernels native CPU kernel (see ktae_kernels/cpu.py)",
-                       -1, kMethods};
 
 }  // namespace
+}  // namespace ktae
 
-PyMODINIT_FUNC PyInit__cpu() { return PyModule_Create(&kModule); }
+NB_MODULE(_cpu, m) {
+  using namespace nb::literals;
+  m.doc() = "ktae_kernels native CPU kernel (see ktae_kernels/cpu.py)";
+  m.def(
+      "advantage",
+      [](const ktae::Array& ids, const ktae::Array& mask, const ktae::Array& order, const ktae::Array& start,
+         const ktae::Array& correct, const ktae::Array& base, const ktae::Array& ignore, const ktae::Array& out,
+         std::optional<ktae::Array> offset, std::optional<ktae::Array> stride, std::optional<ktae::Array> strength,
+         std::optional<ktae::Array> h, double k1, double b, double alpha, double beta, double top, double bound,
+         double weight, bool use_tf, int threads) {
+        auto ptr = [](const std::optional<ktae::Array>& a) { return a ? &*a : nullptr; };
+        return ktae::advantage(ids, mask, order, start, correct, base, ignore, out, ptr(offset), ptr(stride),
+                               ptr(strength), ptr(h), k1, b, alpha, beta, top, bound, weight, use_tf, threads);
+      },
+      "ids"_a, "mask"_a, "order"_a, "start"_a, "correct"_a, "base"_a, "ignore"_a, "out"_a, nb::kw_only(),
+      "offset"_a = nb::none(), "stride"_a = nb::none(), "strength"_a = nb::none(), "h"_a = nb::none(), "k1"_a,
+      "b"_a, "alpha"_a, "beta"_a, "top"_a, "bound"_a, "weight"_a, "use_tf"_a, "threads"_a,
+      "Fused count, score and write of the float32 [B, L] advantages into `out`; False when a masked id "
+      "was out of range. With a grid (offset, stride, strength, h) the statistics are looked up there, "
+      "else computed here once per distinct table and memoised.");
+  m.def("rows", &ktae::rows, "ids"_a, "mask"_a, "order"_a, "start"_a, "correct"_a, "row_offset"_a, "cols"_a,
+        "totals"_a, nb::kw_only(), "threads"_a,
+        "Per-group (token, a, b, f_c, f_w) rows sorted by token into cols [5, capacity], and n_rows, T_c, T_w "
+        "into totals [3, n_groups]; False when a masked id was out of range.");
+  m.def("table_statistics", &ktae::table_statistics, "tables"_a, "out"_a,
+        "(p, F, IG, h) float64 [4, T] of the tables (a, b, n_c, n_w) int64 [4, T], as the kernel computes them.");
+  m.def("statistics_cache_size", &ktae::shared_cache_size, "Tables held in the shared statistics cache.");
+  m.def("clear_statistics_cache", &ktae::clear_shared_cache, "Empty the shared statistics cache.");
+  m.def("advise_huge", &ktae::advise_huge, "out"_a, "Hint huge pages for a fresh output buffer (Linux).");
+  m.def("openmp", &ktae::openmp, "Whether the module was built with OpenMP.");
+}
