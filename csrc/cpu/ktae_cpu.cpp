@@ -25,6 +25,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -55,6 +56,14 @@ struct Entry {
 };
 
 constexpr int64_t kBitsRollouts = 64;
+
+// An entry while counting a group of more than kBitsRollouts rollouts: presence counts grow when the
+// id shows up in a rollout other than the last one it was seen in (kept on the entry's cache line).
+struct StampedEntry {
+  uint64_t pres;
+  uint64_t occ;
+  int64_t last;
+};
 
 struct Batch {
   const int64_t* ids;      // [B, L] rows `ids_stride` apart, unit column stride
@@ -103,7 +112,7 @@ struct Workspace {
   std::vector<uint32_t> slot;
   SparseMap sparse;
   Buffer<Entry> entries;
-  Buffer<int64_t> last;       // groups of more than kBitsRollouts rollouts: the last rollout of each entry
+  Buffer<StampedEntry> stamped;  // groups of more than kBitsRollouts rollouts, while counting
   Buffer<int64_t> tokens;
   Buffer<uint32_t> position;  // the slot of each masked position of the group, in order
   int64_t n_entries = 0;
@@ -117,13 +126,20 @@ struct Workspace {
   // counting writes ahead into.
   void begin_group(int64_t positions) {
     entries.ensure(positions + 1);
-    last.ensure(positions + 1);
     tokens.ensure(positions + 1);
     position.ensure(positions);
     n_entries = 0;
   }
 
   uint32_t& slot_of(int64_t id) { return id < kDenseIds ? slot[size_t(id)] : sparse.at(uint32_t(id)); }
+
+  // Bring the map entry of a coming id into cache (any int64: out-of-range ids touch a valid line).
+  void prefetch(int64_t id) const {
+    if (static_cast<uint64_t>(id) < static_cast<uint64_t>(kDenseIds))
+      __builtin_prefetch(slot.data() + id, 1);
+    else
+      sparse.prefetch(uint32_t(id));
+  }
 
   void reset() {
     for (int64_t j = 0; j < n_entries; ++j)
@@ -183,17 +199,26 @@ void bits_to_counts(Entry* entries, int64_t n, uint64_t correct_bits) {
                       (uint64_t(__builtin_popcountll(entries[j].pres & ~correct_bits)) << 32);
 }
 
+// Positions ahead of the current one whose map entry is prefetched: a group's distinct ids first
+// touch scattered cache lines of the maps, and overlapping those misses is most of the counting time.
+constexpr int64_t kPrefetch = 16;
+
 // Count one group's masked tokens into `ws`: presence as rollout bits (kBits) or with last-seen stamps.
 // A new id's entry is written ahead into the spare entry for every token and kept only when the id
 // is new: no branch on the (frequent, unpredictable) first occurrences.
 template <bool kBits>
 GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
+  using Counted = std::conditional_t<kBits, Entry, StampedEntry>;
   GroupTotals tot;
   uint64_t correct_bits = 0;
-  ws.begin_group((in.start[g + 1] - in.start[g]) * in.L);
-  Entry* entries = ws.entries.data.get();
+  const int64_t positions = (in.start[g + 1] - in.start[g]) * in.L;
+  ws.begin_group(positions);
+  Counted* entries;
+  if constexpr (kBits)
+    entries = ws.entries.data.get();
+  else
+    entries = ws.stamped.ensure(positions + 1);
   int64_t* tokens = ws.tokens.data.get();
-  int64_t* last = ws.last.data.get();
   uint32_t* position = ws.position.data.get();
   int64_t n_entries = 0;
   for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
@@ -206,6 +231,7 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     if (kBits && is_c) correct_bits |= bit;
     int64_t n = 0;
     for (int64_t t = 0; t < in.L; ++t) {
+      if (t + kPrefetch < in.L) ws.prefetch(ids[t + kPrefetch]);
       if (!m[t]) continue;
       const int64_t id = ids[t];
       if (static_cast<uint64_t>(id) > static_cast<uint64_t>(kMaxTokenId)) {
@@ -215,21 +241,22 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
       ++n;
       uint32_t& s = ws.slot_of(id);
       const uint32_t found = s;
-      entries[n_entries] = Entry{0, 0};
+      if constexpr (kBits)
+        entries[n_entries] = Counted{0, 0};
+      else
+        entries[n_entries] = Counted{0, 0, -1};
       tokens[n_entries] = id;
-      if (!kBits) last[n_entries] = -1;
-      const bool fresh = found == 0;
-      const uint32_t here = fresh ? uint32_t(n_entries + 1) : found;
-      n_entries += fresh ? 1 : 0;
+      const uint32_t fresh = found == 0;
+      const uint32_t here = found + fresh * uint32_t(n_entries + 1);  // arithmetic, not a branch
+      n_entries += fresh;
       s = here;
       *position++ = here;
-      Entry& e = entries[here - 1];
-      if (kBits) {
+      Counted& e = entries[here - 1];
+      if constexpr (kBits) {
         e.pres |= bit;
       } else {
-        int64_t& seen = last[here - 1];
-        e.pres += (seen != k) ? inc : 0;
-        seen = k;
+        e.pres += (e.last != k) ? inc : 0;
+        e.last = k;
       }
       e.occ += inc;
     }
@@ -237,7 +264,11 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     (is_c ? tot.n_c : tot.n_w) += 1;
   }
   ws.n_entries = n_entries;
-  if (kBits) bits_to_counts(entries, n_entries, correct_bits);
+  if constexpr (kBits) {
+    bits_to_counts(entries, n_entries, correct_bits);
+  } else {
+    for (int64_t j = 0; j < n_entries; ++j) ws.entries.data[j] = Entry{entries[j].pres, entries[j].occ};
+  }
   return tot;
 }
 

@@ -26,7 +26,7 @@ class SparseMap {
 
   // The value of `id`, inserted as 0 when absent; valid until the next call.
   uint32_t& at(uint32_t id) {
-    if (2 * (used_.size() + 1) > capacity()) rebuild(bits_ + 1);
+    if (4 * (used_.size() + 1) > capacity()) rebuild(bits_ + 1);  // load <= 1/4: short probes
     const uint32_t key = id + 1;  // 0 marks an empty slot
     for (uint64_t i = index(key);; i = (i + 1) & mask_) {
       Slot& s = slots_[i];
@@ -39,6 +39,9 @@ class SparseMap {
       }
     }
   }
+
+  // Bring the first slot `id` probes into cache.
+  void prefetch(uint32_t id) const { __builtin_prefetch(slots_.get() + index(id + 1), 1); }
 
   void clear() {
     for (uint32_t i : used_) slots_[i] = Slot{0, 0};
