@@ -71,9 +71,13 @@ class Shape:
         """``B * L``: entries of the ``[B, L]`` tensors."""
         return self.B * self.L
 
+    @property
+    def variant(self) -> str:
+        """" ids<2^31" and / or " 60% masked", or "" for the usual batch."""
+        return (" ids<2^31" if self.spread_ids else "") + (f" {self.masked:.0%} masked" if self.masked else "")
+
     def __str__(self) -> str:
-        variant = (" ids<2^31" if self.spread_ids else "") + (f" {self.masked:.0%} masked" if self.masked else "")
-        return f"G={self.G} P={self.prompts} L={self.L}{variant}"
+        return f"G={self.G} P={self.prompts} L={self.L}{self.variant}"
 
 
 @dataclass(frozen=True)
