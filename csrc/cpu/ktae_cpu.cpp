@@ -116,7 +116,7 @@ struct Workspace {
   Buffer<int64_t> tokens;
   Buffer<uint32_t> position;  // the slot of each masked position of the group, in order
   int64_t n_entries = 0;
-  std::vector<double> scores;
+  std::vector<double> scores;  // by slot: [0] a zero sentinel, [1 + j] entry j's weighted score
   std::vector<double> memo;  // score by (a, b, f_c, f_w) for small counts, NaN when not computed yet
   LocalStatistics stats;
 
@@ -127,7 +127,7 @@ struct Workspace {
   void begin_group(int64_t positions) {
     entries.ensure(positions + 1);
     tokens.ensure(positions + 1);
-    position.ensure(positions);
+    position.ensure(positions + 1);  // + 1: write_group may read one past the last masked position
     n_entries = 0;
   }
 
@@ -335,7 +335,8 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
   const int64_t memo_size = (tot.n_c + 1) * stride * int64_t(kMemoCount * kMemoCount);
   const bool memo = memo_size <= kMemoLimit;
   if (memo) ws.memo.assign(size_t(memo_size), std::nan(""));
-  ws.scores.resize(size_t(ws.n_entries));
+  ws.scores.resize(size_t(ws.n_entries) + 1);
+  ws.scores[0] = 0.0;
   for (int64_t j = 0; j < ws.n_entries; ++j) {
     const Entry& e = ws.entries.data[j];
     const int64_t a = int64_t(lo(e.pres)), b = int64_t(hi(e.pres));
@@ -349,22 +350,27 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
       score = score_of(strength_of(g, a, b, tot, p, ws), e.occ, tot, avg, p);
     }
     if (p.n_ignore && std::binary_search(p.ignore, p.ignore + p.n_ignore, ws.tokens.data[j])) score = 0.0;
-    ws.scores[size_t(j)] = score * p.weight;
+    ws.scores[size_t(j) + 1] = score * p.weight;
   }
 }
 
 // out[i, t] = float32(weight * score + base[i]) under the mask, 0 elsewhere, for group g's rollouts
 // (the masked positions' slots were recorded in order while counting: no second read of the ids).
+// Without a branch on the mask: a masked-out position reads the zero sentinel and writes 0.
 void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
-  const double* scores = ws.scores.data() - 1;  // indexed by slot (1 + entry index)
+  const double* scores = ws.scores.data();
   const uint32_t* slot = ws.position.data.get();
   for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
     const int64_t i = in.order[k];
     const uint8_t* m = in.mask + i * in.mask_stride;
     const double base = p.base[i];
     float* o = out + i * in.L;
-    for (int64_t t = 0; t < in.L; ++t)
-      o[t] = m[t] ? static_cast<float>(scores[*slot++] + base) : 0.0f;
+    for (int64_t t = 0; t < in.L; ++t) {
+      const uint32_t keep = m[t] != 0;
+      const float value = static_cast<float>(scores[keep ? *slot : 0] + base);
+      o[t] = keep ? value : 0.0f;
+      slot += keep;
+    }
   }
 }
 
