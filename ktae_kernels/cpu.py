@@ -1,10 +1,10 @@
 """Native CPU backend: the C++17 / OpenMP kernel of ``csrc/cpu/ktae_cpu.cpp`` (module ``ktae_kernels._cpu``).
 
-groups (``method.group_counts``, ``[B]``-sized) -> statistics of every table the groups can have
-(``method.table_statistics``, cached per distinct group shapes and config) -> one kernel call that, per
-group and on one thread, counts the tokens into a table indexed by token id, scores each distinct id
-from the table statistics plus its BM25 term, and writes the group's advantages while its ids are
-still in cache. Groups run in parallel on ``config.threads`` threads (default
+groups (``method.group_counts``, ``[B]``-sized) -> for small groups, the statistics of every table the
+groups can have (``method.full_grid_statistics``, cached per group shape and config) -> one kernel
+call that, per group and on one thread, counts the tokens into a table indexed by token id, scores
+each distinct id from its table's statistics plus its BM25 term, and writes the group's advantages
+while its ids are still in cache. Groups run in parallel on ``config.threads`` threads (default
 ``torch.get_num_threads()``; fewer for small batches); the result does not depend on the thread count.
 
 When the full grid of tables is large (big groups), the kernel computes the statistics of each
