@@ -199,6 +199,16 @@ void bits_to_counts(Entry* entries, int64_t n, uint64_t correct_bits) {
                       (uint64_t(__builtin_popcountll(entries[j].pres & ~correct_bits)) << 32);
 }
 
+// Mask bytes are 0 or 1 (bool): eight of them read as one word tell an all-out or all-in stretch.
+constexpr int64_t kWord = 8;
+constexpr uint64_t kAllIn = 0x0101010101010101ull;
+
+inline uint64_t mask_word(const uint8_t* m) {
+  uint64_t w;
+  std::memcpy(&w, m, sizeof w);
+  return w;
+}
+
 // Positions ahead of the current one whose map entry is prefetched: a group's distinct ids first
 // touch scattered cache lines of the maps, and overlapping those misses is most of the counting time.
 // (Prefetching the counting entry too, through a second look-up, measured slower.)
@@ -232,6 +242,10 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     if (kBits && is_c) correct_bits |= bit;
     int64_t n = 0;
     for (int64_t t = 0; t < in.L; ++t) {
+      if ((t & (kWord - 1)) == 0 && t + kWord <= in.L && mask_word(m + t) == 0) {
+        t += kWord - 1;  // eight positions out of the mask (a response's padding)
+        continue;
+      }
       if (t + kPrefetch < in.L) ws.prefetch(ids[t + kPrefetch]);
       if (!m[t]) continue;
       const int64_t id = ids[t];
@@ -344,21 +358,50 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
   }
 }
 
+// float32(scores[slot] + base) where keep is 1, +0.0f where it is 0, without a branch (a masked-out
+// position reads slot 0, the zero sentinel, and its value's bits are cleared).
+inline float select_value(const double* scores, const uint32_t* slot, double base, uint32_t keep) {
+  const float value = static_cast<float>(scores[*slot & (0u - keep)] + base);
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  bits &= 0u - keep;
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
 // out[i, t] = float32(weight * score + base[i]) under the mask, 0 elsewhere, for group g's rollouts
 // (the masked positions' slots were recorded in order while counting: no second read of the ids).
-// Without a branch on the mask: a masked-out position reads the zero sentinel and writes 0.
+// Eight positions at a time: a stretch all out of the mask (a response's padding) is zeroed at
+// once, one all in is written without a test, a mixed one without a branch per position.
 void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
   const double* scores = ws.scores.data();
   const uint32_t* slot = ws.position.data.get();
+  const int64_t L = in.L;
   for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
     const int64_t i = in.order[k];
     const uint8_t* m = in.mask + i * in.mask_stride;
     const double base = p.base[i];
-    float* o = out + i * in.L;
-    for (int64_t t = 0; t < in.L; ++t) {
+    float* o = out + i * L;
+    int64_t t = 0;
+    for (; t + kWord <= L; t += kWord) {
+      const uint64_t w = mask_word(m + t);
+      if (w == 0) {
+        std::memset(o + t, 0, kWord * sizeof(float));
+      } else if (w == kAllIn) {
+        for (int64_t j = 0; j < kWord; ++j) o[t + j] = static_cast<float>(scores[slot[j]] + base);
+        slot += kWord;
+      } else {
+        for (int64_t j = 0; j < kWord; ++j) {
+          const uint32_t keep = m[t + j] != 0;
+          o[t + j] = select_value(scores, slot, base, keep);
+          slot += keep;
+        }
+      }
+    }
+    for (; t < L; ++t) {
       const uint32_t keep = m[t] != 0;
-      const float value = static_cast<float>(scores[keep ? *slot : 0] + base);
-      o[t] = keep ? value : 0.0f;
+      o[t] = select_value(scores, slot, base, keep);
       slot += keep;
     }
   }
