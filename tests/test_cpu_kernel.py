@@ -142,6 +142,19 @@ def test_shape_classes_key_token_scores():
         assert_scores_match(key_token_scores(*batch, backend="reference"), key_token_scores(*batch, backend="cpu"))
 
 
+def test_a_group_past_the_packed_presence_counts():
+    """More than 65535 rollouts in one group: presence counts no longer fit 16 bits (wide entries)."""
+    rng = np.random.default_rng(6)
+    B = 66_000
+    responses = torch.as_tensor(rng.integers(0, 12, size=(B, 2)), dtype=torch.int64)
+    mask, index = torch.ones(B, 2, dtype=torch.bool), torch.zeros(B, dtype=torch.int64)
+    rewards = torch.as_tensor(rng.random(B) < 0.3, dtype=torch.float32)
+    # the reference, not torch: torch lays out the group's whole (n_c + 1)(n_w + 1) grid of tables
+    torch.testing.assert_close(token_advantage(responses, mask, rewards, index, backend="cpu"),
+                               token_advantage(responses, mask, rewards, index, backend="reference"),
+                               rtol=0, atol=1e-6)
+
+
 ADVERSARIAL_IDS = {
     # multiples of 2**20: one bucket under any hash that keeps the low bits (identity mod a power of two)
     "low-bits-collide": [DENSE_IDS + (k << 20) for k in range(1500)],

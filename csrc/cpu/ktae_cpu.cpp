@@ -56,8 +56,14 @@ struct Entry {
 };
 
 constexpr int64_t kBitsRollouts = 64;
+// Groups of up to this many rollouts count presence with 16-bit a, b and a 32-bit last-seen stamp
+// packed into the entry's `pres` word (16-byte entries); bigger ones use StampedEntry.
+constexpr int64_t kPackedRollouts = 65535;
 
-// An entry while counting a group of more than kBitsRollouts rollouts: presence counts grow when the
+// How a group counts presence: rollout bits, packed stamps, or wide stamps (see count_group_as).
+enum class Presence { kBits, kPacked, kWide };
+
+// An entry while counting a group of more than kPackedRollouts rollouts: presence counts grow when the
 // id shows up in a rollout other than the last one it was seen in (kept on the entry's cache line).
 struct StampedEntry {
   uint64_t pres;
@@ -214,21 +220,24 @@ inline uint64_t mask_word(const uint8_t* m) {
 // (Prefetching the counting entry too, through a second look-up, measured slower.)
 constexpr int64_t kPrefetch = 64;
 
-// Count one group's masked tokens into `ws`: presence as rollout bits (kBits) or with last-seen stamps.
+// Count one group's masked tokens into `ws`. Presence: kBits, one bit per rollout (<= 64 rollouts);
+// kPacked, `pres` = last-seen rollout + 1 (low 32 bits) | a << 32 | b << 48, growing a or b when an id
+// shows up in a rollout other than the last one it was seen in; kWide, the same in a 24-byte entry.
 // A new id's entry is written ahead into the spare entry for every token and kept only when the id
 // is new: no branch on the (frequent, unpredictable) first occurrences.
-template <bool kBits>
+template <Presence kMode>
 GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
-  using Counted = std::conditional_t<kBits, Entry, StampedEntry>;
+  constexpr bool kBits = kMode == Presence::kBits, kWide = kMode == Presence::kWide;
+  using Counted = std::conditional_t<kWide, StampedEntry, Entry>;
   GroupTotals tot;
   uint64_t correct_bits = 0;
   const int64_t positions = (in.start[g + 1] - in.start[g]) * in.L;
   ws.begin_group(positions);
   Counted* entries;
-  if constexpr (kBits)
-    entries = ws.entries.data.get();
-  else
+  if constexpr (kWide)
     entries = ws.stamped.ensure(positions + 1);
+  else
+    entries = ws.entries.data.get();
   int64_t* tokens = ws.tokens.data.get();
   uint32_t* position = ws.position.data.get();
   int64_t n_entries = 0;
@@ -239,6 +248,7 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     const bool is_c = in.correct[i] != 0;
     const uint64_t inc = is_c ? uint64_t(1) : (uint64_t(1) << 32);
     const uint64_t bit = kBits ? uint64_t(1) << local : 0;
+    const uint64_t stamp = uint64_t(local + 1), packed_inc = is_c ? uint64_t(1) << 32 : uint64_t(1) << 48;
     if (kBits && is_c) correct_bits |= bit;
     int64_t n = 0;
     for (int64_t t = 0; t < in.L; ++t) {
@@ -256,10 +266,10 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
       ++n;
       uint32_t& s = ws.slot_of(id);
       const uint32_t found = s;
-      if constexpr (kBits)
-        entries[n_entries] = Counted{0, 0};
-      else
+      if constexpr (kWide)
         entries[n_entries] = Counted{0, 0, -1};
+      else
+        entries[n_entries] = Counted{0, 0};
       tokens[n_entries] = id;
       const uint32_t fresh = found == 0;
       const uint32_t here = found + fresh * uint32_t(n_entries + 1);  // arithmetic, not a branch
@@ -269,9 +279,12 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
       Counted& e = entries[here - 1];
       if constexpr (kBits) {
         e.pres |= bit;
-      } else {
+      } else if constexpr (kWide) {
         e.pres += (e.last != k) ? inc : 0;
         e.last = k;
+      } else {
+        const uint64_t w = e.pres;
+        e.pres = ((w & ~uint64_t(0xffffffff)) + (lo(w) != stamp ? packed_inc : 0)) | stamp;
       }
       e.occ += inc;
     }
@@ -279,17 +292,22 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     (is_c ? tot.n_c : tot.n_w) += 1;
   }
   ws.n_entries = n_entries;
+  Entry* out = ws.entries.data.get();
   if constexpr (kBits) {
     bits_to_counts(entries, n_entries, correct_bits);
+  } else if constexpr (kWide) {
+    for (int64_t j = 0; j < n_entries; ++j) out[j] = Entry{entries[j].pres, entries[j].occ};
   } else {
-    for (int64_t j = 0; j < n_entries; ++j) ws.entries.data[j] = Entry{entries[j].pres, entries[j].occ};
+    for (int64_t j = 0; j < n_entries; ++j) out[j].pres = ((out[j].pres >> 32) & 0xffff) | (out[j].pres >> 48) << 32;
   }
   return tot;
 }
 
 GroupTotals count_group(const Batch& in, int64_t g, Workspace& ws) {
-  return in.start[g + 1] - in.start[g] <= kBitsRollouts ? count_group_as<true>(in, g, ws)
-                                                        : count_group_as<false>(in, g, ws);
+  const int64_t size = in.start[g + 1] - in.start[g];
+  if (size <= kBitsRollouts) return count_group_as<Presence::kBits>(in, g, ws);
+  if (size <= kPackedRollouts) return count_group_as<Presence::kPacked>(in, g, ws);
+  return count_group_as<Presence::kWide>(in, g, ws);
 }
 
 // BM25 saturated frequency, as method.bm25_tf / method.bm25_norm.
