@@ -95,8 +95,9 @@ def _nanobind_paths() -> tuple[list[str], list[str]] | str:
 
 
 def _cpu_extension() -> list[Extension]:
-    """ktae_kernels._cpu (nanobind, typed array arguments): strict IEEE float64 (no FMA contraction), so it
-    rounds as the torch path does. None when nanobind is missing (the backend then reports it unbuilt)."""
+    """ktae_kernels._cpu (nanobind, typed array arguments): strict IEEE float64 (no FMA contraction), so its
+    per-row formulas round as the torch path does. Empty when nanobind is missing (the backend then
+    reports itself unbuilt)."""
     paths = _nanobind_paths()
     if isinstance(paths, str):
         print(f"ktae_kernels: not building the native CPU kernel: {paths}", file=sys.stderr)

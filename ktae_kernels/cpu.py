@@ -33,7 +33,8 @@ from .types import Batch, KeyTokenScores
 #: the kernels check that masked ids lie in [0, 2**31) while counting; the API skips its own pass.
 CHECKS_TOKEN_IDS = True
 BUILD_HINT = ("`pip install .` builds it on a machine with a C++17 compiler (g++ or clang++); "
-              "reinstall with one on PATH, e.g. `pip install --force-reinstall --no-deps .`")
+              "reinstall with one on PATH, e.g. `pip install --force-reinstall --no-deps .` "
+              "(with --no-build-isolation, `pip install nanobind` first)")
 
 
 def load_extension() -> ModuleType:
