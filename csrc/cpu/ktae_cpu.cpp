@@ -477,18 +477,13 @@ Batch batch_of(const char* fn, const Array& ids, const Array& mask, const Array&
                static_cast<const int64_t*>(start.data()), static_cast<const uint8_t*>(correct.data())};
 }
 
-// Group sizes from `start`, checked against B: non-decreasing, from 0 to B; the largest group.
-int64_t largest_group(const char* fn, const Array& start, int64_t B) {
+// `start` checked against B: non-decreasing, from 0 to B.
+void check_start(const char* fn, const Array& start, int64_t B) {
   const int64_t* s = static_cast<const int64_t*>(start.data());
   const int64_t n = int64_t(start.shape(0)) - 1;
-  int64_t largest = 0;
   bool ok = s[0] == 0 && s[n] == B;
-  for (int64_t g = 0; ok && g < n; ++g) {
-    ok = s[g + 1] >= s[g];
-    largest = std::max(largest, s[g + 1] - s[g]);
-  }
+  for (int64_t g = 0; ok && g < n; ++g) ok = s[g + 1] >= s[g];
   if (!ok) throw nb::value_error((std::string(fn) + ": `start` must rise from 0 to B = " + std::to_string(B)).c_str());
-  return largest;
 }
 
 // advantage(...) -> True when every masked id was in range (else the output is incomplete).
@@ -503,7 +498,7 @@ bool advantage(const Array& ids, const Array& mask, const Array& order, const Ar
   check.vector("base", base, kFloat64, B);
   check.vector("ignore", ignore, kInt64);
   check.contiguous_matrix("out", out, kFloat32, B, in.L);
-  const int64_t largest = largest_group(fn, start, B);
+  check_start(fn, start, B);
   Params p{nullptr, nullptr, nullptr, nullptr, static_cast<const int64_t*>(ignore.data()), int64_t(ignore.shape(0)),
            static_cast<const double*>(base.data()), k1, b, alpha, beta, top, bound, weight, use_tf};
   const bool grid = offset != nullptr || stride != nullptr || strength != nullptr || h != nullptr;
@@ -519,7 +514,7 @@ bool advantage(const Array& ids, const Array& mask, const Array& order, const Ar
     p.strength = static_cast<const double*>(strength->data());
     p.h = static_cast<const double*>(h->data());
   } else {
-    ensure_log_factorials(largest);
+    ensure_log_factorials();
   }
   float* result = static_cast<float*>(out.data());
   bool bad;
@@ -547,7 +542,7 @@ bool rows(const Array& ids, const Array& mask, const Array& order, const Array& 
   const Check check{fn};
   const Batch in = batch_of(fn, ids, mask, order, start, correct);
   const int64_t n_groups = int64_t(start.shape(0)) - 1;
-  largest_group(fn, start, int64_t(ids.shape(0)));
+  check_start(fn, start, int64_t(ids.shape(0)));
   check.vector("row_offset", row_offset, kInt64, n_groups);
   check.contiguous_matrix("cols", cols, kInt64, 5);
   check.contiguous_matrix("totals", totals, kInt64, 3, n_groups);
@@ -579,14 +574,11 @@ void table_statistics(const Array& tables, const Array& out) {
   check.contiguous_matrix("out", out, kFloat64, 4, T);
   const int64_t* t = static_cast<const int64_t*>(tables.data());
   double* o = static_cast<double*>(out.data());
-  int64_t largest = 0;
   for (int64_t j = 0; j < T; ++j) {
     const Table x{t[j], t[T + j], t[2 * T + j], t[3 * T + j]};
     if (x.a < 0 || x.b < 0 || x.a > x.n_c || x.b > x.n_w)
       throw nb::value_error("_cpu.table_statistics: `tables` must hold 0 <= a <= n_c and 0 <= b <= n_w");
-    largest = std::max(largest, x.n_c + x.n_w);
   }
-  ensure_log_factorials(largest);
   for (int64_t j = 0; j < T; ++j) {
     const Table x{t[j], t[T + j], t[2 * T + j], t[3 * T + j]};
     const double p = fisher_pvalue(x);

@@ -44,8 +44,9 @@ inline double log_factorial(int64_t k) {
   return k < kLogFactorials ? (*table)[size_t(k)] : std::lgamma(double(k) + 1.0);
 }
 
-// Tabulate log-factorials before threads read them (the static initialisation is thread-safe anyway).
-inline void ensure_log_factorials(int64_t) { log_factorial(0); }
+// Tabulate the log-factorials before the kernel threads start (the static initialisation is
+// thread-safe anyway; this keeps its cost out of one group's time).
+inline void ensure_log_factorials() { log_factorial(0); }
 
 // log-sum-exp of lp[0..n) over the entries where keep[j], as torch.logsumexp (max subtracted).
 inline double log_sum_exp(const double* lp, const bool* keep, int64_t n) {
