@@ -1,7 +1,7 @@
 """Packaging; the metadata lives in pyproject.toml. This file adds the two compiled kernels.
 
-``ktae_kernels._cpu`` (csrc/cpu/) is the native CPU backend: plain C++17 with OpenMP against the
-Python C API only (no torch at build time, so pip's isolated build never pulls torch). It is built
+``ktae_kernels._cpu`` (csrc/cpu/) is the native CPU backend: C++17 with OpenMP and nanobind (typed
+DLPack arrays; no torch at build time, so pip's isolated build never pulls torch). It is built
 whenever a C++ compiler is there; without one (or if it fails) the package still installs and
 ``backend="cpu"`` reports why it is missing. The build is portable (no ``-march=native``) unless
 
@@ -20,6 +20,7 @@ GPU build, against the torch already installed:
 """
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -82,13 +83,32 @@ def _cuda_extension() -> dict:
     return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension}}
 
 
-def _cpu_extension() -> Extension:
-    """ktae_kernels._cpu: strict IEEE float64 (no FMA contraction), so it rounds as the torch path does."""
-    flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden"]
+def _nanobind_paths() -> tuple[list[str], list[str]] | str:
+    """(sources, include dirs) of nanobind's runtime, compiled into the kernel module, or why not."""
+    try:
+        import nanobind
+    except ImportError:
+        return "nanobind is not importable in the build environment (`pip install nanobind`)"
+    root = os.path.dirname(nanobind.__file__)
+    return ([os.path.join(nanobind.source_dir(), "nb_combined.cpp")],
+            [nanobind.include_dir(), os.path.join(root, "ext", "robin_map", "include")])
+
+
+def _cpu_extension() -> list[Extension]:
+    """ktae_kernels._cpu (nanobind, typed array arguments): strict IEEE float64 (no FMA contraction), so its
+    per-row formulas round as the torch path does. Empty when nanobind is missing (the backend then
+    reports itself unbuilt)."""
+    paths = _nanobind_paths()
+    if isinstance(paths, str):
+        print(f"ktae_kernels: not building the native CPU kernel: {paths}", file=sys.stderr)
+        return []
+    sources, includes = paths
+    flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden", "-fno-strict-aliasing"]
     if _flag("KTAE_NATIVE_ARCH"):
         flags.append("-march=native")
-    return Extension("ktae_kernels._cpu", sources=["csrc/cpu/ktae_cpu.cpp"], language="c++",
-                     extra_compile_args=flags, optional=True)
+    return [Extension("ktae_kernels._cpu", sources=["csrc/cpu/ktae_cpu.cpp", *sources], language="c++",
+                      include_dirs=["csrc/cpu", *includes], depends=sorted(glob.glob("csrc/cpu/*.h")),
+                      extra_compile_args=flags, optional=True)]
 
 
 def _with_openmp_fallback(base: type) -> type:
@@ -116,7 +136,7 @@ def _with_openmp_fallback(base: type) -> type:
 def _setup_arguments() -> dict:
     cuda = _cuda_extension()
     base = cuda.get("cmdclass", {}).get("build_ext", build_ext)
-    return {"ext_modules": [_cpu_extension()] + cuda.get("ext_modules", []),
+    return {"ext_modules": _cpu_extension() + cuda.get("ext_modules", []),
             "cmdclass": {"build_ext": _with_openmp_fallback(base)}}
 
 

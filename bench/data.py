@@ -14,13 +14,18 @@ responses of ragged length right-padded to ``L`` with the pad id, a mask that is
   a DAPO batch after its dynamic-sampling filter (uniform groups score 0 and cost every
   implementation almost nothing, so they would only flatter the loops on small batches).
 
+Two variants (``Shape`` fields) stress the native kernel: ``spread_ids`` maps the ranks to ids spread
+over ``[0, 2**31)`` instead of the vocabulary (past its dense map), and ``masked`` replaces the prefix
+mask by responses of full length ``L`` whose positions are masked out at random with that
+probability (e.g. tool outputs in a multi-turn rollout).
+
 Each prompt's rollouts come from their own seed, so the first groups of a shape do not depend on how
 many prompts are drawn. Token ids are drawn with torch on the target device; lengths and rewards on
 the host with numpy, so ``batch_tokens`` counts a batch's real tokens without drawing it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -36,13 +41,26 @@ TOPIC_IDS = 512
 TOPIC_SHARE = 0.25
 
 
+#: the id range of ``Shape.spread_ids`` batches: every id a 31-bit token id may take.
+SPREAD_IDS = 2**31
+
+
 @dataclass(frozen=True)
 class Shape:
-    """A benchmark shape: ``prompts`` groups of ``G`` rollouts, responses padded to ``L``."""
+    """A benchmark shape: ``prompts`` groups of ``G`` rollouts, responses padded to ``L``; ``spread_ids``:
+    ids spread over ``[0, 2**31)``; ``masked``: full-length responses with this share of positions
+    masked out at random (0: the usual ragged prefix mask)."""
 
     G: int
     prompts: int
     L: int
+    spread_ids: bool = False
+    masked: float = 0.0
+
+    @property
+    def family(self) -> tuple:
+        """Everything but ``prompts``: shapes of one family share their first groups."""
+        return self.G, self.L, self.spread_ids, self.masked
 
     @property
     def B(self) -> int:
@@ -53,8 +71,13 @@ class Shape:
         """``B * L``: entries of the ``[B, L]`` tensors."""
         return self.B * self.L
 
+    @property
+    def variant(self) -> str:
+        """" ids<2^31" and / or " 60% masked", or "" for the usual batch."""
+        return (" ids<2^31" if self.spread_ids else "") + (f" {self.masked:.0%} masked" if self.masked else "")
+
     def __str__(self) -> str:
-        return f"G={self.G} P={self.prompts} L={self.L}"
+        return f"G={self.G} P={self.prompts} L={self.L}{self.variant}"
 
 
 @dataclass(frozen=True)
@@ -79,7 +102,7 @@ class BenchBatch:
         earlier by ``on_host`` is restricted too)."""
         rows = k * self.shape.G
         host = [self._host[0].first_groups(k)] if self._host else []
-        return BenchBatch(Shape(self.shape.G, k, self.shape.L), self.responses[:rows], self.mask[:rows],
+        return BenchBatch(replace(self.shape, prompts=k), self.responses[:rows], self.mask[:rows],
                           self.rewards[:rows], self.index[:rows], host)
 
     def on_host(self) -> "BenchBatch":
@@ -113,15 +136,18 @@ def make_batch(shape: Shape, *, prompts: int | None = None, vocab: int = QWEN_VO
         raise ValueError(f"`prompts` must be in [1, {shape.prompts}], got {prompts}")
     device = torch.device(device)
     G, L = shape.G, shape.L
-    out = Shape(G, prompts, L)
-    rank_to_id = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed)).to(device)
+    out = replace(shape, prompts=prompts)
+    rank_to_id = _rank_to_id(vocab, shape.spread_ids, seed).to(device)
     responses = torch.empty((out.B, L), dtype=torch.int64, device=device)
     for p in range(prompts):
         gen = torch.Generator(device=device).manual_seed(_prompt_seed(seed, G, L, p))
-        responses[p * G:(p + 1) * G] = _prompt_tokens(G, L, rank_to_id, vocab, zipf_s, gen, device)
+        responses[p * G:(p + 1) * G] = _prompt_tokens(G, L, rank_to_id, vocab, zipf_s, gen, device,
+                                                           shape.spread_ids)
     lengths, rewards = _lengths_and_rewards(out, seed)
     lengths = torch.as_tensor(lengths, device=device)
     mask = torch.arange(L, device=device)[None, :] < lengths[:, None]
+    if shape.masked:
+        mask &= torch.as_tensor(_random_mask(out, seed), device=device)
     finished = lengths < L
     responses[finished, lengths[finished] - 1] = EOS_ID
     responses.masked_fill_(~mask, PAD_ID)
@@ -131,7 +157,27 @@ def make_batch(shape: Shape, *, prompts: int | None = None, vocab: int = QWEN_VO
 
 def batch_tokens(shape: Shape, seed: int = 0) -> int:
     """Real (masked) tokens of ``make_batch(shape, seed=seed)``, without drawing the tokens."""
+    if shape.masked:
+        return int(_random_mask(shape, seed).sum())
     return int(_lengths_and_rewards(shape, seed)[0].sum())
+
+
+def _rank_to_id(vocab: int, spread: bool, seed: int) -> Tensor:
+    """int64 ``[vocab]``: the id of each Zipf rank, a permutation of the vocabulary or (``spread``)
+    distinct ids drawn from ``[0, 2**31)``."""
+    gen = torch.Generator().manual_seed(seed)
+    if not spread:
+        return torch.randperm(vocab, generator=gen)
+    ids = torch.unique(torch.randint(0, SPREAD_IDS, (2 * vocab,), generator=gen))
+    return ids[torch.randperm(ids.numel(), generator=gen)[:vocab]]
+
+
+def _random_mask(shape: Shape, seed: int) -> np.ndarray:
+    """bool ``[B, L]``: each position kept with probability ``1 - shape.masked``, per prompt from its own seed."""
+    G, L = shape.G, shape.L
+    rows = [np.random.default_rng([_prompt_seed(seed, G, L, p), 1]).random((G, L)) >= shape.masked
+            for p in range(shape.prompts)]
+    return np.concatenate(rows) if rows else np.zeros((0, L), dtype=bool)
 
 
 def _prompt_seed(seed: int, G: int, L: int, prompt: int) -> int:
@@ -139,9 +185,11 @@ def _prompt_seed(seed: int, G: int, L: int, prompt: int) -> int:
 
 
 def _prompt_tokens(G: int, L: int, rank_to_id: Tensor, vocab: int, zipf_s: float, gen: torch.Generator,
-                   device: torch.device) -> Tensor:
+                   device: torch.device, spread: bool = False) -> Tensor:
     """int64 ``[G, L]`` token ids of one prompt's rollouts: global Zipf, a quarter from its topic ids."""
     topic = torch.randint(0, vocab, (TOPIC_IDS,), generator=gen, device=device)
+    if spread:
+        topic = rank_to_id[topic]
     tokens = rank_to_id[_zipf_ranks((G, L), vocab, zipf_s, gen, device)]
     from_topic = torch.rand((G, L), generator=gen, device=device) < TOPIC_SHARE
     return torch.where(from_topic, topic[_zipf_ranks((G, L), TOPIC_IDS, zipf_s, gen, device)], tokens)
@@ -156,6 +204,8 @@ def _lengths_and_rewards(shape: Shape, seed: int) -> tuple[np.ndarray, np.ndarra
     for p in range(shape.prompts):
         rng = np.random.default_rng(_prompt_seed(seed, G, L, p))
         lengths[p] = np.clip(np.round(np.exp(np.log(0.35 * L) + 0.7 * rng.standard_normal(G))), 1, L)
+        if shape.masked:
+            lengths[p] = L
         rewards[p] = rng.random(G) < rng.beta(0.6, 0.6)
         if G > 1 and (rewards[p].all() or not rewards[p].any()):  # DAPO keeps mixed groups: flip one
             rewards[p, rng.integers(G)] ^= True

@@ -1,41 +1,88 @@
 """The machine's memory floor for a batch, and the extra memory a contender needs at its peak.
 
 Floor: one pass that reads the int64 ids and the bool mask once and writes float32 ``[B, L]`` once,
-the least any KTAE implementation must do. On the CPU it is the native kernel's ``floor`` pass on
-``torch.get_num_threads()`` threads (the same threads the backends get); elsewhere it is not measured.
+the least any KTAE implementation must do. On the CPU it is ``bench/floor.c``, compiled here at first
+use with the system C compiler (``cc -O3 -fopenmp``) into a cache folder and loaded with ctypes, run on
+``torch.get_num_threads()`` threads (the same threads the backends get); elsewhere, or without a C
+compiler, it is not measured (the reason is printed once).
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
+import hashlib
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from bench.data import BenchBatch
 
+SOURCE = Path(__file__).with_name("floor.c")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "ktae_kernels" / "bench"
+
+
+@functools.lru_cache(maxsize=1)
+def floor_library() -> ctypes.CDLL | str:
+    """The compiled floor pass (built once per source version), or why it is not available."""
+    source = SOURCE.read_bytes()
+    library = _cache_dir() / f"floor-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if not library.exists():
+        compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        if compiler is None:
+            return "no C compiler (cc, gcc or clang) on PATH to build bench/floor.c"
+        library.parent.mkdir(parents=True, exist_ok=True)
+        partial = library.with_suffix(f".{os.getpid()}.tmp")
+        for openmp in (["-fopenmp"], []):
+            done = subprocess.run([compiler, "-O3", *openmp, "-shared", "-fPIC", str(SOURCE), "-o", str(partial)],
+                                  capture_output=True, text=True)
+            if done.returncode == 0:
+                break
+        else:
+            return f"{compiler} could not build bench/floor.c: {done.stderr.strip()[:300]}"
+        os.replace(partial, library)
+    lib = ctypes.CDLL(str(library))
+    lib.ktae_floor.restype = None
+    lib.ktae_floor.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    return lib
+
 
 def memory_floor_s(batch: BenchBatch, device: torch.device, repeats: int = 5) -> float | None:
     """Median seconds of the floor pass over ``batch`` (after a warm-up), or None where not measured."""
     if device.type != "cpu":
         return None
-    try:
-        from ktae_kernels import _cpu
-    except ImportError:
+    lib = floor_library()
+    if isinstance(lib, str):
+        _warn_once(f"bench: the memory floor is not measured: {lib}")
         return None
     ids, mask = batch.responses.contiguous(), batch.mask.contiguous()
     out = torch.empty(ids.shape, dtype=torch.float32)
     args = (ids.data_ptr(), ids.stride(0), mask.data_ptr(), mask.stride(0), ids.shape[0], ids.shape[1],
             out.data_ptr(), torch.get_num_threads())
-    _cpu.floor(*args)
+    lib.ktae_floor(*args)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        _cpu.floor(*args)
+        lib.ktae_floor(*args)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 def _resident_bytes(field: str) -> int | None:

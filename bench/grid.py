@@ -20,6 +20,12 @@ PRESETS: dict[str, tuple[Shape, ...]] = {
     # scaling at G = 16: B = 256 .. 65536 rollouts, L up to 8192 (the GPU sweep)
     "sweep": tuple(Shape(16, B // 16, L) for B, L in itertools.product((256, 1024, 4096, 16384, 65536), (512, 3072, 8192))),
 }
+# the shapes a user meets, each against the memory floor (issue 20): a big paper-like batch, big groups,
+# ids past the dense map, long responses, one trainer micro-batch, G = 64 and a sparse mask
+PRESETS["shapes"] = (
+    Shape(16, 256, 3072), Shape(256, 16, 3072), Shape(1024, 4, 3072), Shape(16, 256, 3072, spread_ids=True),
+    Shape(16, 32, 24576), Shape(16, 8, 3072), Shape(64, 64, 3072), Shape(16, 256, 3072, masked=0.6),
+)
 PRESETS["full"] = PRESETS["default"]
 
 

@@ -76,7 +76,7 @@ def format_table(results: list[Result]) -> str:
         diff = f"{r.max_abs_diff_vs_reference:.1e}" if r.max_abs_diff_vs_reference is not None else "-"
         floor = "error" if r.floor_error else format_ratio(r.x_floor) if r.x_floor else "-"
         peak = f"{r.peak_extra_bytes / 1e6:,.0f}" if r.peak_extra_bytes is not None else "-"
-        rows.append((str(r.shape.G), str(r.shape.prompts), str(r.shape.L), f"{r.tokens:,}" if r.tokens else "-",
+        rows.append((str(r.shape.G), str(r.shape.prompts), f"{r.shape.L}{r.shape.variant}", f"{r.tokens:,}" if r.tokens else "-",
                      r.backend, time, rate, _speedup(sp["vs_reference"], sp["vs_reference_extrapolated"]),
                      _speedup(sp["vs_upstream"], sp["vs_upstream_extrapolated"]), floor, peak, diff, note))
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
@@ -104,7 +104,8 @@ def result_json(results: list[Result]) -> list[dict]:
     for r in results:
         sp = ups[(r.shape, r.backend)]
         rows.append({
-            "G": r.shape.G, "prompts": r.shape.prompts, "L": r.shape.L, "B": r.shape.B,
+            "G": r.shape.G, "prompts": r.shape.prompts, "L": r.shape.L, "B": r.shape.B, "shape": str(r.shape),
+            "spread_ids": r.shape.spread_ids, "masked": r.shape.masked,
             "positions": r.shape.positions, "tokens": r.tokens, "backend": r.backend, "status": r.status,
             "note": r.note, "seconds": r.seconds, "extrapolated": r.extrapolated, "groups_measured": r.groups,
             "samples_s": r.samples_s, "tokens_per_s": r.tokens_per_s,

@@ -73,7 +73,7 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
     shapes = list(shapes)
     results: list[Result] = []
     warm_up([n for n in names if unavailable_reason(n, device) is None], device)
-    loops: dict[tuple[str, int, int], Timing] = {}  # per-group timings by (name, G, L), see _cached
+    loops: dict[tuple[str, tuple], Timing] = {}  # per-group timings by (name, shape family), see _cached
     bar = tqdm(total=len(shapes) * len(names), disable=not progress, unit="run", dynamic_ncols=True)
     for shape in shapes:
         plan = [(name, _not_run(name, shape, device, budget), _cached(loops, name, shape)) for name in names]
@@ -95,7 +95,7 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
             else:
                 timing = _measure(contender, batch, shape, device, budget, repeats)
                 if isinstance(timing, Timing) and contender.per_group:
-                    loops[(name, shape.G, shape.L)] = timing
+                    loops[(name, shape.family)] = timing
             result = _result(shape, name, timing, tokens)
             if result.status == "ok" and not contender.per_group and hit is None:
                 result.peak_extra_bytes = peak_extra_bytes(lambda b=batch: contender.run(b), device)
@@ -126,10 +126,10 @@ def _floor_samples(batch: BenchBatch, device: torch.device) -> list[float]:
 
 
 def _cached(loops: dict, name: str, shape: Shape) -> Timing | None:
-    """A per-group timing of ``name`` measured on an earlier shape with the same G and L, when it ran
+    """A per-group timing of ``name`` measured on an earlier shape of the same family, when it ran
     on enough groups: the first groups of such shapes are identical (bench.data seeds each prompt),
     so it is a measurement of this batch's first groups too."""
-    hit = loops.get((name, shape.G, shape.L))
+    hit = loops.get((name, shape.family))
     if hit is None or not min(shape.prompts, MIN_GROUPS) <= hit.groups <= shape.prompts:
         return None
     return hit

@@ -1,17 +1,19 @@
 """Native CPU backend: the C++17 / OpenMP kernel of ``csrc/cpu/ktae_cpu.cpp`` (module ``ktae_kernels._cpu``).
 
-groups (``method.group_counts``, ``[B]``-sized) -> statistics of every table the groups can have
-(``method.table_statistics``, cached per distinct group shapes and config) -> one kernel call that, per
-group and on one thread, counts the tokens into a table indexed by token id, scores each distinct id
-from the table statistics plus its BM25 term, and writes the group's advantages while its ids are
-still in cache. Groups run in parallel on ``torch.get_num_threads()`` threads (fewer for small
-batches); the result does not depend on the thread count.
+groups (``method.group_counts``, ``[B]``-sized) -> for small groups, the statistics of every table the
+groups can have (``method.full_grid_statistics``, cached per group shape and config) -> one kernel
+call that, per group and on one thread, counts the tokens into a table indexed by token id, scores
+each distinct id from its table's statistics plus its BM25 term, and writes the group's advantages
+while its ids are still in cache. Groups run in parallel on ``config.threads`` threads (default
+``torch.get_num_threads()``; fewer for small batches); the result does not depend on the thread count.
 
-When the full grid of tables is large (big groups) or ``fisher="upstream"`` (whose p-value depends on
-the rows present), a first kernel call lists the rows, ``method.row_statistics`` computes exactly the
-tables they use, and the fused call follows. ``key_token_scores`` uses the row listing and
-``method.score_rows``. Token ids are range-checked inside the kernels (the registry declares
-``checks_token_ids``).
+When the full grid of tables is large (big groups), the kernel computes the statistics of each
+distinct table it meets itself (the same float64 formulas) and memoises them across groups and
+calls. With ``fisher="upstream"`` (whose p-value depends on the rows present) and a large grid, a
+first kernel call lists the rows, ``method.row_statistics`` computes exactly the tables they use,
+and the fused call follows. ``key_token_scores`` uses the row listing and ``method.score_rows``.
+Token ids are range-checked inside the kernels (the registry declares ``checks_token_ids``); the
+kernel checks its arrays' dtype, shape, strides and device itself.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ from ..types import Batch, KeyTokenScores
 from ..validation import check_token_ids
 
 BUILD_HINT = ("`pip install .` builds it on a machine with a C++17 compiler (g++ or clang++); "
-              "reinstall with one on PATH, e.g. `pip install --force-reinstall --no-deps .`")
+              "reinstall with one on PATH, e.g. `pip install --force-reinstall --no-deps .` "
+              "(with --no-build-isolation, `pip install nanobind` first)")
 
 
 def load_extension() -> ModuleType:
@@ -49,7 +52,7 @@ def unavailable_reason() -> str | None:
 class _Inputs:
     """Kernel-ready views of a batch: int64 ids and bool mask with unit column stride, rollouts
     sorted by group (``order``, int64 ``[B]``; group ``g`` is ``order[start[g]:start[g + 1]]``) and
-    uint8 correct flags. Holds the tensors whose addresses the kernel reads."""
+    bool correct flags."""
 
     def __init__(self, batch: Batch, counts: method.GroupCounts):
         self.batch = batch
@@ -58,13 +61,11 @@ class _Inputs:
         self.order = torch.argsort(batch.group, stable=True)
         self.start = torch.zeros(batch.n_groups + 1, dtype=torch.int64)
         torch.cumsum(counts.size, 0, out=self.start[1:])
-        self.correct = counts.correct.to(torch.uint8)
+        self.correct = counts.correct
 
-    def arguments(self) -> tuple:
-        """The leading kernel arguments: ids, mask, length, order, start, n_groups, correct."""
-        L = self.ids.shape[1]
-        return (self.ids.data_ptr(), self.ids.stride(0), self.mask.data_ptr(), self.mask.stride(0), L,
-                self.order.data_ptr(), self.start.data_ptr(), self.batch.n_groups, self.correct.data_ptr())
+    def arrays(self) -> tuple[Tensor, ...]:
+        """The leading kernel arguments: ids, mask, order, start, correct."""
+        return self.ids, self.mask, self.order, self.start, self.correct
 
 
 def _unit_column_stride(t: Tensor) -> Tensor:
@@ -75,10 +76,12 @@ def _unit_column_stride(t: Tensor) -> Tensor:
 POSITIONS_PER_THREAD = 1 << 16
 
 
-def _threads(batch: Batch) -> int:
-    """``torch.get_num_threads()``, fewer for small batches (at most one per group)."""
+def kernel_threads(batch: Batch, config: KTAEConfig) -> int:
+    """The kernel's OpenMP threads: ``config.threads`` (default ``torch.get_num_threads()``), fewer for
+    small batches (at most one per group and per ``POSITIONS_PER_THREAD`` positions)."""
     B, L = batch.responses.shape
-    return max(1, min(torch.get_num_threads(), batch.n_groups, B * L // POSITIONS_PER_THREAD))
+    wanted = torch.get_num_threads() if config.threads is None else config.threads
+    return max(1, min(wanted, batch.n_groups, B * L // POSITIONS_PER_THREAD))
 
 
 def _raise_bad_ids(batch: Batch) -> None:
@@ -86,19 +89,17 @@ def _raise_bad_ids(batch: Batch) -> None:
     raise AssertionError("the CPU kernel flagged a token id out of range that the API check accepts")
 
 
-def _list_rows(inputs: _Inputs) -> tuple[method.Rows, Tensor, Tensor]:
+def _list_rows(inputs: _Inputs, config: KTAEConfig) -> tuple[method.Rows, Tensor, Tensor]:
     """Every group's rows, sorted by (group, token), and ``T_c, T_w`` (int64 ``[n_groups]``)."""
     batch = inputs.batch
     n = batch.n_groups
     per_group = torch.zeros(n, dtype=torch.int64).index_add_(0, batch.group, row_counts(batch.mask))
     offset = torch.cumsum(per_group, 0) - per_group  # a group has at most as many rows as masked tokens
-    capacity = int(per_group.sum())
-    cols = torch.empty(5, capacity, dtype=torch.int64)
-    n_rows, T_c, T_w = (torch.zeros(n, dtype=torch.int64) for _ in range(3))
-    ok = load_extension().rows(*inputs.arguments(), offset.data_ptr(), *(c.data_ptr() for c in cols),
-                               n_rows.data_ptr(), T_c.data_ptr(), T_w.data_ptr(), _threads(batch))
-    if not ok:
+    cols = torch.empty(5, int(per_group.sum()), dtype=torch.int64)
+    totals = torch.zeros(3, n, dtype=torch.int64)
+    if not load_extension().rows(*inputs.arrays(), offset, cols, totals, threads=kernel_threads(batch, config)):
         _raise_bad_ids(batch)
+    n_rows, T_c, T_w = totals.unbind(0)
     shift = offset - (torch.cumsum(n_rows, 0) - n_rows)  # group g's rows start at offset[g] in `cols`
     keep = torch.arange(int(n_rows.sum())) + repeat_counts(shift, n_rows)
     token, a, b, f_c, f_w = cols[:, keep].unbind(0)
@@ -106,33 +107,36 @@ def _list_rows(inputs: _Inputs) -> tuple[method.Rows, Tensor, Tensor]:
     return method.Rows(group=group, token=token, a=a, b=b, f_c=f_c, f_w=f_w), T_c, T_w
 
 
-def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Per group its grid offset and stride, and the grid's ``strength`` and ``h``: the whole grid when
-    it is small (``method.full_grid_statistics``), else exactly the tables of the rows listed first."""
+def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -> dict[str, Tensor]:
+    """The kernel's statistics arguments: the whole grid of tables (``offset, stride, strength, h``) when
+    it is small (``method.full_grid_statistics``); none (the kernel computes and memoises the tables
+    it meets) for big groups in exact mode; in upstream mode the tables of the rows listed first."""
     full = method.full_grid_statistics(counts.n_c, counts.n_w, config)
     if full is not None:
         offset, stride, stats = full
-        return offset, stride, stats.strength.contiguous(), stats.h.contiguous()
-    rows, _, _ = _list_rows(inputs)
+        return {"offset": offset, "stride": stride, "strength": stats.strength.contiguous(), "h": stats.h.contiguous()}
+    if config.fisher == "exact":
+        return {}
+    rows, _, _ = _list_rows(inputs, config)
     grid, stats, _ = method.row_statistics(rows, counts.n_c, counts.n_w, config)
-    return grid.offset, grid.stride, stats.strength, stats.h
+    return {"offset": grid.offset, "stride": grid.stride, "strength": stats.strength, "h": stats.h}
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
     counts = method.group_counts(batch, config)
     if out is None:
         out = torch.empty(batch.responses.shape, dtype=torch.float32)
-        load_extension().advise_huge(out.data_ptr(), out.nbytes)  # fewer page faults on the first write
+        load_extension().advise_huge(out)  # fewer page faults on the first write
     if batch.n_groups == 0 or batch.responses.shape[1] == 0:
         return out.zero_()
     inputs = _Inputs(batch, counts)
-    offset, stride, strength, h = _grid_for(inputs, counts, config)
+    grid = _grid_for(inputs, counts, config)
     base = method.rollout_advantage(batch.rewards, batch.group, counts.size, config, given).contiguous()
     ignore = torch.tensor(config.ignore_token_ids, dtype=torch.int64)
     ok = load_extension().advantage(
-        *inputs.arguments(), offset.data_ptr(), stride.data_ptr(), strength.data_ptr(), h.data_ptr(),
-        ignore.data_ptr(), ignore.numel(), base.data_ptr(), config.k1, config.b, config.alpha + config.beta,
-        config.top, math.nextafter(config.top, 0.0), config.weight, config.use_tf, out.data_ptr(), _threads(batch))
+        *inputs.arrays(), base, ignore, out, **grid, k1=config.k1, b=config.b, alpha=config.alpha,
+        beta=config.beta, top=config.top, bound=math.nextafter(config.top, 0.0), weight=config.weight,
+        use_tf=config.use_tf, threads=kernel_threads(batch, config))
     if not ok:
         _raise_bad_ids(batch)
     return out
@@ -140,5 +144,5 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
 
 def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
     counts = method.group_counts(batch, config)
-    rows, T_c, T_w = _list_rows(_Inputs(batch, counts))
+    rows, T_c, T_w = _list_rows(_Inputs(batch, counts), config)
     return method.score_rows(rows, counts.n_c, counts.n_w, T_c, T_w, config, batch.group_labels)

@@ -1,0 +1,319 @@
+"""The native CPU kernel's own parts: its table statistics against ``method.table_statistics``, its
+memoising cache, the shapes users meet (big groups, ids past the dense map, long responses, sparse
+masks) against the reference, adversarial ids for its hash table, thread counts, the ``threads``
+setting and the typed binding's rejections."""
+import ctypes
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ktae_kernels.backends.cpu as cpu
+from cases import assert_scores_match, make_batch
+from ktae_kernels import KTAEConfig, key_token_scores, method, token_advantage
+
+pytestmark = pytest.mark.skipif(cpu.unavailable_reason() is not None and not os.environ.get("CI"),
+                                reason="the native CPU kernel is not built (CI requires it)")
+
+DENSE_IDS = 1 << 18  # the kernel's dense map covers ids below this
+MAX_ID = 2**31 - 1
+
+
+@pytest.fixture
+def kernel():
+    return cpu.load_extension()
+
+
+def _native_statistics(kernel, tables: torch.Tensor) -> torch.Tensor:
+    """float64 [4, T] (p, F, IG, h) of int64 [4, T] tables (a, b, n_c, n_w), as the kernel computes them."""
+    out = torch.empty(4, tables.shape[1], dtype=torch.float64)
+    kernel.table_statistics(tables.contiguous(), out)
+    return out
+
+
+def _method_statistics(tables: torch.Tensor) -> method.TableStats:
+    a, b, n_c, n_w = tables
+    grid = method.TableGrid(offset=torch.zeros(1, dtype=torch.int64), stride=torch.ones(1, dtype=torch.int64),
+                            a=a, b=b, n_c=n_c, n_w=n_w, width=torch.zeros_like(a))
+    return method.table_statistics(grid, KTAEConfig())
+
+
+def _random_tables(rng: np.random.Generator, count: int, max_side: int) -> torch.Tensor:
+    n_c, n_w = rng.integers(0, max_side + 1, count), rng.integers(0, max_side + 1, count)
+    a, b = rng.integers(0, n_c + 1), rng.integers(0, n_w + 1)
+    return torch.as_tensor(np.stack([a, b, n_c, n_w]), dtype=torch.int64)
+
+
+@pytest.mark.parametrize("max_side, rtol", [(16, 1e-13), (64, 1e-12), (1024, 1e-10)])
+def test_native_statistics_equal_method_table_statistics(kernel, max_side, rtol):
+    """IG exactly; p, F and h to float64 rounding (torch's vectorised exp/asin and summation order
+    differ from libm's sequential ones in the last bits, and a log-probability of magnitude m carries
+    m * 1e-16 of rounding in both); the F = 0 rule (p >= 1 - 1e-12) and ties identically."""
+    tables = _random_tables(np.random.default_rng(max_side), 20_000, max_side)
+    native, expected = _native_statistics(kernel, tables), _method_statistics(tables)
+    assert torch.equal(native[2], expected.IG)
+    for row, name in ((0, "p_value"), (1, "F"), (3, "h")):
+        torch.testing.assert_close(native[row], getattr(expected, name), rtol=rtol, atol=1e-300, msg=name)
+    assert torch.equal(native[1] == 0, expected.F == 0)
+    assert torch.equal(native[0] == 1, expected.p_value == 1)
+
+
+def test_native_statistics_match_scipy_on_ties(kernel):
+    from cases import scipy_pvalues, symmetric_tie_tables
+
+    tables = symmetric_tie_tables(np.random.default_rng(3), 300, 40)  # [T, 4] a, b, c, d
+    a, b, c, d = tables.T
+    ours = _native_statistics(kernel, torch.as_tensor(np.stack([a, b, a + c, b + d]), dtype=torch.int64))[0]
+    np.testing.assert_allclose(ours.numpy(), np.minimum(scipy_pvalues(tables), 1.0), rtol=1e-9)
+
+
+def _big_group_batch(seed: int = 11, sizes=(300, 200), length: int = 40, vocab: int = 400):
+    return make_batch(np.random.default_rng(seed), list(sizes), length, vocab, zipf=True, p_correct=0.4)
+
+
+def test_big_groups_use_native_statistics_and_memoise_them(kernel, monkeypatch):
+    """Past ``method.FULL_GRID_WORK`` the kernel computes the tables it meets (no torch pass, no rows
+    listed first), once: a second call finds them all cached and returns the same bits."""
+    monkeypatch.setattr(method, "row_statistics", _must_not_run)
+    batch = _big_group_batch()
+    kernel.clear_statistics_cache()
+    cold = token_advantage(*batch, backend="cpu")
+    cached = kernel.statistics_cache_size()
+    assert cached > 0
+    warm = token_advantage(*batch, backend="cpu")
+    assert kernel.statistics_cache_size() == cached
+    assert torch.equal(cold, warm)
+    monkeypatch.undo()
+    torch.testing.assert_close(warm, token_advantage(*batch, backend="reference"), rtol=0, atol=1e-6)
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("big groups must not list rows for a torch statistics pass")
+
+
+def test_native_and_grid_statistics_agree(monkeypatch):
+    """The same batch through the Python grid (small groups) and the kernel's own statistics."""
+    batch = make_batch(np.random.default_rng(2), [16, 12, 9, 16], 60, 300, zipf=True)
+    grid = token_advantage(*batch, backend="cpu")
+    monkeypatch.setattr(method, "FULL_GRID_WORK", 0)
+    native = token_advantage(*batch, backend="cpu")
+    torch.testing.assert_close(native, grid, rtol=0, atol=1e-6)
+    assert (native == grid).double().mean() > 0.999  # float32 outputs: ulp-level statistics rarely show
+
+
+# One small batch per shape class of the benchmark's "shapes" preset (bench/grid.py).
+SHAPES = {
+    "G16-many-prompts": dict(sizes=[16] * 24, length=48, vocab=151936),
+    "G256": dict(sizes=[256, 256], length=24, vocab=2000),
+    "G1024": dict(sizes=[1024], length=16, vocab=3000),
+    "ids-spread-to-2^31": dict(sizes=[16] * 8, length=48, vocab=151936, spread=True),
+    "long-responses": dict(sizes=[16] * 2, length=3000, vocab=151936),
+    "one-micro-batch": dict(sizes=[16] * 8, length=64, vocab=151936),
+    "G64": dict(sizes=[64] * 4, length=48, vocab=151936),
+    "60%-masked": dict(sizes=[16] * 8, length=64, vocab=151936, mask_rate=2.4),
+}
+
+
+def _shape_batch(name: str):
+    spec = dict(SHAPES[name])
+    spread = spec.pop("spread", False)
+    rng = np.random.default_rng(abs(hash(name)) % 2**32)
+    responses, mask, rewards, index = make_batch(rng, spec.pop("sizes"), spec.pop("length"), spec.pop("vocab"),
+                                                 zipf=True, **spec)
+    if spread:  # a fixed random injection of the ids into [0, 2**31)
+        table = torch.as_tensor(rng.choice(2**31, size=151936, replace=False), dtype=torch.int64)
+        responses = table[responses]
+    return responses, mask, rewards, index
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_shape_classes_match_reference_at_every_thread_count(name):
+    batch = _shape_batch(name)
+    expected = token_advantage(*batch, backend="reference")
+    results = [token_advantage(*batch, config=KTAEConfig(threads=n), backend="cpu") for n in (1, 2, 3)]
+    torch.testing.assert_close(results[0], expected, rtol=0, atol=1e-6)
+    assert all(torch.equal(results[0], r) for r in results[1:]), "the result depends on the thread count"
+
+
+def test_shape_classes_key_token_scores():
+    for name in ("G256", "ids-spread-to-2^31", "60%-masked"):
+        batch = _shape_batch(name)
+        assert_scores_match(key_token_scores(*batch, backend="reference"), key_token_scores(*batch, backend="cpu"))
+
+
+def test_a_group_past_the_packed_presence_counts():
+    """More than 65535 rollouts in one group: presence counts no longer fit 16 bits (wide entries)."""
+    rng = np.random.default_rng(6)
+    B = 66_000
+    responses = torch.as_tensor(rng.integers(0, 12, size=(B, 2)), dtype=torch.int64)
+    mask, index = torch.ones(B, 2, dtype=torch.bool), torch.zeros(B, dtype=torch.int64)
+    rewards = torch.as_tensor(rng.random(B) < 0.3, dtype=torch.float32)
+    # the reference, not torch: torch lays out the group's whole (n_c + 1)(n_w + 1) grid of tables
+    torch.testing.assert_close(token_advantage(responses, mask, rewards, index, backend="cpu"),
+                               token_advantage(responses, mask, rewards, index, backend="reference"),
+                               rtol=0, atol=1e-6)
+
+
+ADVERSARIAL_IDS = {
+    # multiples of 2**20: one bucket under any hash that keeps the low bits (identity mod a power of two)
+    "low-bits-collide": [DENSE_IDS + (k << 20) for k in range(1500)],
+    # the same low 16 and high bits: collide under a hash of the top or bottom bits alone
+    "middle-bits-only": [(1 << 30) | (k << 16) | 0x1234 for k in range(1 << 12)],
+    "boundaries": [0, 1, DENSE_IDS - 1, DENSE_IDS, DENSE_IDS + 1, MAX_ID - 1, MAX_ID],
+    "dense-and-sparse-interleaved": [k if k % 2 else MAX_ID - k for k in range(3000)],
+}
+
+
+@pytest.mark.parametrize("name", ADVERSARIAL_IDS)
+def test_hash_table_adversarial_ids(name):
+    """Ids chosen to collide in a naive hash, the dense map's boundary and the largest id: exact counts
+    (key_token_scores) and advantages as the reference, at one and two threads."""
+    ids = torch.tensor(ADVERSARIAL_IDS[name], dtype=torch.int64)
+    rng = np.random.default_rng(len(ids))
+    base, mask, rewards, index = make_batch(rng, [6, 5, 7], 300, len(ids), shuffle=True)
+    responses = ids[base]
+    assert_scores_match(key_token_scores(responses, mask, rewards, index, backend="reference"),
+                 key_token_scores(responses, mask, rewards, index, backend="cpu"))
+    expected = token_advantage(responses, mask, rewards, index, backend="reference")
+    for threads in (1, 2):
+        got = token_advantage(responses, mask, rewards, index, config=KTAEConfig(threads=threads), backend="cpu")
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_many_distinct_sparse_ids_in_one_group():
+    """One group's ids all past the dense map, more than the hash table's first size (it grows)."""
+    rng = np.random.default_rng(4)
+    responses = torch.as_tensor(rng.choice(np.arange(DENSE_IDS, MAX_ID, 977), size=(8, 4000)), dtype=torch.int64)
+    mask = torch.ones_like(responses, dtype=torch.bool)
+    rewards, index = torch.tensor([1.0, 0, 1, 0, 0, 1, 1, 0]), torch.zeros(8, dtype=torch.int64)
+    torch.testing.assert_close(token_advantage(responses, mask, rewards, index, backend="cpu"),
+                               token_advantage(responses, mask, rewards, index, backend="reference"), rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- threads
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_threads_setting_is_validated(value):
+    with pytest.raises(ValueError, match="threads"):
+        KTAEConfig(threads=value)
+
+
+def test_threads_setting_does_not_split_caches():
+    assert KTAEConfig(threads=3) == KTAEConfig() and hash(KTAEConfig(threads=3)) == hash(KTAEConfig())
+    assert KTAEConfig(threads=np.int64(2)).threads == 2
+
+
+def test_kernel_threads(monkeypatch):
+    from ktae_kernels.validation import normalise_batch
+
+    normal = normalise_batch(*make_batch(np.random.default_rng(0), [4] * 8, 10, 50))
+    monkeypatch.setattr(cpu, "POSITIONS_PER_THREAD", 1)
+    assert cpu.kernel_threads(normal, KTAEConfig(threads=3)) == 3
+    assert cpu.kernel_threads(normal, KTAEConfig(threads=64)) == 8  # one group per thread at most
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 5)
+    assert cpu.kernel_threads(normal, KTAEConfig()) == 5
+    monkeypatch.setattr(cpu, "POSITIONS_PER_THREAD", 1 << 30)
+    assert cpu.kernel_threads(normal, KTAEConfig(threads=4)) == 1  # a small batch: one thread
+
+
+# ---------------------------------------------------------------------------------------------- binding
+def _kernel_arguments():
+    """Valid ``_cpu.advantage`` arguments for a 3-group batch (grid-free: native statistics)."""
+    B, L = 6, 5
+    return dict(
+        ids=torch.zeros(B, L, dtype=torch.int64), mask=torch.ones(B, L, dtype=torch.bool),
+        order=torch.arange(B), start=torch.tensor([0, 2, 4, 6]), correct=torch.tensor([1, 0] * 3, dtype=torch.bool),
+        base=torch.zeros(B, dtype=torch.float64), ignore=torch.zeros(0, dtype=torch.int64),
+        out=torch.empty(B, L, dtype=torch.float32),
+    )
+
+
+SCALARS = dict(k1=2.0, b=0.5, alpha=1.0, beta=1.0, top=1.0, bound=0.9999999, weight=1.0, use_tf=True, threads=1)
+
+
+def test_binding_accepts_valid_arrays(kernel):
+    args = _kernel_arguments()
+    assert kernel.advantage(*args.values(), **SCALARS)
+    assert torch.isfinite(args["out"]).all()
+
+
+WRONG = {
+    "ids-dtype": ("ids", lambda a: a["ids"].int(), "`ids` must be a int64"),
+    "ids-ndim": ("ids", lambda a: a["ids"].reshape(-1), "`ids` must be a int64 CPU array of shape \\[\\*, \\*\\]"),
+    "ids-column-stride": ("ids", lambda a: torch.zeros(6, 10, dtype=torch.int64)[:, ::2], "unit column stride"),
+    "mask-dtype": ("mask", lambda a: a["mask"].to(torch.uint8), "`mask` must be a bool"),
+    "mask-shape": ("mask", lambda a: a["mask"][:, :4], "`mask` must be a bool CPU array of shape \\[6, 5\\]"),
+    "order-length": ("order", lambda a: a["order"][:5], "`order` must be a int64 CPU array of shape \\[6\\]"),
+    "order-stride": ("order", lambda a: torch.arange(12)[::2], "`order` .* with unit stride"),
+    "start-values": ("start", lambda a: torch.tensor([0, 2, 4, 5]), "`start` must rise from 0 to B = 6"),
+    "correct-dtype": ("correct", lambda a: a["correct"].long(), "`correct` must be a bool"),
+    "base-dtype": ("base", lambda a: a["base"].float(), "`base` must be a float64"),
+    "out-dtype": ("out", lambda a: a["out"].double(), "`out` must be a float32"),
+    "out-not-contiguous": ("out", lambda a: torch.empty(5, 6, dtype=torch.float32).t(), "`out` .* contiguous"),
+    "out-shape": ("out", lambda a: torch.empty(6, 4, dtype=torch.float32), "`out` must be a float32 CPU array of shape \\[6, 5\\]"),
+}
+
+
+@pytest.mark.parametrize("case", WRONG, ids=WRONG.keys())
+def test_binding_rejects_wrong_arrays(kernel, case):
+    name, make, message = WRONG[case]
+    args = _kernel_arguments()
+    args[name] = make(args)
+    with pytest.raises(ValueError, match=message):
+        kernel.advantage(*args.values(), **SCALARS)
+
+
+def test_binding_rejects_a_partial_grid(kernel):
+    with pytest.raises(ValueError, match="offset.*or none"):
+        kernel.advantage(*_kernel_arguments().values(), offset=torch.zeros(3, dtype=torch.int64), **SCALARS)
+
+
+def test_binding_rejects_a_non_array(kernel):
+    args = _kernel_arguments()
+    args["ids"] = [[0, 1]]
+    with pytest.raises(TypeError):
+        kernel.advantage(*args.values(), **SCALARS)
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+class _OnCuda:
+    """A DLPack producer that says its int64 [rows, cols] array lives on CUDA device 0 (kDLCUDA = 2);
+    the kernel must refuse it before reading it."""
+
+    def __init__(self, rows: int, cols: int):
+        self._shape = (ctypes.c_int64 * 2)(rows, cols)
+        self._strides = (ctypes.c_int64 * 2)(cols, 1)
+        self._tensor = _DLManagedTensor(_DLTensor(None, _DLDevice(2, 0), 2, _DLDataType(0, 64, 1), self._shape,
+                                                  self._strides, 0), None, None)
+
+    def __dlpack__(self, **kwargs):
+        new = ctypes.pythonapi.PyCapsule_New
+        new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        return new(ctypes.addressof(self._tensor), b"dltensor", None)
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+def test_binding_rejects_a_device_array(kernel):
+    args = _kernel_arguments()
+    args["ids"] = _OnCuda(6, 5)
+    with pytest.raises(ValueError, match="`ids` must be a int64 CPU array.*on device type 2"):
+        kernel.advantage(*args.values(), **SCALARS)
