@@ -271,15 +271,15 @@ def _install_lines() -> list[tuple[str, str]]:
 
 
 def test_install_lines_never_name_the_package_from_pypi():
-    """ktae_kernels is not on PyPI: every install line installs it from a clone (``-e .``, ``.[extra]``) or
-    from ``git+`` with a URL whose owner is a plain ``<placeholder>``."""
+    """ktae_kernels is not on PyPI: every install line installs it from a clone (``-e .``, ``.[extra]``), a
+    built sdist or wheel file, or ``git+`` with a URL whose owner is a plain ``<placeholder>``."""
     import re
 
     lines = _install_lines()
     assert len(lines) >= 8
     from_git = re.compile(r"""["']?[\w.-]+(\[[^\]]*\])?\s*@\s*git\+[^\s"']+["']?""")
     for where, command in lines:
-        rest = from_git.sub("", command)
+        rest = re.sub(r"\S*ktae[_-]kernels-\S*\.(whl|tar\.gz)", "", from_git.sub("", command))  # a built file
         assert not re.search(r"ktae[_-]kernels", rest), f"{where}: `{command}` installs ktae_kernels from PyPI, where it is not"
         for url in re.findall(r"git\+(\S+)", command):
             assert re.search(r"/<[a-z-]+>/", url), f"{where}: `{command}`: the git URL's owner must be a <placeholder>"
