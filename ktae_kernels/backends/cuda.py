@@ -22,7 +22,6 @@ The compiled module ``ktae_kernels._C`` is imported on first use, so this module
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -34,8 +33,7 @@ from ..config import KTAEConfig
 from ..types import Batch, KeyTokenScores
 from ..validation import MAX_TOKEN_ID, check_id_range
 from .base import BackendUnavailableError
-from ..fisher import _LOG_ERR, P_ONE, SCIPY_RTOL
-from .device import GridTables, grid_statistics, on_device, upload
+from .device import GridTables, grid_statistics, on_device, statistics_constants, upload
 
 #: how to build ``ktae_kernels._C`` (on a machine with nvcc and a CUDA build of torch).
 BUILD_COMMAND = 'TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation'
@@ -376,7 +374,7 @@ class _GridKernel:
     def __call__(self, grid: GridTables, alpha: float, beta: float) -> Tensor:
         device = grid.cells.device
         out = torch.empty(5, grid.size, dtype=torch.float64, device=device)
-        constants = [math.log1p(SCIPY_RTOL), _LOG_ERR, P_ONE, math.log(2.0), alpha, beta]
+        constants = statistics_constants(alpha, beta)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
         self.ext.table_statistics(cells=grid.cells, log_factorial=grid.log_factorial, angle=grid.angle,
                                   constants=constants, out=out, stream=stream)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..config import KTAEConfig
-from ..fisher import log_factorial_table
+from ..fisher import _LOG_ERR, P_ONE, SCIPY_RTOL, log_factorial_table
 
 
 @contextlib.contextmanager
@@ -61,6 +61,13 @@ class GridTables:
 StatisticsKernel = Callable[[GridTables, float, float], Tensor]
 
 
+def statistics_constants(alpha: float, beta: float) -> list[float]:
+    """The float64 constants every statistics kernel reads, in this order: scipy's log relative tie
+    tolerance, the log-space rounding allowance, the ``p = 1`` threshold of ``F``, ``ln 2``, ``alpha``,
+    ``beta`` (``fisher.exact_pvalue_flat`` / ``method.table_statistics``)."""
+    return [math.log1p(SCIPY_RTOL), _LOG_ERR, P_ONE, math.log(2.0), alpha, beta]
+
+
 def grid_bound(largest: int) -> int | None:
     """The grid bound for groups of at most ``largest`` rollouts: a power of two >= 16 (few distinct
     grids over a run), or None past ``GRID_MAX_GROUP``."""
@@ -86,11 +93,17 @@ def grid_index(n_c: Tensor, n_w: Tensor) -> Tensor:
     return torch.stack([before + inside, n_w + 1])
 
 
+def _triangle(bound: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """int64 ``(n, k)`` for every ``0 <= k <= n <= bound``, by ``n`` then ``k``: pair ``(n, k)`` is at
+    ``n (n + 1) / 2 + k``."""
+    n = torch.arange(bound + 1, device=device)
+    n_of = torch.repeat_interleave(n, n + 1)
+    return n_of, torch.arange(n_of.shape[0], device=device) - n_of * (n_of + 1) // 2
+
+
 def grid_tables(bound: int, device: torch.device) -> GridTables:
     """Every table of a group of at most ``bound`` rollouts, on ``device`` (torch ops there)."""
-    n = torch.arange(bound + 1, device=device)
-    n_of_block = torch.repeat_interleave(n, n + 1)  # blocks (c, n - c), c = 0..n, by n then c
-    n_c = torch.arange(n_of_block.shape[0], device=device) - n_of_block * (n_of_block + 1) // 2
+    n_of_block, n_c = _triangle(bound, device)  # blocks (c, n - c), c = 0..n, by n then c
     n_w = n_of_block - n_c
     block_size = (n_c + 1) * (n_w + 1)
     member = torch.repeat_interleave(torch.arange(n_c.shape[0], device=device), block_size)
@@ -103,9 +116,7 @@ def tables_of(cells: Tensor, bound: int) -> GridTables:
     """``GridTables`` of the given tables: ``cells`` int ``[4, size]`` rows ``a, b, n_c, n_w`` on the
     device, every ``n_c + n_w <= bound``; log-factorials and angles up to ``bound``."""
     device = cells.device
-    n = torch.arange(bound + 1, device=device)
-    n_of = torch.repeat_interleave(n, n + 1)
-    k = torch.arange(n_of.shape[0], device=device) - n_of * (n_of + 1) // 2
+    n_of, k = _triangle(bound, device)
     angle = torch.asin(torch.sqrt(k.double() / n_of.clamp(min=1)))  # as method.cohen_h
     return GridTables(bound, int(cells.shape[1]), cells.to(torch.int32).contiguous(),
                       log_factorial_table(bound, device), angle)

@@ -15,15 +15,13 @@ float64 tensor (a Python float argument would be float32).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...fisher import _LOG_ERR, P_ONE, SCIPY_RTOL
-from ..device import GridTables, upload
+from ..device import GridTables, statistics_constants, upload
 
 _LOG_RTOL, _ERR, _ONE, _LN2, _ALPHA, _BETA = (tl.constexpr(i) for i in range(6))
 _BLOCK = 128
@@ -122,8 +120,7 @@ def grid_statistics_kernel(grid: GridTables, alpha: float, beta: float) -> Tenso
     device (a ``device.StatisticsKernel``)."""
     device = grid.cells.device
     out = torch.empty(5, grid.size, dtype=torch.float64, device=device)
-    consts = upload(torch.tensor([math.log1p(SCIPY_RTOL), _LOG_ERR, P_ONE, math.log(2.0), alpha, beta],
-                                 dtype=torch.float64), device)
+    consts = upload(torch.tensor(statistics_constants(alpha, beta), dtype=torch.float64), device)
     if grid.size:
         _statistics_kernel[(triton.cdiv(grid.size, _BLOCK),)](
             grid.cells, grid.size, grid.log_factorial, grid.angle, consts, out, BLOCK=_BLOCK,
