@@ -48,7 +48,7 @@ def normalise_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: Arr
     if check_ids:
         check_token_ids(responses, mask)
     reward = _check_rewards(_as_tensor("rewards", rewards, device), shape)
-    group, labels = _normalise_index(index, shape[0], device)
+    group, labels = dense_group_ids(index, shape[0], device)
     flags = None if correct is None else _check_correct(_as_tensor("correct", correct, device), shape[0])
     return Batch(responses=responses, mask=mask, rewards=reward, group=group, group_labels=labels, correct=flags)
 
@@ -178,8 +178,9 @@ def _index_values(index: Any) -> np.ndarray:
     raise ValueError(f"`index` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
 
 
-def _normalise_index(index: Any, batch_size: int, device: torch.device) -> tuple[Tensor, np.ndarray]:
-    """Dense int64 group ids ``[B]`` (sorted label order) and the labels ``[n_groups]``."""
+def dense_group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[Tensor, np.ndarray]:
+    """Dense int64 group ids ``[B]`` on ``device`` (sorted label order) and the labels ``[n_groups]``
+    of the caller's ``index`` (ints, uid strings; a tensor, numpy array or list)."""
     values = _index_values(index)
     if values.ndim != 1 or values.shape[0] != batch_size:
         raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {values.shape}")

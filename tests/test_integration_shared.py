@@ -2,7 +2,6 @@
 and the baseline, labels and their source, metrics by mode with ``ktae/threads``."""
 from __future__ import annotations
 
-import dataclasses
 import time
 import types
 
@@ -14,7 +13,6 @@ from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
 from ktae_kernels.integrations import shared
 from ktae_kernels.metrics import ktae_metrics
 
-HAS_THREADS = "threads" in {f.name for f in dataclasses.fields(KTAEConfig)}
 
 
 def _batch(seed: int = 0):
@@ -92,11 +90,10 @@ def test_metrics_by_mode_with_threads_and_label_source():
         assert values["ktae/time_ms"] > 0
 
 
-def test_threads_follow_the_config_when_it_has_them():
-    """``ktae/threads``: ``config.threads`` where KTAEConfig has that field (set), else torch's count."""
+def test_threads_follow_the_config():
+    """``ktae/threads``: ``config.threads`` when set, else torch's count."""
     assert shared.threads_used(KTAEConfig()) == torch.get_num_threads()
     assert shared.threads_used(types.SimpleNamespace(threads=3)) == 3
     assert shared.threads_used(types.SimpleNamespace(threads=None)) == torch.get_num_threads()
-    if HAS_THREADS:
-        settings = shared.settings_from_mapping({"threads": 2}, where="sec")
-        assert shared.threads_used(settings.config) == 2
+    settings = shared.settings_from_mapping({"threads": 2}, where="sec")
+    assert shared.threads_used(settings.config) == 2

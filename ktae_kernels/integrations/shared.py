@@ -17,6 +17,7 @@ from .. import method
 from ..config import KTAEConfig
 from ..metrics import ktae_metrics
 from ..types import KeyTokenScores
+from ..validation import dense_group_ids
 
 #: what an adapter logs under ``ktae/``: "advantages" (default: derived from the advantages, no extra
 #: pass), "scores" (one more ``key_token_scores`` call, adds ``distinct_tokens_per_group``) or "off".
@@ -86,15 +87,11 @@ def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
 # ------------------------------------------------------------------------------ groups and baseline
 def dense_groups(index: Any) -> tuple[Tensor, Tensor]:
     """``(group, size)``: int64 ``[B]`` dense ids of any group labels (a tensor, a numpy array, uid
-    strings, a list), numbered in sorted label order, and int64 ``[n_groups]`` rollouts per group."""
-    if isinstance(index, Tensor):
-        _, group = torch.unique(index.detach(), return_inverse=True)
-        group = group.reshape(-1)
-    else:
-        _, dense = np.unique(np.asarray(index), return_inverse=True)
-        group = torch.as_tensor(dense.reshape(-1), dtype=torch.int64)
-    size = torch.bincount(group, minlength=int(group.max()) + 1 if group.numel() else 0)
-    return group, size
+    strings, a list), numbered in sorted label order as the API numbers them
+    (``validation.dense_group_ids``), and int64 ``[n_groups]`` rollouts per group."""
+    device = index.device if isinstance(index, Tensor) else torch.device("cpu")
+    group, labels = dense_group_ids(index, len(index), device)
+    return group, torch.bincount(group, minlength=len(labels))
 
 
 def rollout_baseline(rewards: Tensor, index: Any, config: KTAEConfig) -> Tensor:
@@ -142,7 +139,7 @@ def column_values(columns: Mapping[str, Any] | None, key: str | None) -> Any:
 # ----------------------------------------------------------------------------------------- metrics
 def threads_used(config: KTAEConfig) -> int:
     """Thread count of the native CPU kernel: ``config.threads`` when set, else torch's."""
-    return getattr(config, "threads", None) or torch.get_num_threads()
+    return config.threads or torch.get_num_threads()
 
 
 def step_metrics(settings: AdapterSettings, labels: Labels, started: float, *,
