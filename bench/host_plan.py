@@ -178,7 +178,7 @@ def cpu_host_times(repeats: int, config: KTAEConfig = KTAEConfig()) -> dict[str,
     out = torch.empty(PAPER.B, PAPER.L, dtype=torch.float32)
 
     class Stub:
-        def advantage(self, *_: object) -> bool:
+        def advantage(self, *_: object, **__: object) -> bool:
             raise FirstLaunch
 
     with _patched(cpu, "load_extension", lambda: Stub()):

@@ -94,3 +94,13 @@ def test_plot_labels_never_overlap():
     assert drop_overlapping(texts, keep_clear=[ax.get_legend()]) == 2
     assert [t.get_text() for t in ax.texts] == ["16,512", "64,512"]
     plt.close(fig)
+
+
+def test_host_plan_reaches_every_backends_first_launch():
+    """bench/host_plan.py's stubs match the backends' launch calls (a changed binding breaks it here,
+    not on the GPU machine): every backend reaches its first launch and reports its host time."""
+    from bench import host_plan
+
+    for measure in (host_plan.cuda_host_times, host_plan.triton_host_times, host_plan.cpu_host_times):
+        times = measure(1)
+        assert times["first_launch_us"] > 0 and times["first_launch_torch_ops"] > 0
