@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .config import KTAEConfig
 from .fisher import exact_pvalue_flat, fisher_weight, upstream_fisher_weight, upstream_pvalue
-from .primitives import gather, row_counts
+from .primitives import gather, group_sum, row_counts
 from .types import Batch, KeyTokenScores
 
 #: the constant the published code adds to both TF denominators.
@@ -67,8 +67,8 @@ def group_counts(batch: Batch, config: KTAEConfig) -> GroupCounts:
     """Correct flags and the number of rollouts, correct and wrong ones per group."""
     correct = correct_flags(batch, config)
     g, n = batch.group, batch.n_groups
-    size = torch.zeros(n, dtype=torch.int64, device=g.device).index_add_(0, g, torch.ones_like(g))  # no host sync
-    n_c = torch.zeros(n, dtype=torch.int64, device=g.device).index_add_(0, g, correct.long())
+    size = group_sum(g, n)  # no host sync on a GPU
+    n_c = group_sum(g, n, correct)
     return GroupCounts(correct, size, n_c, size - n_c)
 
 
@@ -76,9 +76,9 @@ def group_stats(batch: Batch, config: KTAEConfig) -> GroupStats:
     """``group_counts`` plus the masked lengths per rollout and ``T_c, T_w`` per group."""
     counts = group_counts(batch, config)
     lengths = row_counts(batch.mask)
-    g = batch.group
-    T_c = torch.zeros_like(counts.n_c).index_add_(0, g, lengths * counts.correct)
-    T_all = torch.zeros_like(counts.n_c).index_add_(0, g, lengths)
+    g, n = batch.group, batch.n_groups
+    T_c = group_sum(g, n, lengths * counts.correct)
+    T_all = group_sum(g, n, lengths)
     return GroupStats(counts.correct, counts.size, counts.n_c, counts.n_w, lengths, T_c, T_all - T_c)
 
 
@@ -170,23 +170,50 @@ FULL_GRID_WORK = 1 << 20
 
 
 def full_grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[Tensor, Tensor, TableStats] | None:
-    """The statistics of every table groups of ``n_c`` correct and ``n_w`` wrong rollouts (int64
+    """The statistics of every table groups of ``n_c`` correct and ``n_w`` wrong rollouts (int64 CPU
     ``[n_groups]``) can have, before any counting: per group its grid offset and stride (int64 CPU
-    ``[n_groups]``) and the grid's ``TableStats`` (CPU). Each block ``(n_c, n_w)`` is computed once per
-    config and cached (a run sees the same few blocks at every step). None with ``fisher="upstream"``
-    (its p-value depends on the rows present) or a grid of more than ``FULL_GRID_WORK``.
+    ``[n_groups]``) and the grid's ``TableStats`` (CPU).
+
+    The grid holds, for each group size ``n`` present, the blocks ``(c, n - c)`` of every split
+    ``c = 0..n`` (a run sees the same sizes at every step, whatever the splits): it is computed once
+    per (sizes, config) and cached, and a call costs a few ``[n_groups]`` numpy ops. Block ``(c, n - c)``
+    starts ``block_offset(n, c)`` after its size's first block. None with ``fisher="upstream"`` (its
+    p-value depends on the rows present) or a grid of more than ``FULL_GRID_WORK``.
     """
     if config.fisher != "exact":
         return None
-    c, w = n_c.cpu().numpy().astype(np.int64), n_w.cpu().numpy().astype(np.int64)
-    blocks, which = np.unique(np.stack([c, w], axis=1), axis=0, return_inverse=True)
-    sizes = (blocks[:, 0] + 1) * (blocks[:, 1] + 1)
-    if int((sizes * (blocks.min(axis=1) + 1)).sum()) > FULL_GRID_WORK:
+    c, w = n_c.numpy(), n_w.numpy()
+    n = c + w
+    sizes = (int(n[0]),) if n.size and n.min() == n.max() else tuple(int(v) for v in np.unique(n))
+    grid = _size_rows(sizes, config)
+    if grid is None:
         return None
-    values = torch.cat([_block_statistics(int(bc), int(bw), config) for bc, bw in blocks], dim=1) \
-        if len(blocks) else torch.zeros(5, 0, dtype=torch.float64)
-    start = np.cumsum(sizes) - sizes
-    return torch.from_numpy(start[which.reshape(-1)]), torch.from_numpy(w + 1), TableStats(*values.unbind(0))
+    row_start, stats = grid
+    offset = row_start[n] + block_offset(n, c) if n.size else n
+    return torch.from_numpy(offset), torch.from_numpy(w + 1), stats
+
+
+def block_offset(n: np.ndarray | Tensor, c: np.ndarray | Tensor) -> np.ndarray | Tensor:
+    """Where block ``(c, n - c)`` starts among the blocks ``(0, n), (1, n - 1), ..`` of groups of ``n``
+    rollouts (int arrays or tensors): ``sum_{j < c} (j + 1)(n - j + 1)``, in closed form."""
+    return (n + 2) * c * (c + 1) // 2 - c * (c + 1) * (2 * c + 1) // 6
+
+
+@functools.lru_cache(maxsize=64)
+def _size_rows(sizes: tuple[int, ...], config: KTAEConfig) -> tuple[np.ndarray, TableStats] | None:
+    """The blocks of every split of each group size in ``sizes``, one size after the other: where
+    each size's blocks start (int64 ``[max(sizes) + 1]``) and their statistics; None past
+    ``FULL_GRID_WORK``."""
+    blocks = [(c, n - c) for n in sizes for c in range(n + 1)]
+    if sum((bc + 1) * (bw + 1) * (min(bc, bw) + 1) for bc, bw in blocks) > FULL_GRID_WORK:
+        return None
+    row_start = np.zeros(max(sizes) + 1, dtype=np.int64)
+    start = 0
+    for n in sizes:
+        row_start[n] = start
+        start += (n + 1) * (n + 2) * (n + 3) // 6  # sum over c of (c + 1)(n - c + 1)
+    values = torch.cat([_block_statistics(bc, bw, config) for bc, bw in blocks], dim=1)
+    return row_start, TableStats(*(v.contiguous() for v in values.unbind(0)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -319,18 +346,34 @@ def rollout_advantage(rewards: Tensor, group: Tensor, size: Tensor, config: KTAE
 
     ``rewards``: float64 ``[B]``; ``group``: int64 ``[B]``; ``size``: int64 ``[n_groups]`` rollouts per group.
     As verl's GRPO: unbiased std, ``(r - mean) / (std + eps)``; a group of one rollout has mean 0
-    and std 1.
+    and std 1. On the CPU the same operations run on numpy views (a trainer's micro-batch has a few
+    hundred rollouts, where each torch op's dispatch costs more than its work).
     """
     if given is not None:
         return given
     if config.baseline == "none":
         return rewards.clone()
-    n = size.double()
-    mean = torch.zeros_like(n).index_add_(0, group, rewards) / n
-    mean = torch.where(size > 1, mean, 0.0)
+    if rewards.device.type == "cpu":
+        return torch.from_numpy(_baseline(rewards.numpy(), group.numpy(), size.numpy(), config))
+    return _baseline(rewards, group, size, config)
+
+
+def _group_add(group, values, n_groups: int):
+    """Per-group float64 sums of ``values`` (numpy arrays or tensors), added in order as ``index_add_``."""
+    if isinstance(values, np.ndarray):
+        return np.bincount(group, weights=values, minlength=n_groups)
+    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, group, values)
+
+
+def _baseline(rewards, group, size, config: KTAEConfig):
+    """``rollout_advantage`` for ``config.baseline`` "grpo" or "mean", on numpy arrays or tensors alike."""
+    on_numpy = isinstance(rewards, np.ndarray)
+    xp = np if on_numpy else torch
+    n, single = (size.astype(np.float64) if on_numpy else size.double()), size <= 1
+    mean = xp.where(single, 0.0, _group_add(group, rewards, len(size)) / n)
     centred = rewards - mean[group]
     if config.baseline == "mean":
         return centred
-    var = torch.zeros_like(n).index_add_(0, group, centred * centred) / (n - 1).clamp(min=1)
-    std = torch.where(size > 1, var.sqrt(), 1.0)
+    var = _group_add(group, centred * centred, len(size)) / xp.where(single, 1.0, n - 1)
+    std = xp.where(single, 1.0, xp.sqrt(var))
     return centred / (std[group] + config.eps)

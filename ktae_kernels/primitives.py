@@ -50,6 +50,20 @@ def flat_nonzero(flags: Tensor) -> Tensor:
     return torch.nonzero(flags).squeeze(1)
 
 
+def group_sum(group: Tensor, n_groups: int, values: Tensor | None = None) -> Tensor:
+    """Per-group sums ``[n_groups]`` of ``values [B]`` (bool, int < 2**53 or float; None: ones) over
+    int64 group ids ``[B]``, added in order of ``B`` as ``index_add_`` adds them: float64 for float
+    values, int64 otherwise."""
+    floating = values is not None and values.dtype.is_floating_point
+    if _on_cpu(group):
+        weights = None if values is None else values.numpy()
+        sums = np.bincount(group.numpy(), weights=weights, minlength=n_groups)
+        return torch.from_numpy(sums.astype(np.float64 if floating else np.int64, copy=False))
+    dtype = torch.float64 if floating else torch.int64
+    source = torch.ones_like(group) if values is None else values.to(dtype)
+    return torch.zeros(n_groups, dtype=dtype, device=group.device).index_add_(0, group, source)
+
+
 def prefix_sums(flags: Tensor) -> Tensor:
     """int32 ``[n + 1]``: 0 then the running count of a 1-D bool ``[n]`` (n < 2**31)."""
     out = torch.zeros(flags.shape[0] + 1, dtype=torch.int32, device=flags.device)
