@@ -18,10 +18,13 @@ from .types import ArrayLike, Batch
 MAX_TOKEN_ID = 2**31 - 1
 
 
+_DEFAULT_CONFIG = KTAEConfig()
+
+
 def check_config(config: KTAEConfig | None) -> KTAEConfig:
     """``config``, or ``KTAEConfig()`` when None; ValueError for anything else."""
     if config is None:
-        return KTAEConfig()
+        return _DEFAULT_CONFIG
     if not isinstance(config, KTAEConfig):
         raise ValueError(f"`config` must be a KTAEConfig or None, got {type(config).__name__}; "
                          f"build one with KTAEConfig(...)")
@@ -107,7 +110,8 @@ def check_rollout_advantage(value: ArrayLike | None, batch: Batch) -> Tensor | N
 def _finite_float64(name: str, t: Tensor) -> Tensor:
     """``t`` detached as float64; ValueError naming ``name`` if it holds NaN or inf."""
     t = t.detach().to(torch.float64)
-    if not bool(torch.isfinite(t).all()):
+    finite = np.isfinite(t.numpy()).all() if t.device.type == "cpu" else bool(torch.isfinite(t).all())
+    if not finite:
         raise ValueError(f"`{name}` must be finite (found NaN or inf)")
     return t
 

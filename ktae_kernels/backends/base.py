@@ -51,9 +51,17 @@ class BackendSpec:
     checks_token_ids: bool = False
 
     def load(self) -> Backend:
-        """The implementation module, checked against the contract."""
-        module = importlib.import_module(self.module)
-        if not isinstance(module, Backend):
-            raise TypeError(f"backend {self.name!r}: module {self.module} must define key_token_scores "
-                            f"and token_advantage")
+        """The implementation module, checked against the contract (once: the protocol check costs
+        tens of microseconds, a trainer calls once per micro-batch)."""
+        module = _LOADED.get(self.module)
+        if module is None:
+            module = importlib.import_module(self.module)
+            if not isinstance(module, Backend):
+                raise TypeError(f"backend {self.name!r}: module {self.module} must define key_token_scores "
+                                f"and token_advantage")
+            _LOADED[self.module] = module
         return module
+
+
+#: implementation modules already imported and checked, by import path.
+_LOADED: dict[str, Backend] = {}

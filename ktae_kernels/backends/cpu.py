@@ -17,10 +17,12 @@ kernel checks its arrays' dtype, shape, strides and device itself.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 from types import ModuleType
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -58,9 +60,9 @@ class _Inputs:
         self.batch = batch
         self.ids = _unit_column_stride(batch.responses)
         self.mask = _unit_column_stride(batch.mask)
-        self.order = torch.argsort(batch.group, stable=True)
+        self.order = torch.from_numpy(np.argsort(batch.group.numpy(), kind="stable"))
         self.start = torch.zeros(batch.n_groups + 1, dtype=torch.int64)
-        torch.cumsum(counts.size, 0, out=self.start[1:])
+        np.cumsum(counts.size.numpy(), out=self.start.numpy()[1:])
         self.correct = counts.correct
 
     def arrays(self) -> tuple[Tensor, ...]:
@@ -82,6 +84,12 @@ def kernel_threads(batch: Batch, config: KTAEConfig) -> int:
     B, L = batch.responses.shape
     wanted = torch.get_num_threads() if config.threads is None else config.threads
     return max(1, min(wanted, batch.n_groups, B * L // POSITIONS_PER_THREAD))
+
+
+@functools.lru_cache(maxsize=16)
+def _ignored_ids(ids: tuple[int, ...]) -> Tensor:
+    """int64 ``[len(ids)]``: the kernel's ``ignore`` argument (never written to)."""
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def _raise_bad_ids(batch: Batch) -> None:
@@ -114,7 +122,7 @@ def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -
     full = method.full_grid_statistics(counts.n_c, counts.n_w, config)
     if full is not None:
         offset, stride, stats = full
-        return {"offset": offset, "stride": stride, "strength": stats.strength.contiguous(), "h": stats.h.contiguous()}
+        return {"offset": offset, "stride": stride, "strength": stats.strength, "h": stats.h}
     if config.fisher == "exact":
         return {}
     rows, _, _ = _list_rows(inputs, config)
@@ -132,7 +140,7 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     inputs = _Inputs(batch, counts)
     grid = _grid_for(inputs, counts, config)
     base = method.rollout_advantage(batch.rewards, batch.group, counts.size, config, given).contiguous()
-    ignore = torch.tensor(config.ignore_token_ids, dtype=torch.int64)
+    ignore = _ignored_ids(config.ignore_token_ids)
     ok = load_extension().advantage(
         *inputs.arrays(), base, ignore, out, **grid, k1=config.k1, b=config.b, alpha=config.alpha,
         beta=config.beta, top=config.top, bound=math.nextafter(config.top, 0.0), weight=config.weight,
