@@ -8,14 +8,20 @@ extension's statistics kernel computes on the device for every table of a group 
 rollouts, cached there (``device.grid_statistics``; tested against ``method.table_statistics``), then
 adds the per-row BM25 direction and squashes. A group whose distinct ids overflow
 the shared table is redone by a global-memory pass launched right behind the first without waiting
-for it: its blocks skip the groups that completed. ``fisher="upstream"`` (and groups of more than
-``device.GRID_MAX_GROUP`` rollouts) score the rows first and pass their scores in.
+for it: its blocks skip the groups that completed. ``fisher="upstream"`` scores the rows first and
+passes their scores in; a group of more than ``device.GRID_MAX_GROUP`` rollouts computes each slot's
+table statistics in the kernel.
 
-Host synchronisations of ``token_advantage``: one device -> host copy of two group sizes (they size
-the tables and pick the statistics grid) before the kernels, and the read of the out-of-range ids the
-kernels saw after them: the API's range check folded in (the registry declares ``checks_token_ids``,
-no separate pass over the ids), so a caller's ``out`` is already written when it raises (see
-``api.token_advantage``). Everything else is enqueued (host -> device copies from pinned memory).
+``token_advantage`` (exact statistics) runs from static bounds (``static_plan``, ``_enqueue``): the host
+sizes everything from ``B``, ``L`` and the number of groups and makes one binding call that enqueues a
+scan pass (masked tokens, extents, the id-range flag), a groups pass (correct flags, offsets, counts,
+``A_i``), the shared-table pass and, when a group could overflow, a bounded global-memory pass that
+splits a group's ids into hash partitions until each fits; the kernels size each group's table on the
+device. Before the call: one stable argsort and the workspace allocation; after it, the one read of
+the id flag (the API's range check folded in, ``checks_token_ids``), skipped while a CUDA graph is
+capturing. A bad id leaves ``out`` untouched: the table passes write nothing once the scan flagged
+it. ``fisher="upstream"`` (and a batch whose group could pass 2**30 masked tokens) takes the sized
+path (``_prepare``): one device -> host copy of two group sizes before the kernels, then the rows.
 
 The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
 """
