@@ -270,6 +270,7 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
   prep.starts = ws + layout.starts;
   prep.group_counts = ws + layout.group_counts;
   prep.base = given.has_value() ? nullptr : reinterpret_cast<double*>(ws + layout.base);
+  prep.status = ws + layout.status;
 
   ktae::KernelArgs args{};
   args.responses = prep.responses;

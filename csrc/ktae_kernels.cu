@@ -715,6 +715,7 @@ __global__ void groups_kernel(const PrepareArgs args) {
       T_c += c ? args.lengths[r] : 0;
       sum += args.rewards[r];
     }
+    args.status[g] = -1;
     args.group_counts[g] = n_c;
     args.group_counts[n + g] = size - n_c;
     args.group_counts[2 * n + g] = T_c;
@@ -785,10 +786,10 @@ namespace {
 constexpr int kMaxDevices = 64;
 
 // Raises `kernel`'s dynamic shared memory limit to `bytes` on the current device, once per size
-// increase (so that a call inside a CUDA graph capture, after a warm-up, sets nothing).
+// increase (so that a call inside a CUDA graph capture, after a warm-up, sets nothing). `allowed`:
+// the kernel's own record, per device (every kernel has the same type, so each launcher keeps one).
 template <class Kernel>
-cudaError_t allow_shared(Kernel kernel, int64_t bytes) {
-  static std::atomic<int64_t> allowed[kMaxDevices] = {};
+cudaError_t allow_shared(Kernel kernel, int64_t bytes, std::atomic<int64_t> (&allowed)[kMaxDevices]) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
@@ -802,7 +803,8 @@ template <int kMode, bool kSharedTable>
 cudaError_t launch(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
                    cudaStream_t stream) {
   const auto kernel = group_kernel<kMode, kSharedTable>;
-  cudaError_t err = allow_shared(kernel, shared_bytes);
+  static std::atomic<int64_t> allowed[kMaxDevices] = {};
+  cudaError_t err = allow_shared(kernel, shared_bytes, allowed);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
   return cudaGetLastError();
@@ -812,7 +814,8 @@ template <bool kSharedTable>
 cudaError_t launch_dynamic(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
                            cudaStream_t stream) {
   const auto kernel = dynamic_kernel<kSharedTable>;
-  cudaError_t err = allow_shared(kernel, shared_bytes);
+  static std::atomic<int64_t> allowed[kMaxDevices] = {};
+  cudaError_t err = allow_shared(kernel, shared_bytes, allowed);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
   return cudaGetLastError();

@@ -141,6 +141,7 @@ struct PrepareArgs {
   int64_t* starts;           // [n_groups + 1]
   int64_t* group_counts;     // [4, n_groups] n_c, n_w, T_c, T_w
   double* base;              // [B] A_i (unless kBaselineGiven)
+  int64_t* status;           // [n_groups] set to -1 (not done) for the table passes
 };
 
 enum Baseline : int { kBaselineGrpo = 0, kBaselineMean = 1, kBaselineNone = 2, kBaselineGiven = 3 };

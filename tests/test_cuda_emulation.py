@@ -510,3 +510,20 @@ def test_big_groups(emulator, sizes, length):
     name = f"G{sizes[0]}-big"
     check(emulator, name, batch, KTAEConfig())
     check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=32))
+
+
+@pytest.mark.parametrize("name", ["G4-mixed-shuffled", "G40-two-words", "all-masked-rollouts"])
+def test_global_pass_alone_takes_every_group(emulator, name):
+    """No shared-table pass at all (shared_bytes 0): the groups pass marks every group not done, and
+    a global pass of two blocks takes them in turn, each in its slice."""
+    import dataclasses
+
+    _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
+    batch = normalise_batch(responses, mask, rewards, index)
+    plan = cuda.static_plan(emulator, batch, KTAEConfig())
+    plan = dataclasses.replace(plan, shared_bytes=0, fallback_blocks=2, fallback_bytes=2 * 64 * 1024)
+    out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
+    views = cuda.workspace_views(cuda._enqueue(plan, batch, KTAEConfig(), None, out), responses.shape[0],
+                                 batch.n_groups)
+    assert bool((views["status"] >= 0).all())
+    torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
