@@ -189,8 +189,8 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
                const Tensor& ignore_ids, const Tensor& workspace, const Tensor& out, int64_t n_groups,
                const std::vector<double>& params, bool use_tf, double threshold, int64_t baseline, double eps,
                const std::vector<double>& constants, int64_t shared_bytes, int64_t max_capacity,
-               bool allow_packed, int64_t fallback_blocks, int64_t fallback_bytes, int64_t threads,
-               int64_t stream) {
+               bool allow_packed, int64_t fallback_blocks, int64_t fallback_bytes, bool slot_index,
+               int64_t threads, int64_t stream) {
   const at::DeviceType kind = ktae::runs_on_cpu() ? at::kCPU : at::kCUDA;
   TORCH_CHECK(responses.device().type() == kind, "ktae_kernels._C: tensors must be on ",
               at::DeviceTypeName(kind), ", got ", responses.device());
@@ -223,7 +223,7 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
               "ktae_kernels._C: no pass would take the groups (shared_bytes and fallback_blocks are 0)");
   TORCH_CHECK(fallback_blocks == 0 || fallback_bytes / fallback_blocks >= 64,
               "ktae_kernels._C: `fallback_bytes` gives each of the `fallback_blocks` less than 64 bytes");
-  const ktae::AdvantageLayout layout = ktae::advantage_layout(B, n_groups, fallback_bytes);
+  const ktae::AdvantageLayout layout = ktae::advantage_layout(B, n_groups, fallback_bytes, slot_index ? B * L : 0);
   check(workspace, "workspace", at::kLong, {workspace.numel()}, device);
   TORCH_CHECK(workspace.numel() >= layout.total, "ktae_kernels._C: `workspace` must hold ", layout.total,
               " int64, got ", workspace.numel());
@@ -312,13 +312,14 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
   args.allow_packed = allow_packed;
   args.ws_bytes = reinterpret_cast<unsigned char*>(ws + layout.tables);
   args.ws_slice_bytes = fallback_blocks ? fallback_bytes / fallback_blocks / 8 * 8 : 0;
+  args.slot_index = slot_index ? reinterpret_cast<uint16_t*>(ws + layout.slot_index) : nullptr;
   const int err = ktae::launch_advantage(prep, args, static_cast<int>(threads), fallback_blocks,
                                          reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
   TORCH_CHECK(err == 0, "ktae_kernels._C: kernel launch failed: ", ktae::error_string(err));
 }
 
-int64_t advantage_workspace_size(int64_t B, int64_t n_groups, int64_t fallback_bytes) {
-  return ktae::advantage_layout(B, n_groups, fallback_bytes).total;
+int64_t advantage_workspace_size(int64_t B, int64_t n_groups, int64_t fallback_bytes, int64_t index_positions) {
+  return ktae::advantage_layout(B, n_groups, fallback_bytes, index_positions).total;
 }
 
 // The per-table statistics of a grid (see ktae::StatsArgs): `constants` = [log1p(1e-14), LOG_ERR,
@@ -386,10 +387,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("log_factorial"), py::arg("ignore_ids"), py::arg("workspace"), py::arg("out"),
         py::arg("n_groups"), py::arg("params"), py::arg("use_tf"), py::arg("threshold"), py::arg("baseline"),
         py::arg("eps"), py::arg("constants"), py::arg("shared_bytes"), py::arg("max_capacity"),
-        py::arg("allow_packed"), py::arg("fallback_blocks"), py::arg("fallback_bytes"), py::arg("threads"),
-        py::arg("stream"));
+        py::arg("allow_packed"), py::arg("fallback_blocks"), py::arg("fallback_bytes"), py::arg("slot_index"),
+        py::arg("threads"), py::arg("stream"));
   m.def("advantage_workspace_size", &advantage_workspace_size, py::arg("B"), py::arg("n_groups"),
-        py::arg("fallback_bytes"));
+        py::arg("fallback_bytes"), py::arg("index_positions") = 0);
   m.attr("MIN_CAPACITY") = 32;
   m.attr("GROUPS_THREADS") = ktae::kGroupsThreads;
   m.def("max_shared_bytes", &max_shared_bytes, "Opt-in dynamic shared memory per block of a device.",

@@ -43,6 +43,7 @@ constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 constexpr double kTfEps = 1e-5;  // method.TF_EPS
 constexpr int64_t kMaxTokenId = 2147483647;  // api.MAX_TOKEN_ID
 constexpr int64_t kMinCapacity = 32;  // cuda.MIN_CAPACITY
+constexpr uint16_t kNoIndex = 0xFFFFu;  // a slot-index entry without a counted id (tables < 2^16 slots)
 
 // Block-wide scalars at the start of dynamic shared memory (see header_bytes).
 struct BlockState {
@@ -173,7 +174,9 @@ __device__ __forceinline__ int64_t rollout_end(const KernelArgs& args, int64_t r
 // Phase 1. Each pass of the inner loop covers blockDim.x * kUnroll positions of one rollout, so a
 // warp's lanes always share the rollout and agree on correctness and the presence bit. Every lane
 // runs every warp collective (masked positions carry kEmptyKey and are skipped afterwards).
-template <bool kKeysOnly>
+// kRecord: also store each position's slot (kNoIndex where nothing is counted) in args.slot_index,
+// so that the gather reads 2 bytes a position instead of the mask and the int64 id, and probes nothing.
+template <bool kKeysOnly, bool kRecord = false>
 __device__ void build_table(const KernelArgs& args, const Table& t, int64_t first, int group_size,
                             BlockState* state, uint32_t parts = 1u, uint32_t part = 0u) {
   const unsigned lane = threadIdx.x & 31u;
@@ -187,6 +190,7 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
     const size_t presence_row = static_cast<size_t>(r >> 5) * t.capacity;  // wide layout
     const uint32_t bit = 1u << (r & 31);
     const int64_t end = rollout_end(args, rollout);
+    uint16_t* record = kRecord ? args.slot_index + rollout * length : nullptr;
     for (int64_t start = 0; start < end; start += step) {
       if (__shfl_sync(kFullWarp, load_volatile(&state->overflow), 0) != 0u) return;
       int64_t token[kUnroll];
@@ -197,8 +201,15 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
         const uint32_t key = valid[u] && in_part(static_cast<uint32_t>(token[u]), parts, part)
                                  ? static_cast<uint32_t>(token[u]) : kEmptyKey;
         const unsigned peers = __match_any_sync(kFullWarp, key);
-        if (key == kEmptyKey || lane != static_cast<unsigned>(__ffs(peers) - 1)) continue;
-        const uint32_t slot = find_or_insert(t, key, state);
+        const unsigned leader = static_cast<unsigned>(__ffs(peers) - 1);
+        uint32_t slot = kNoSlot;
+        if (key != kEmptyKey && lane == leader) slot = find_or_insert(t, key, state);
+        if (kRecord) {  // every lane of the warp: the slot its leader found
+          slot = __shfl_sync(kFullWarp, slot, static_cast<int>(leader));
+          const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+          if (pos < end) record[pos] = key == kEmptyKey || slot == kNoSlot ? kNoIndex : static_cast<uint16_t>(slot);
+        }
+        if (key == kEmptyKey || lane != leader) continue;
         if (kKeysOnly || slot == kNoSlot) continue;
         // 32-bit atomics on the half that changes (little-endian): wide, f_c low and f_w high
         // (below 2^31 each); packed, f_c | f_w << 16 (below 2^16 each: no carry) and presence high
@@ -451,6 +462,7 @@ __device__ void score_slots(const KernelArgs& args, const Table& t, int64_t g,
 // (A_i + weight * score) * mask, rounded once to float32 (no FMA, as the float64 reference). With
 // hash partitions, the positions of partition `part`'s ids; positions without a masked id are
 // written once, with partition 0.
+template <bool kFromIndex = false>
 __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t first, int group_size,
                                  uint32_t parts = 1u, uint32_t part = 0u) {
   const int64_t length = args.length;
@@ -462,7 +474,25 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
     float* out = args.advantage + rollout * length;
     const double base = args.base[rollout];
     const int64_t end = rollout_end(args, rollout);
-    for (int64_t start = 0; start < end; start += step) {
+    if (kFromIndex) {  // the slots the build recorded: no mask, no ids, no probing
+      const uint16_t* index = args.slot_index + rollout * length;
+      for (int64_t start = 0; start < end; start += step) {
+        uint16_t slot[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+          slot[u] = pos < end ? index[pos] : kNoIndex;
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+          if (pos >= end) continue;
+          out[pos] = slot[u] == kNoIndex ? 0.0f : __double2float_rn(__dadd_rn(base, __dmul_rn(args.weight,
+                         __longlong_as_double(static_cast<long long>(t.counts[slot[u]])))));
+        }
+      }
+    }
+    for (int64_t start = 0; !kFromIndex && start < end; start += step) {
       int64_t token[kUnroll];
       bool valid[kUnroll];
       load_tile(args, tokens, mask, start, end, token, valid);
@@ -608,6 +638,8 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
     correct_bits[w] = bits;
   }
   const uint32_t most_parts = kSharedTable ? 1u : (1u << 24);
+  // the shared pass records each position's slot when the table's slots fit 16 bits
+  const bool from_index = kSharedTable && args.slot_index != nullptr && capacity < kNoIndex;
   for (uint32_t parts = 1u;; parts *= 2u) {
     bool overflowed = false;
     int64_t n_keys = 0;
@@ -615,7 +647,11 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
       clear_table<false>(t, words);
       if (threadIdx.x == 0) *state = BlockState{0u, 0u};
       __syncthreads();
-      build_table<false>(args, t, first, group_size, state, parts, part);
+      if (from_index) {
+        build_table<false, true>(args, t, first, group_size, state);
+      } else {
+        build_table<false>(args, t, first, group_size, state, parts, part);
+      }
       __syncthreads();
       overflowed = state->overflow != 0u;
       n_keys += state->used;
@@ -623,7 +659,11 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
       if (overflowed) break;
       score_slots<true>(args, t, g, correct_bits, gc, words);
       __syncthreads();
-      gather_advantage(args, t, first, group_size, parts, part);
+      if (from_index) {
+        gather_advantage<true>(args, t, first, group_size);
+      } else {
+        gather_advantage(args, t, first, group_size, parts, part);
+      }
       __syncthreads();  // the table is cleared for the next partition
     }
     if (!overflowed || parts >= most_parts) {

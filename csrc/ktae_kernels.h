@@ -110,6 +110,8 @@ struct KernelArgs {
   bool allow_packed;           // the packed slot where a group has one presence word and < 2^16 tokens
   unsigned char* ws_bytes;     // global-memory pass: block b owns [b * ws_slice_bytes, (b + 1) * ws_slice_bytes)
   int64_t ws_slice_bytes;      //   and takes the hash partitions of an overflowing group one after another
+  uint16_t* slot_index;        // [B, L] or null: the shared pass's build records each position's slot
+                               // there and its gather reads it back (tables of < 2^16 slots)
   int32_t grid_bound;          // table_values holds every table of groups of up to grid_bound rollouts at the
                                // closed-form offset of device.grid_index (table_index unused); bigger groups
                                // (or no table_values) get their statistics computed per slot from
@@ -151,11 +153,13 @@ constexpr int kGroupsThreads = 256;
 
 // The int64 workspace of launch_advantage, in this order: bad_ids [2], status [n], starts [n + 1],
 // group_counts [4 n], lengths [B], extent [B], base [B] (float64), correct [B] (bool, rounded up
-// to 8 bytes), then the global-memory tables (fallback_bytes, a multiple of 8).
+// to 8 bytes), the global-memory tables (fallback_bytes, a multiple of 8), then, with a slot index,
+// B * L uint16 (rounded up to 8 bytes).
 struct AdvantageLayout {
-  int64_t status, starts, group_counts, lengths, extent, base, correct, tables, total;
+  int64_t status, starts, group_counts, lengths, extent, base, correct, tables, slot_index, total;
 };
-inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, int64_t fallback_bytes) {
+inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, int64_t fallback_bytes,
+                                                  int64_t index_positions = 0) {
   AdvantageLayout l{};
   l.status = 2;
   l.starts = l.status + n_groups;
@@ -165,7 +169,8 @@ inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, i
   l.base = l.extent + B;
   l.correct = l.base + B;
   l.tables = l.correct + (B + 7) / 8;
-  l.total = l.tables + (fallback_bytes + 7) / 8;
+  l.slot_index = l.tables + (fallback_bytes + 7) / 8;
+  l.total = l.slot_index + (2 * index_positions + 7) / 8;
   return l;
 }
 

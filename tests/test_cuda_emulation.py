@@ -415,6 +415,9 @@ def test_bad_ids_leave_out_untouched(emulator, bad, message, slots):
 def test_workspace_size_matches_the_binding(emulator):
     for B, n, fallback in [(0, 0, 0), (1, 1, 0), (8, 3, 64), (16384, 1024, 128 * 2**20), (7, 7, 8 * 100)]:
         assert cuda.advantage_workspace_size(B, n, fallback) == emulator.advantage_workspace_size(B, n, fallback)
+        for positions in (1, 3, 4, B * 3072):
+            assert (cuda.advantage_workspace_size(B, n, fallback, positions)
+                    == emulator.advantage_workspace_size(B, n, fallback, positions))
 
 
 BOOKKEEPING_CASES = ["G4-mixed-shuffled", "graded-rewards", "one-rollout-groups", "all-masked-rollouts", "G40-two-words"]
@@ -527,3 +530,32 @@ def test_global_pass_alone_takes_every_group(emulator, name):
                                  batch.n_groups)
     assert bool((views["status"] >= 0).all())
     torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["G16-zipf", "G40-two-words", "token-ids-near-2^31", "all-masked-rollouts"])
+@pytest.mark.parametrize("slot_index", [True, False])
+def test_gather_from_the_slot_index_or_the_ids(emulator, name, slot_index):
+    """The shared pass's gather reads the slots its build recorded (2 bytes a position) or the ids
+    again: the same advantages; the index holds every masked position's slot and nothing else."""
+    _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
+    batch = normalise_batch(responses, mask, rewards, index)
+    tuning = cuda.Tuning(slot_index=slot_index)
+    plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
+    assert plan.slot_index == slot_index
+    out = torch.empty(responses.shape, dtype=torch.float32)
+    workspace = cuda._enqueue(plan, batch, KTAEConfig(), None, out)
+    torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
+    B, L = responses.shape
+    assert workspace.numel() == cuda.advantage_workspace_size(B, batch.n_groups, plan.fallback_bytes,
+                                                              B * L if slot_index else 0)
+    if slot_index and B * L:
+        start = cuda.advantage_workspace_size(B, batch.n_groups, plan.fallback_bytes)
+        slots = workspace[start:].view(torch.int16)[: B * L].view(B, L).long() & 0xFFFF
+        extent = cuda.workspace_views(workspace, B, batch.n_groups)["extent"]
+        written = torch.arange(L)[None, :] < extent[:, None]
+        assert torch.equal(slots[written] != 0xFFFF, batch.mask[written])
+        # one slot per (rollout's group, id): equal ids of a group share it
+        for g in range(batch.n_groups):
+            rows = (batch.group == g)[:, None] & batch.mask
+            pairs = torch.unique(torch.stack([batch.responses[rows], slots[rows]]), dim=1)
+            assert pairs.shape[1] == torch.unique(batch.responses[rows]).numel() == torch.unique(slots[rows]).numel()

@@ -80,12 +80,15 @@ class Tuning:
     blocks_per_sm: shared tables sized so that this many blocks fit an SM (1 or 2); with 2, blocks
     have at most 512 threads (registers) and tables at most half an SM's shared memory.
     max_threads: most threads per block (<= ``MAX_THREADS``).
+    slot_index: ``token_advantage``'s shared pass records each position's slot (2 bytes, ``B * L`` of
+    workspace) while building, and its gather reads that instead of the mask and the int64 ids.
     """
 
     table_slots: int | None = None
     packed: bool = True
     blocks_per_sm: int = 1
     max_threads: int = MAX_THREADS
+    slot_index: bool = True
 
 
 DEFAULT_TUNING = Tuning()
@@ -451,6 +454,7 @@ class StaticPlan:
     fallback_blocks: int
     fallback_bytes: int
     threads: int
+    slot_index: bool = False
 
 
 def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning = DEFAULT_TUNING) -> StaticPlan | None:
@@ -485,7 +489,7 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tunin
         fallback_bytes = fallback_blocks * (-(-slice_bytes // 8) * 8)
     max_threads = min(tuning.max_threads, MAX_THREADS if tuning.blocks_per_sm <= 1 else 512)
     return StaticPlan(ext, largest, bound, shared_bytes, max_capacity, tuning.packed, fallback_blocks,
-                      fallback_bytes, block_threads(L, max_threads))
+                      fallback_bytes, block_threads(L, max_threads), tuning.slot_index and shared_bytes > 0)
 
 
 def _static_advantage(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None,
@@ -507,9 +511,10 @@ def _static_advantage(plan: StaticPlan, batch: Batch, config: KTAEConfig, given:
     return out
 
 
-def advantage_workspace_size(B: int, n_groups: int, fallback_bytes: int) -> int:
+def advantage_workspace_size(B: int, n_groups: int, fallback_bytes: int, index_positions: int = 0) -> int:
     """int64 entries of ``launch_advantage``'s workspace (csrc/ktae_kernels.h, ``advantage_layout``)."""
-    return 2 + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8 + (fallback_bytes + 7) // 8
+    return (2 + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8 + (fallback_bytes + 7) // 8
+            + (2 * index_positions + 7) // 8)
 
 
 def workspace_views(workspace: Tensor, B: int, n_groups: int) -> dict[str, Tensor]:
@@ -536,7 +541,9 @@ def _enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor |
     if plan.bound is None or plan.largest > plan.bound:
         log_factorial = device_helpers.log_factorials(plan.largest, device)
     members = torch.argsort(batch.group, stable=True)
-    workspace = torch.empty(advantage_workspace_size(B, n, plan.fallback_bytes), dtype=torch.int64, device=device)
+    positions = B * L if plan.slot_index else 0
+    workspace = torch.empty(advantage_workspace_size(B, n, plan.fallback_bytes, positions), dtype=torch.int64,
+                            device=device)
     constants = statistics_constants(config.alpha, config.beta)[:4]
     ext.advantage(
         responses=batch.responses.contiguous(), mask=batch.mask.contiguous(), group=batch.group.contiguous(),
@@ -550,7 +557,7 @@ def _enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor |
         threshold=config.correct_threshold, baseline=_GIVEN_BASELINE if given is not None else _BASELINES[config.baseline],
         eps=config.eps, constants=constants, shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
         allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks, fallback_bytes=plan.fallback_bytes,
-        threads=plan.threads, stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+        slot_index=plan.slot_index, threads=plan.threads, stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     return workspace
 
 
