@@ -10,7 +10,7 @@ without one:
   cached (as at every step after the first), and the first kernel launch stops the clock. ``cuda``
   sizes everything from the batch's shape and enqueues all its passes in one binding call
   (``ext.advantage``), which is stubbed: the clock stops when it is called, so the binding's own
-  argument checks and its five launches (a few microseconds each on a GPU) are not included; its
+  argument checks, a memset and its five kernel launches (a few microseconds each on a GPU) are not included; its
   one device -> host read (the id flags) comes after. ``triton``'s one device -> host copy before its
   first launch is stubbed with the paper batch's sizes (groups of 16, ~17k masked tokens). The
   number of torch ops dispatched is reported beside each time: on a GPU each costs its dispatch

@@ -43,6 +43,12 @@ constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 constexpr double kTfEps = 1e-5;  // method.TF_EPS
 constexpr int64_t kMaxTokenId = 2147483647;  // api.MAX_TOKEN_ID
 constexpr int64_t kMinCapacity = 32;  // cuda.MIN_CAPACITY
+
+// Blocks of kGroupsThreads threads for `items` work items of the groups passes (grid-stride beyond).
+inline unsigned groups_blocks(int64_t items) {
+  const int64_t blocks = (items + kGroupsThreads - 1) / kGroupsThreads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 65535 ? 65535 : blocks);
+}
 constexpr uint16_t kNoIndex = 0xFFFFu;  // a slot-index entry without a counted id (tables < 2^16 slots)
 
 // Block-wide scalars at the start of dynamic shared memory (see header_bytes).
@@ -724,12 +730,14 @@ __global__ void __launch_bounds__(kMaxThreads) scan_kernel(const PrepareArgs arg
   }
 }
 
-// Groups pass, one block: correct flags and group offsets from the members sorted by group, then one
-// thread per group sums in member order (= index order, as torch's index_add_ on the CPU): n_c, n_w,
-// T_c, T_w and the baseline of method.rollout_advantage (every product rounded on its own).
+// Groups pass, in two launches over the whole device (the per-group work is a chain of dependent
+// loads, so it wants many threads, not one block). First, per rollout: correct flags and the group
+// offsets from the members sorted by group.
 __global__ void groups_kernel(const PrepareArgs args) {
   const int64_t B = args.B, n = args.n_groups;
-  for (int64_t i = threadIdx.x; i < B; i += blockDim.x) {
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = tid; i < B; i += stride) {
     const int64_t r = args.members[i];
     const int64_t g = args.group[r];
     args.correct[r] = args.given_correct ? args.given_correct[r] : args.rewards[r] > args.threshold;
@@ -740,10 +748,16 @@ __global__ void groups_kernel(const PrepareArgs args) {
     }
   }
   if (B == 0) {
-    for (int64_t h = threadIdx.x; h <= n; h += blockDim.x) args.starts[h] = 0;
+    for (int64_t h = tid; h <= n; h += stride) args.starts[h] = 0;
   }
-  __syncthreads();
-  for (int64_t g = threadIdx.x; g < n; g += blockDim.x) {
+}
+
+// Then one thread per group sums in member order (= index order, as torch's index_add_ on the CPU):
+// n_c, n_w, T_c, T_w and the baseline of method.rollout_advantage (every product rounded on its own).
+__global__ void group_sums_kernel(const PrepareArgs args) {
+  const int64_t n = args.n_groups;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < n; g += stride) {
     const int64_t first = args.starts[g], end = args.starts[g + 1], size = end - first;
     int64_t n_c = 0, T_c = 0, T = 0;
     double sum = 0.0;
@@ -893,8 +907,12 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
     scan_kernel<<<static_cast<unsigned>(blocks), threads, 32, s>>>(prepare);
     if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
   }
-  groups_kernel<<<1, kGroupsThreads, 0, s>>>(prepare);
+  groups_kernel<<<groups_blocks(prepare.B + 1), kGroupsThreads, 0, s>>>(prepare);
   if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
+  if (prepare.n_groups > 0) {
+    group_sums_kernel<<<groups_blocks(prepare.n_groups), kGroupsThreads, 0, s>>>(prepare);
+    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
+  }
   if (kernel.n_items == 0) return 0;
   if (kernel.shared_bytes > 0) {
     const int64_t blocks = kernel.n_items < kMaxGridBlocks ? kernel.n_items : kMaxGridBlocks;

@@ -121,8 +121,9 @@ struct KernelArgs {
 };
 
 // The [B]-sized bookkeeping of launch_advantage, on the device: a scan pass (one block per rollout:
-// masked tokens, extent, out-of-range ids) and a groups pass (one block: correct flags, group
-// offsets from the members sorted by group, n_c, n_w, T_c, T_w and the rollout advantage A_i).
+// masked tokens, extent, out-of-range ids) and the groups passes (a thread per rollout: correct
+// flags, group offsets from the members sorted by group; a thread per group: n_c, n_w, T_c, T_w and
+// the rollout advantage A_i).
 struct PrepareArgs {
   const int64_t* responses;  // [B, L]
   const bool* mask;          // [B, L]
@@ -148,8 +149,8 @@ struct PrepareArgs {
 
 enum Baseline : int { kBaselineGrpo = 0, kBaselineMean = 1, kBaselineNone = 2, kBaselineGiven = 3 };
 
-// Threads of the groups pass (one block).
-constexpr int kGroupsThreads = 256;
+// Threads a block of the groups passes.
+constexpr int kGroupsThreads = 128;
 
 // The int64 workspace of launch_advantage, in this order: bad_ids [2], status [n], starts [n + 1],
 // group_counts [4 n], lengths [B], extent [B], base [B] (float64), correct [B] (bool, rounded up

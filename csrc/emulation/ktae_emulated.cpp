@@ -46,7 +46,10 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
   }
   prepare.bad_ids[0] = prepare.bad_ids[1] = 0;
   if (prepare.B > 0) ktae_emu::run([&] { scan_kernel(prepare); }, prepare.B, threads, 32);
-  ktae_emu::run([&] { groups_kernel(prepare); }, 1, kGroupsThreads, 0);
+  ktae_emu::run([&] { groups_kernel(prepare); }, groups_blocks(prepare.B + 1), kGroupsThreads, 0);
+  if (prepare.n_groups > 0) {
+    ktae_emu::run([&] { group_sums_kernel(prepare); }, groups_blocks(prepare.n_groups), kGroupsThreads, 0);
+  }
   if (kernel.n_items == 0) return 0;
   if (kernel.shared_bytes > 0) {
     ktae_emu::run([&] { dynamic_kernel<true>(kernel); }, kernel.n_items, threads, kernel.shared_bytes);
