@@ -428,8 +428,6 @@ BOOKKEEPING_CASES = ["G4-mixed-shuffled", "graded-rewards", "one-rollout-groups"
 def test_device_bookkeeping_matches_method_bitwise(emulator, name, baseline):
     """The scan and groups passes against method.group_stats and method.rollout_advantage: integer
     columns, flags and offsets equal, and A_i bitwise (sums in index order, products rounded alone)."""
-    from ktae_kernels import method
-
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
     config = KTAEConfig(baseline=baseline)
@@ -449,8 +447,6 @@ def test_device_bookkeeping_matches_method_bitwise(emulator, name, baseline):
 
 
 def test_given_correct_labels_and_rollout_advantage(emulator):
-    from ktae_kernels import method
-
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     correct = torch.arange(responses.shape[0]) % 3 == 1
     batch = normalise_batch(responses, mask, rewards, index, correct=correct)

@@ -457,7 +457,8 @@ class StaticPlan:
     slot_index: bool = False
 
 
-def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning = DEFAULT_TUNING) -> StaticPlan | None:
+def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
+                tuning: Tuning = DEFAULT_TUNING) -> StaticPlan | None:
     """The static-bound plan of ``token_advantage`` (host arithmetic only), or None where the call takes
     the path that reads the group sizes first: ``fisher="upstream"`` (scores from the rows), or a
     batch whose largest possible group could pass ``MAX_GROUP_TOKENS`` masked tokens."""
@@ -554,10 +555,12 @@ def _enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor |
         ignore_ids=_constant(tuple(i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID), device),
         workspace=workspace, out=out, n_groups=n,
         params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight], use_tf=config.use_tf,
-        threshold=config.correct_threshold, baseline=_GIVEN_BASELINE if given is not None else _BASELINES[config.baseline],
+        threshold=config.correct_threshold,
+        baseline=_GIVEN_BASELINE if given is not None else _BASELINES[config.baseline],
         eps=config.eps, constants=constants, shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
         allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks, fallback_bytes=plan.fallback_bytes,
-        slot_index=plan.slot_index, threads=plan.threads, stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+        slot_index=plan.slot_index, threads=plan.threads,
+        stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
     return workspace
 
 
