@@ -14,7 +14,9 @@ correctness (each against ``backend="torch"`` on the same device; integer column
 - ``stream``: inputs produced on a non-default stream and the call made on it, with work queued
   ahead; ``out=`` written in place;
 - ``devices``: tensors on the last GPU while GPU 0 is current (when there are two);
-- ``ids``: an out-of-range id under the mask raises ValueError naming ``responses``;
+- ``ids``: an out-of-range id under the mask raises ValueError naming ``responses``; cuda leaves ``out``
+  untouched;
+- ``graph``: cuda.token_advantage with ``out=`` captured in a CUDA graph and replayed on new ids;
 - ``repeat``: each backend 5 times on ``diverse`` and ``hot``, bit for bit the same every run (races);
 - ``tuning``: every launch variant the timings use (``CUDA_VARIANTS``, ``TRITON_GUESSES``) against torch;
 - ``G128``, ``G1024``: groups of 128 and 1024 rollouts.
@@ -24,8 +26,8 @@ what it measured.
 
 timings (CUDA events, median of ``--repeats``): each backend's ``token_advantage`` on the paper
 batch, through the API and on a validated batch with a reused ``out``; Triton's stages
-(``triton.profile``) and its time by first table-size guess; the CUDA backend's host preparation
-and kernels, and its time by launch shape (threads a block, slot layout, blocks per SM); the
+(``triton.profile``) and its time by first table-size guess; the CUDA backend's static-bound call
+(with and without its final flag read) beside the path that reads sizes first, and its time by launch shape (threads a block, slot layout, blocks per SM); the
 achieved bandwidth of the unavoidable I/O against a measured
 device copy.
 
@@ -124,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
         check("stream", lambda: non_default_stream(bench_batch.args(), backends))
         check("devices", lambda: other_device(backends))
     check("ids", lambda: bad_ids(diverse, backends))
+    if device.type == "cuda" and "cuda" in backends:
+        check("graph", lambda: graph_capture(bench_batch.args()))
     check("repeat", lambda: repeat_and_compare([diverse, hot], backends))
     check("tuning", lambda: tuning_variants(diverse if small else bench_batch.args(), backends))
     for G, groups, L in ((128, 2, 8), (1024, 1, 3)) if small else ((128, 32, 1024), (1024, 16, 192)):
@@ -345,7 +349,44 @@ def bad_ids(args, backends: list[str]) -> dict:
             out[name] = str(err)
         else:
             raise AssertionError(f"{name}: a negative id under the mask was accepted")
+    if "cuda" in backends:  # the id flag is read after the launches, which wrote nothing
+        nan = torch.full(responses.shape, float("nan"), dtype=torch.float32, device=responses.device)
+        try:
+            token_advantage(responses, mask, *args[2:], backend="cuda", out=nan)
+        except ValueError:
+            pass
+        if not bool(torch.isnan(nan).all()):
+            raise AssertionError("cuda: `out` was written although an id was out of range")
+        out["cuda_out_untouched"] = True
     return out
+
+
+def graph_capture(args) -> dict:
+    """cuda.token_advantage with ``out=`` captured in a CUDA graph (after a warm-up on a side stream),
+    replayed on new ids copied into the captured tensors, against torch."""
+    from ktae_kernels.backends import cuda
+    from ktae_kernels.validation import normalise_batch
+
+    batch = normalise_batch(*args)
+    out = torch.empty(batch.responses.shape, dtype=torch.float32, device=batch.device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cuda.token_advantage(batch, KTAEConfig(), None, out)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda.token_advantage(batch, KTAEConfig(), None, out)
+    shifted = (args[0] + 7) % 151_936
+    batch.responses.copy_(shifted)
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    replay_s = time.perf_counter() - t0
+    want = token_advantage(shifted, *args[1:], backend="torch")
+    torch.testing.assert_close(out, want, rtol=0.0, atol=1e-6)
+    return {"replay_s": replay_s}
 
 
 # -------------------------------------------------------------------------------------------- timings
@@ -401,23 +442,30 @@ def timings(bench_batch, backends: list[str], repeats: int, device: torch.device
 
 
 def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
+    """The cuda backend's token_advantage by stage: the static-bound call (one binding call: scan,
+    groups, shared and global table passes) without and with its final id-flag read, and the path
+    that reads the group sizes first (``fisher="upstream"``'s; here with the exact statistics grid)."""
     from ktae_kernels import method
     from ktae_kernels.backends import cuda
     from ktae_kernels.backends.device import on_device
 
     ext = cuda.load_extension()
+    out = torch.empty(batch.responses.shape, dtype=torch.float32, device=batch.device)
     with on_device(batch.device):
+        static = cuda.static_plan(ext, batch, config)
         plan = cuda._prepare(ext, batch, config, cuda.DEFAULT_TUNING)
         stages = {
-            "group_stats": cuda_time(lambda: method.group_stats(batch, config), repeats),
-            "prepare": cuda_time(lambda: cuda._prepare(ext, batch, config, cuda.DEFAULT_TUNING), repeats),
-            "table_statistics": cuda_time(lambda: cuda._table_lookup(plan, config, batch.device), repeats),
-            "rollout_advantage": cuda_time(lambda: method.rollout_advantage(
-                batch.rewards, batch.group, plan.stats.size, config, None), repeats),
-            "advantage_passes": cuda_time(lambda: cuda._advantage(plan, batch, config, None, None), repeats),
+            "static_enqueue": cuda_time(lambda: cuda._enqueue(static, batch, config, None, out), repeats),
+            "static_token_advantage": cuda_time(lambda: cuda._static_advantage(static, batch, config, None, out),
+                                                repeats),
+            "sized_group_stats": cuda_time(lambda: method.group_stats(batch, config), repeats),
+            "sized_prepare": cuda_time(lambda: cuda._prepare(ext, batch, config, cuda.DEFAULT_TUNING), repeats),
+            "sized_advantage_passes": cuda_time(lambda: cuda._advantage(plan, batch, config, None, out), repeats),
         }
-    stages["shared_capacity"] = plan.capacity
-    stages["threads"] = plan.common["threads"]
+    stages["static_shared_bytes"] = static.shared_bytes
+    stages["static_fallback_blocks"] = static.fallback_blocks
+    stages["static_fallback_bytes"] = static.fallback_bytes
+    stages["threads"] = static.threads
     return stages
 
 

@@ -6,12 +6,15 @@ without one:
 
 - ``cuda`` and ``triton``: CPU tensors with the paper batch's 1024 groups, but of 2 rollouts and
   L = 1, so that each torch op costs about its dispatch, as a queued GPU op does on the host (with
-  the paper's 16384 x 3072 the CPU would do the GPU's work); the one device -> host copy before the
-  first launch is stubbed with the paper batch's sizes (groups of 16, ~17k masked tokens), the
-  device statistics grid is already cached (as at every step after the first), and the first
-  kernel launch stops the clock. For ``cuda`` the time to its last launch is timed as well (its
-  launches are stubbed to return at once). The number of torch ops dispatched is reported beside
-  it: on a GPU each costs its dispatch plus the driver's launch (a few microseconds).
+  the paper's 16384 x 3072 the CPU would do the GPU's work); the device statistics grid is already
+  cached (as at every step after the first), and the first kernel launch stops the clock. ``cuda``
+  sizes everything from the batch's shape and enqueues all its passes in one binding call
+  (``ext.advantage``), which is stubbed: the clock stops when it is called, so the binding's own
+  argument checks, a memset and its five kernel launches (a few microseconds each on a GPU) are not included; its
+  one device -> host read (the id flags) comes after. ``triton``'s one device -> host copy before its
+  first launch is stubbed with the paper batch's sizes (groups of 16, ~17k masked tokens). The
+  number of torch ops dispatched is reported beside each time: on a GPU each costs its dispatch
+  plus the driver's launch (a few microseconds).
 - ``cpu``: the real paper-shaped CPU batch (its device), the clock stops when the native kernel is
   called.
 
@@ -74,6 +77,10 @@ class _StubExtension:
         if self.stop_at_first:
             raise FirstLaunch
 
+    def advantage(self, **_: object) -> None:
+        self.launched.append(time.perf_counter())
+        raise FirstLaunch  # one call enqueues every pass: the first launch is the last
+
     def table_statistics(self, **_: object) -> None:
         raise AssertionError("the grid must come from the cache in this measurement")
 
@@ -104,6 +111,8 @@ def _cache_grid(kernel: object, config: KTAEConfig, device: torch.device, larges
     """Put a grid for ``largest`` rollouts in the device cache (values unread), as after a first step.
     Only inside ``_scratch_grid_cache()``: the values are garbage."""
     bound = device_helpers.grid_bound(largest)
+    if bound is None:
+        return
     key = (kernel, config.alpha, config.beta, bound, device)
     device_helpers._GRID_CACHE[key] = (torch.empty(5, device_helpers.grid_size(bound), dtype=torch.float64,
                                                    device=device), None)
@@ -142,22 +151,37 @@ def _timed(run: Callable[[], float], repeats: int, label: str) -> dict[str, floa
 
 
 def cuda_host_times(repeats: int, config: KTAEConfig = KTAEConfig()) -> dict[str, float]:
-    """Microseconds from the call to the first and to the last launch of ``cuda.token_advantage``."""
+    """Microseconds from the call to the binding call that enqueues every pass of ``cuda.token_advantage``
+    (``first_launch``), and, with the path that reads the group sizes first (``fisher="upstream"``'s,
+    kept for it), to its first launch (``sized_path_first_launch``, its device -> host copy stubbed)."""
     batch = paper_batch(HOST_ONLY)
     out = torch.empty(HOST_ONLY.B, HOST_ONLY.L, dtype=torch.float32)
     result: dict[str, float] = {}
-    with _scratch_grid_cache(), _patched(cuda, "_read_sizes", lambda size, tokens: [PAPER.G, PAPER_GROUP_TOKENS]):
-        for label, stop in (("first_launch", True), ("last_launch", False)):
-            def run() -> float:
-                ext = _StubExtension(stop)
-                _cache_grid(cuda._GridKernel(ext), config, batch.device, PAPER.G)
-                t0 = time.perf_counter()
-                try:
-                    cuda.token_advantage(batch, config, None, out, extension=ext)
-                except FirstLaunch:
-                    pass
-                return ext.launched[-1 if not stop else 0] - t0
-            result.update(_timed(run, repeats, label))
+    with _scratch_grid_cache(), _patched(device_helpers, "_LF_CACHE", {}):
+        def run() -> float:
+            ext = _StubExtension(True)
+            plan = cuda.static_plan(ext, batch, config)
+            _cache_grid(cuda._GridKernel(ext), config, batch.device, plan.bound)
+            device_helpers.log_factorials(plan.largest, batch.device)
+            t0 = time.perf_counter()
+            try:
+                cuda.token_advantage(batch, config, None, out, extension=ext)
+            except FirstLaunch:
+                pass
+            return ext.launched[0] - t0
+        result.update(_timed(run, repeats, "first_launch"))
+    with _scratch_grid_cache(), _patched(cuda, "_read_sizes", lambda size, tokens: [PAPER.G, PAPER_GROUP_TOKENS]), \
+            _patched(cuda, "static_plan", lambda *_: None):
+        def sized() -> float:
+            ext = _StubExtension(True)
+            _cache_grid(cuda._GridKernel(ext), config, batch.device, PAPER.G)
+            t0 = time.perf_counter()
+            try:
+                cuda.token_advantage(batch, config, None, out, extension=ext)
+            except FirstLaunch:
+                pass
+            return ext.launched[0] - t0
+        result.update(_timed(sized, repeats, "sized_path_first_launch"))
     return result
 
 

@@ -180,6 +180,148 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   TORCH_CHECK(err == 0, "ktae_kernels._C: kernel launch failed: ", ktae::error_string(err));
 }
 
+// The whole token_advantage with static-bound sizing (ktae::launch_advantage): the bookkeeping, a
+// shared-table pass and, with fallback_blocks > 0, a global-memory pass, nothing read back. The
+// workspace (int64, ktae::advantage_layout) is written; its first two entries are the id flags.
+void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group, const Tensor& members,
+               const Tensor& rewards, const OptTensor& correct, const OptTensor& given,
+               const OptTensor& table_values, int64_t grid_bound, const OptTensor& log_factorial,
+               const Tensor& ignore_ids, const Tensor& workspace, const Tensor& out, int64_t n_groups,
+               const std::vector<double>& params, bool use_tf, double threshold, int64_t baseline, double eps,
+               const std::vector<double>& constants, int64_t shared_bytes, int64_t max_capacity,
+               bool allow_packed, int64_t fallback_blocks, int64_t fallback_bytes, bool slot_index,
+               int64_t threads, int64_t stream) {
+  const at::DeviceType kind = ktae::runs_on_cpu() ? at::kCPU : at::kCUDA;
+  TORCH_CHECK(responses.device().type() == kind, "ktae_kernels._C: tensors must be on ",
+              at::DeviceTypeName(kind), ", got ", responses.device());
+  TORCH_CHECK(responses.dim() == 2, "ktae_kernels._C: `responses` must be [B, L], got ", responses.sizes());
+  const at::Device device = responses.device();
+  const int64_t B = responses.size(0), L = responses.size(1);
+  TORCH_CHECK(n_groups >= 0, "ktae_kernels._C: `n_groups` must be >= 0");
+  check(responses, "responses", at::kLong, {B, L}, device);
+  check(mask, "mask", at::kBool, {B, L}, device);
+  check(group, "group", at::kLong, {B}, device);
+  check(members, "members", at::kLong, {B}, device);
+  check(rewards, "rewards", at::kDouble, {B}, device);
+  check(ignore_ids, "ignore_ids", at::kLong, {ignore_ids.numel()}, device);
+  check(out, "out", at::kFloat, {B, L}, device);
+  if (correct.has_value()) check(*correct, "correct", at::kBool, {B}, device);
+  if (given.has_value()) check(*given, "given", at::kDouble, {B}, device);
+  TORCH_CHECK(baseline >= ktae::kBaselineGrpo && baseline <= ktae::kBaselineGiven,
+              "ktae_kernels._C: `baseline` must be 0 (grpo), 1 (mean), 2 (none) or 3 (given), got ", baseline);
+  TORCH_CHECK((baseline == ktae::kBaselineGiven) == given.has_value(),
+              "ktae_kernels._C: `given` goes with baseline 3 (given), and only with it");
+  TORCH_CHECK(params.size() == 6, "ktae_kernels._C: `params` must be [alpha, beta, k1, b, top, weight]");
+  TORCH_CHECK(constants.size() == 4, "ktae_kernels._C: `constants` must be [log_rtol, log_err, p_one, ln2]");
+  TORCH_CHECK(threads >= 32 && threads <= ktae::kMaxThreads && threads % 32 == 0,
+              "ktae_kernels._C: `threads` must be a multiple of 32 in [32, ", ktae::kMaxThreads, "], got ", threads);
+  TORCH_CHECK(max_capacity >= 2 && (max_capacity & (max_capacity - 1)) == 0,
+              "ktae_kernels._C: `max_capacity` must be a power of two >= 2, got ", max_capacity);
+  TORCH_CHECK(shared_bytes >= 0 && fallback_blocks >= 0 && fallback_bytes >= 0,
+              "ktae_kernels._C: `shared_bytes`, `fallback_blocks` and `fallback_bytes` must be >= 0");
+  TORCH_CHECK(shared_bytes > 0 || fallback_blocks > 0 || n_groups == 0,
+              "ktae_kernels._C: no pass would take the groups (shared_bytes and fallback_blocks are 0)");
+  TORCH_CHECK(fallback_blocks == 0 || fallback_bytes / fallback_blocks >= 64,
+              "ktae_kernels._C: `fallback_bytes` gives each of the `fallback_blocks` less than 64 bytes");
+  const ktae::AdvantageLayout layout = ktae::advantage_layout(B, n_groups, fallback_bytes, slot_index ? B * L : 0);
+  check(workspace, "workspace", at::kLong, {workspace.numel()}, device);
+  TORCH_CHECK(workspace.numel() >= layout.total, "ktae_kernels._C: `workspace` must hold ", layout.total,
+              " int64, got ", workspace.numel());
+  int64_t lf_size = 0;
+  if (log_factorial.has_value()) {
+    check(*log_factorial, "log_factorial", at::kDouble, {log_factorial->numel()}, device);
+    lf_size = log_factorial->numel();
+  }
+  // the largest group has at most B - n_groups + 1 rollouts; its statistics need log(k!) up to there
+  const int64_t largest = n_groups > 0 ? B - n_groups + 1 : 0;
+  int64_t table_size = 0;
+  if (table_values.has_value()) {
+    TORCH_CHECK(table_values->dim() == 2, "ktae_kernels._C: `table_values` must be [2, size], got ", table_values->sizes());
+    check(*table_values, "table_values", at::kDouble, {2, table_values->size(1)}, device);
+    table_size = table_values->size(1);
+    // every table of a group of up to grid_bound rollouts: C(grid_bound + 4, 4) entries
+    const int64_t b = grid_bound;
+    TORCH_CHECK(b >= 0 && table_size >= (b + 4) * (b + 3) / 2 * (b + 2) / 3 * (b + 1) / 4,
+                "ktae_kernels._C: `table_values` is too small for `grid_bound` ", grid_bound);
+  }
+  if (!table_values.has_value() || largest > grid_bound) {
+    TORCH_CHECK(lf_size > largest, "ktae_kernels._C: `log_factorial` must hold log(k!) up to B - n_groups + 1 = ",
+                largest, " (groups past the grid), got ", lf_size, " entries");
+  }
+
+  int64_t* ws = workspace.data_ptr<int64_t>();
+  ktae::PrepareArgs prep{};
+  prep.responses = ptr<int64_t>(responses);
+  prep.mask = ptr<bool>(mask);
+  prep.B = B;
+  prep.L = L;
+  prep.group = ptr<int64_t>(group);
+  prep.members = ptr<int64_t>(members);
+  prep.n_groups = n_groups;
+  prep.rewards = ptr<double>(rewards);
+  prep.given_correct = correct.has_value() ? ptr<bool>(*correct) : nullptr;
+  prep.threshold = threshold;
+  prep.baseline = static_cast<int>(baseline);
+  prep.eps = eps;
+  prep.bad_ids = reinterpret_cast<long long*>(ws);
+  prep.lengths = ws + layout.lengths;
+  prep.extent = ws + layout.extent;
+  prep.correct = reinterpret_cast<bool*>(ws + layout.correct);
+  prep.starts = ws + layout.starts;
+  prep.group_counts = ws + layout.group_counts;
+  prep.base = given.has_value() ? nullptr : reinterpret_cast<double*>(ws + layout.base);
+  prep.status = ws + layout.status;
+
+  ktae::KernelArgs args{};
+  args.responses = prep.responses;
+  args.mask = prep.mask;
+  args.length = L;
+  args.members = prep.members;
+  args.starts = prep.starts;
+  args.correct = prep.correct;
+  args.group_counts = prep.group_counts;
+  args.n_groups = n_groups;
+  args.table_values = table_values.has_value() ? ptr<double>(*table_values) : nullptr;
+  args.table_size = table_size;
+  args.grid_bound = static_cast<int32_t>(std::min<int64_t>(grid_bound, std::numeric_limits<int32_t>::max()));
+  args.log_factorial = lf_size ? ptr<double>(*log_factorial) : nullptr;
+  args.lf_size = lf_size;
+  args.log_rtol = constants[0];
+  args.log_err = constants[1];
+  args.p_one = constants[2];
+  args.ln2 = constants[3];
+  args.ignore_ids = ptr<int64_t>(ignore_ids);
+  args.n_ignore = ignore_ids.numel();
+  args.n_items = n_groups;
+  args.words = 1;
+  args.alpha = params[0];
+  args.beta = params[1];
+  args.k1 = params[2];
+  args.bm25_b = params[3];
+  args.top = params[4];
+  args.weight = params[5];
+  args.use_tf = use_tf;
+  args.bad_ids = prep.bad_ids;
+  args.status = ws + layout.status;
+  args.base = given.has_value() ? ptr<double>(*given) : prep.base;
+  args.advantage = ptr<float>(out);
+  args.dynamic = true;
+  args.extent = prep.extent;
+  args.shared_bytes = shared_bytes;
+  args.max_capacity = max_capacity;
+  args.allow_packed = allow_packed;
+  args.ws_bytes = reinterpret_cast<unsigned char*>(ws + layout.tables);
+  args.ws_slice_bytes = fallback_blocks ? fallback_bytes / fallback_blocks / 8 * 8 : 0;
+  args.slot_index = slot_index ? reinterpret_cast<uint16_t*>(ws + layout.slot_index) : nullptr;
+  const int err = ktae::launch_advantage(prep, args, static_cast<int>(threads), fallback_blocks,
+                                         reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  TORCH_CHECK(err == 0, "ktae_kernels._C: kernel launch failed: ", ktae::error_string(err));
+}
+
+int64_t advantage_workspace_size(int64_t B, int64_t n_groups, int64_t fallback_bytes, int64_t index_positions) {
+  return ktae::advantage_layout(B, n_groups, fallback_bytes, index_positions).total;
+}
+
 // The per-table statistics of a grid (see ktae::StatsArgs): `constants` = [log1p(1e-14), LOG_ERR,
 // P_ONE, log(2), alpha, beta]; `out` float64 [5, size] is written on `stream`.
 void table_statistics(const Tensor& cells, const Tensor& log_factorial, const Tensor& angle,
@@ -239,6 +381,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("table_statistics", &table_statistics, "Per-table statistics of a grid (see csrc/ktae_kernels.h).",
         py::arg("cells"), py::arg("log_factorial"), py::arg("angle"), py::arg("constants"), py::arg("out"),
         py::arg("stream"));
+  m.def("advantage", &advantage, "token_advantage with static-bound sizing (see ktae::launch_advantage).",
+        py::arg("responses"), py::arg("mask"), py::arg("group"), py::arg("members"), py::arg("rewards"),
+        py::arg("correct"), py::arg("given"), py::arg("table_values"), py::arg("grid_bound"),
+        py::arg("log_factorial"), py::arg("ignore_ids"), py::arg("workspace"), py::arg("out"),
+        py::arg("n_groups"), py::arg("params"), py::arg("use_tf"), py::arg("threshold"), py::arg("baseline"),
+        py::arg("eps"), py::arg("constants"), py::arg("shared_bytes"), py::arg("max_capacity"),
+        py::arg("allow_packed"), py::arg("fallback_blocks"), py::arg("fallback_bytes"), py::arg("slot_index"),
+        py::arg("threads"), py::arg("stream"));
+  m.def("advantage_workspace_size", &advantage_workspace_size, py::arg("B"), py::arg("n_groups"),
+        py::arg("fallback_bytes"), py::arg("index_positions") = 0);
+  m.attr("MIN_CAPACITY") = 32;
+  m.attr("GROUPS_THREADS") = ktae::kGroupsThreads;
   m.def("max_shared_bytes", &max_shared_bytes, "Opt-in dynamic shared memory per block of a device.",
         py::arg("device"));
   m.def("shared_table_bytes", &ktae::shared_table_bytes, py::arg("capacity"), py::arg("words"),

@@ -25,7 +25,12 @@
 
 #include "ktae_kernels.h"
 
-#ifndef KTAE_CPU_EMULATION
+#ifdef KTAE_CPU_EMULATION
+#define KTAE_NOINLINE __attribute__((noinline))
+#else
+#define KTAE_NOINLINE __noinline__
+#include <atomic>
+
 #include <cuda_runtime.h>
 #define KTAE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
@@ -37,6 +42,14 @@ constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 constexpr double kTfEps = 1e-5;  // method.TF_EPS
 constexpr int64_t kMaxTokenId = 2147483647;  // api.MAX_TOKEN_ID
+constexpr int64_t kMinCapacity = 32;  // cuda.MIN_CAPACITY
+
+// Blocks of kGroupsThreads threads for `items` work items of the groups passes (grid-stride beyond).
+inline unsigned groups_blocks(int64_t items) {
+  const int64_t blocks = (items + kGroupsThreads - 1) / kGroupsThreads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 65535 ? 65535 : blocks);
+}
+constexpr uint16_t kNoIndex = 0xFFFFu;  // a slot-index entry without a counted id (tables < 2^16 slots)
 
 // Block-wide scalars at the start of dynamic shared memory (see header_bytes).
 struct BlockState {
@@ -124,16 +137,17 @@ __device__ void clear_table(const Table& t, int words) {
 }
 
 // One pass over a rollout: this thread's kUnroll positions start + u * blockDim.x + threadIdx.x,
-// all loads issued before any is used. Positions past the end read nothing and are not valid; a
-// token id is read only where the mask is set. An id outside [0, 2^31) under the mask is left out
-// and recorded in bad_ids (the host raises after the kernel: the API's id check, folded in).
+// all loads issued before any is used. Positions at or past `end` (the rollout's extent, or L) read
+// nothing and are not valid; a token id is read only where the mask is set. An id outside [0, 2^31)
+// under the mask is left out and recorded in bad_ids (zeroed before the first pass: the least id
+// below 0, and by how much the largest exceeds 2^31 - 1), which the host reads after the kernels.
 __device__ __forceinline__ void load_tile(const KernelArgs& args, const int64_t* tokens, const bool* mask,
-                                          int64_t start, int64_t (&token)[kUnroll], bool (&valid)[kUnroll]) {
-  const int64_t length = args.length;
+                                          int64_t start, int64_t end, int64_t (&token)[kUnroll],
+                                          bool (&valid)[kUnroll]) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
-    valid[u] = pos < length && mask[pos];
+    valid[u] = pos < end && mask[pos];
   }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
@@ -143,19 +157,34 @@ __device__ __forceinline__ void load_tile(const KernelArgs& args, const int64_t*
       if (token[u] < 0) {
         atomicMin(args.bad_ids, static_cast<long long>(token[u]));
       } else {
-        atomicMax(args.bad_ids + 1, static_cast<long long>(token[u]));
+        atomicMax(args.bad_ids + 1, static_cast<long long>(token[u] - kMaxTokenId));
       }
       valid[u] = false;
     }
   }
 }
 
+// Which of `parts` hash partitions (a power of two) holds `key`: a hash independent of the slot's,
+// so that a group too diverse for its table is counted one partition of its ids at a time.
+__device__ __forceinline__ bool in_part(uint32_t key, uint32_t parts, uint32_t part) {
+  if (parts == 1u) return true;
+  const unsigned long long h = static_cast<unsigned long long>(key) * 0xC2B2AE3D27D4EB4Full;
+  return (static_cast<uint32_t>(h >> 40) & (parts - 1u)) == part;
+}
+
+// The rollout's positions a pass reads: up to its extent (last masked position + 1) when known.
+__device__ __forceinline__ int64_t rollout_end(const KernelArgs& args, int64_t rollout) {
+  return args.extent ? args.extent[rollout] : args.length;
+}
+
 // Phase 1. Each pass of the inner loop covers blockDim.x * kUnroll positions of one rollout, so a
 // warp's lanes always share the rollout and agree on correctness and the presence bit. Every lane
 // runs every warp collective (masked positions carry kEmptyKey and are skipped afterwards).
-template <bool kKeysOnly>
+// kRecord: also store each position's slot (kNoIndex where nothing is counted) in args.slot_index,
+// so that the gather reads 2 bytes a position instead of the mask and the int64 id, and probes nothing.
+template <bool kKeysOnly, bool kRecord = false>
 __device__ void build_table(const KernelArgs& args, const Table& t, int64_t first, int group_size,
-                            BlockState* state) {
+                            BlockState* state, uint32_t parts = 1u, uint32_t part = 0u) {
   const unsigned lane = threadIdx.x & 31u;
   const int64_t length = args.length;
   const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
@@ -166,17 +195,27 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
     const bool is_correct = args.correct[rollout];
     const size_t presence_row = static_cast<size_t>(r >> 5) * t.capacity;  // wide layout
     const uint32_t bit = 1u << (r & 31);
-    for (int64_t start = 0; start < length; start += step) {
+    const int64_t end = rollout_end(args, rollout);
+    uint16_t* record = kRecord ? args.slot_index + rollout * length : nullptr;
+    for (int64_t start = 0; start < end; start += step) {
       if (__shfl_sync(kFullWarp, load_volatile(&state->overflow), 0) != 0u) return;
       int64_t token[kUnroll];
       bool valid[kUnroll];
-      load_tile(args, tokens, mask, start, token, valid);
+      load_tile(args, tokens, mask, start, end, token, valid);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const uint32_t key = valid[u] ? static_cast<uint32_t>(token[u]) : kEmptyKey;
+        const uint32_t key = valid[u] && in_part(static_cast<uint32_t>(token[u]), parts, part)
+                                 ? static_cast<uint32_t>(token[u]) : kEmptyKey;
         const unsigned peers = __match_any_sync(kFullWarp, key);
-        if (key == kEmptyKey || lane != static_cast<unsigned>(__ffs(peers) - 1)) continue;
-        const uint32_t slot = find_or_insert(t, key, state);
+        const unsigned leader = static_cast<unsigned>(__ffs(peers) - 1);
+        uint32_t slot = kNoSlot;
+        if (key != kEmptyKey && lane == leader) slot = find_or_insert(t, key, state);
+        if (kRecord) {  // every lane of the warp: the slot its leader found
+          slot = __shfl_sync(kFullWarp, slot, static_cast<int>(leader));
+          const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+          if (pos < end) record[pos] = key == kEmptyKey || slot == kNoSlot ? kNoIndex : static_cast<uint16_t>(slot);
+        }
+        if (key == kEmptyKey || lane != leader) continue;
         if (kKeysOnly || slot == kNoSlot) continue;
         // 32-bit atomics on the half that changes (little-endian): wide, f_c low and f_w high
         // (below 2^31 each); packed, f_c | f_w << 16 (below 2^16 each: no carry) and presence high
@@ -216,6 +255,87 @@ __device__ SlotCounts slot_counts(const Table& t, uint32_t slot, const uint32_t*
   return c;
 }
 
+// ---------------------------------------------------------------------------- per-table statistics
+// The statistics of every table of a grid (ktae_kernels/backends/device.py, GridTables), one thread
+// per table: the same formulas, in the same order of operations, as method.table_statistics (exact
+// mode). Each log-pmf is -(((lf[k] + lf[n1 - k]) + lf[col - k]) + lf[n2 - col + k]) from the same
+// log-factorial table, so the tie test and the p = 1 rule of F classify every table as the CPU does;
+// p = exp(lse(kept) - lse(all)), each log-sum-exp shifted by its own maximum (torch's logsumexp), and
+// only the order of the two sums differs from torch's reduction. Every product that feeds a sum is
+// rounded on its own (__dmul_rn / __dadd_rn: no FMA contraction), as on the CPU.
+
+__device__ __forceinline__ double log_pmf(const double* lf, int k, int n1, int n2, int col) {
+  return -(((lf[k] + lf[n1 - k]) + lf[col - k]) + lf[n2 - col + k]);
+}
+
+// What the statistics read besides the table: the log-factorial table and scipy's tolerances.
+struct FisherConsts {
+  const double* log_factorial;
+  double log_rtol, log_err, p_one, ln2;
+};
+
+__device__ double fisher_pvalue(const FisherConsts& args, int a, int b, int n_c, int n_w) {
+  const int n1 = a + b, n2 = n_c + n_w - n1, col = n_c;
+  if (n1 == 0 || n2 == 0 || col == 0 || col == n1 + n2) return 1.0;
+  const int lo = col - n2 > 0 ? col - n2 : 0;
+  const int hi = n1 < col ? n1 : col;
+  const double* lf = args.log_factorial;
+  const double lp_obs = log_pmf(lf, a, n1, n2, col);
+  const double tol = __dadd_rn(args.log_rtol, __dmul_rn(args.log_err, fabs(lp_obs)));
+  const double limit = lp_obs + tol;
+  double top = lp_obs, top_kept = lp_obs;
+  for (int k = lo; k <= hi; ++k) {
+    const double lp = log_pmf(lf, k, n1, n2, col);
+    top = fmax(top, lp);
+    if (lp <= limit) top_kept = fmax(top_kept, lp);
+  }
+  if (lp_obs >= top - tol) return 1.0;
+  double total = 0.0, kept = 0.0;
+  for (int k = lo; k <= hi; ++k) {
+    const double lp = log_pmf(lf, k, n1, n2, col);
+    total += exp(lp - top);
+    if (lp <= limit) kept += exp(lp - top_kept);
+  }
+  return fmin(exp((log(kept) + top_kept) - (log(total) + top)), 1.0);
+}
+
+// Binary entropy in bits, 0 log 0 = 0 (method.binary_entropy).
+__device__ __forceinline__ double entropy_bits(double p, double ln2) {
+  const double q = 1.0 - p;
+  const double xp = p == 0.0 ? 0.0 : __dmul_rn(p, log(p));
+  const double xq = q == 0.0 ? 0.0 : __dmul_rn(q, log(q));
+  return -__dadd_rn(xp, xq) / ln2;
+}
+
+// H(Y) - H(Y | X) in bits, clamped at 0 (method.information_gain).
+__device__ double information_gain(int a, int b, int n_c, int n_w, double ln2) {
+  const double af = a, bf = b, ncf = n_c, nwf = n_w;
+  const double cf = ncf - af, df = nwf - bf;
+  const double n = fmax(ncf + nwf, 1.0);
+  const double present = af + bf, absent = cf + df;
+  const double h_y = entropy_bits(ncf / n, ln2);
+  const double h_present = present > 0 ? __dmul_rn(present / n, entropy_bits(af / fmax(present, 1.0), ln2)) : 0.0;
+  const double h_absent = absent > 0 ? __dmul_rn(absent / n, entropy_bits(cf / fmax(absent, 1.0), ln2)) : 0.0;
+  return fmax(__dadd_rn(__dadd_rn(h_y, -h_present), -h_absent), 0.0);
+}
+
+// asin(sqrt(k / max(n, 1))), as device.tables_of's angle table (method.cohen_h).
+__device__ __forceinline__ double arcsine_angle(int k, int n) {
+  return asin(sqrt(static_cast<double>(k) / static_cast<double>(n > 1 ? n : 1)));
+}
+
+// F, IG, Cohen's h and strength of one table, as table_statistics_kernel (which see) with the
+// angles computed here instead of read from a table.
+__device__ KTAE_NOINLINE void table_stats(const FisherConsts& k, double alpha, double beta, int a, int b, int n_c, int n_w,
+                            double* h, double* strength) {
+  const double p = fisher_pvalue(k, a, b, n_c, n_w);
+  const bool informative = n_c > 0 && n_w > 0 && a + b < n_c + n_w;
+  const double F = informative && p < k.p_one ? exp(-2.0 * p) : 0.0;
+  const double IG = informative ? information_gain(a, b, n_c, n_w, k.ln2) : 0.0;
+  *h = arcsine_angle(a, n_c) - arcsine_angle(b, n_w);
+  *strength = __dadd_rn(__dmul_rn(alpha, F), __dmul_rn(beta, IG));
+}
+
 __device__ __forceinline__ double bm25_tf(uint32_t f, int64_t T, double avg, const KernelArgs& args) {
   if (f == 0u) return 0.0;
   const double q = static_cast<double>(f) / static_cast<double>(T > 1 ? T : 1);
@@ -236,13 +356,27 @@ __device__ bool is_ignored(const KernelArgs& args, uint32_t token) {
 // not informative) and Cohen's h from the per-table arrays, plus the per-row BM25 direction, squashed
 // to top * tanh(key / 2) strictly inside (-top, top); 0 where the table is not informative (a group
 // with one class, a token in every rollout) and for ignored ids.
+template <bool kDynamic>
 __device__ double row_score(const KernelArgs& args, int64_t g, uint32_t token, const SlotCounts& s,
                             const GroupCounts& gc) {
   const bool informative = gc.n_c > 0 && gc.n_w > 0 && static_cast<int64_t>(s.a) + s.b < gc.n_c + gc.n_w;
   if (!informative || is_ignored(args, token)) return 0.0;
-  const int64_t entry = args.table_index[g] + s.a * args.table_index[args.n_groups + g] + s.b;
-  double x = args.table_values[entry];  // Cohen's h
-  const double strength = args.table_values[args.table_size + entry];
+  double x, strength;  // Cohen's h, then the direction
+  if (!kDynamic) {
+    const int64_t entry = args.table_index[g] + s.a * args.table_index[args.n_groups + g] + s.b;
+    x = args.table_values[entry];
+    strength = args.table_values[args.table_size + entry];
+  } else if (const int64_t n = gc.n_c + gc.n_w; args.table_values != nullptr && n <= args.grid_bound) {
+    // device.grid_index in closed form
+    const int64_t c = gc.n_c;
+    const int64_t entry = (n + 3) * (n + 2) * (n + 1) * n / 24 + (n + 2) * c * (c + 1) / 2 -
+                          c * (c + 1) * (2 * c + 1) / 6 + s.a * (gc.n_w + 1) + s.b;
+    x = args.table_values[entry];
+    strength = args.table_values[args.table_size + entry];
+  } else {  // a group past the grid: this slot's table, computed here
+    const FisherConsts k{args.log_factorial, args.log_rtol, args.log_err, args.p_one, args.ln2};
+    table_stats(k, args.alpha, args.beta, s.a, s.b, static_cast<int>(gc.n_c), static_cast<int>(gc.n_w), &x, &strength);
+  }
   if (args.use_tf) {
     const double avg = static_cast<double>(gc.T_c + gc.T_w) / 2.0;
     const double tf_c = bm25_tf(s.f_c, gc.T_c, avg, args), tf_w = bm25_tf(s.f_w, gc.T_w, avg, args);
@@ -319,19 +453,24 @@ __device__ void write_rows(const KernelArgs& args, const Table& t, int64_t g, ui
 
 // Replaces every occupied slot's counters by the bits of its float64 score. Each thread touches
 // only its own slots, so no barrier is needed until the gather reads them.
+template <bool kDynamic>
 __device__ void score_slots(const KernelArgs& args, const Table& t, int64_t g,
-                            const uint32_t* correct_bits, const GroupCounts& gc) {
+                            const uint32_t* correct_bits, const GroupCounts& gc, int words) {
   for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
     const uint32_t token = t.keys[s];
     if (token == kEmptyKey) continue;
     const double score = args.use_given ? given_score(args, g, token)
-                                        : row_score(args, g, token, slot_counts(t, s, correct_bits, args.words), gc);
+                                        : row_score<kDynamic>(args, g, token, slot_counts(t, s, correct_bits, words), gc);
     t.counts[s] = static_cast<unsigned long long>(__double_as_longlong(score));
   }
 }
 
-// (A_i + weight * score) * mask, rounded once to float32 (no FMA, as the float64 reference).
-__device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t first, int group_size) {
+// (A_i + weight * score) * mask, rounded once to float32 (no FMA, as the float64 reference). With
+// hash partitions, the positions of partition `part`'s ids; positions without a masked id are
+// written once, with partition 0.
+template <bool kFromIndex = false>
+__device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t first, int group_size,
+                                 uint32_t parts = 1u, uint32_t part = 0u) {
   const int64_t length = args.length;
   const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
   for (int r = 0; r < group_size; ++r) {
@@ -340,22 +479,46 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
     const bool* mask = args.mask + rollout * length;
     float* out = args.advantage + rollout * length;
     const double base = args.base[rollout];
-    for (int64_t start = 0; start < length; start += step) {
+    const int64_t end = rollout_end(args, rollout);
+    if (kFromIndex) {  // the slots the build recorded: no mask, no ids, no probing
+      const uint16_t* index = args.slot_index + rollout * length;
+      for (int64_t start = 0; start < end; start += step) {
+        uint16_t slot[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+          slot[u] = pos < end ? index[pos] : kNoIndex;
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+          if (pos >= end) continue;
+          out[pos] = slot[u] == kNoIndex ? 0.0f : __double2float_rn(__dadd_rn(base, __dmul_rn(args.weight,
+                         __longlong_as_double(static_cast<long long>(t.counts[slot[u]])))));
+        }
+      }
+    }
+    for (int64_t start = 0; !kFromIndex && start < end; start += step) {
       int64_t token[kUnroll];
       bool valid[kUnroll];
-      load_tile(args, tokens, mask, start, token, valid);
+      load_tile(args, tokens, mask, start, end, token, valid);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
-        if (pos >= length) continue;
-        float value = 0.0f;
-        if (valid[u]) {
-          const uint32_t slot = find(t, static_cast<uint32_t>(token[u]));
-          const double score = slot == kNoSlot ? NAN : __longlong_as_double(static_cast<long long>(t.counts[slot]));
-          value = __double2float_rn(__dadd_rn(base, __dmul_rn(args.weight, score)));
+        if (pos >= end) continue;
+        if (!valid[u]) {
+          if (part == 0u) out[pos] = 0.0f;
+          continue;
         }
-        out[pos] = value;
+        const uint32_t key = static_cast<uint32_t>(token[u]);
+        if (!in_part(key, parts, part)) continue;
+        const uint32_t slot = find(t, key);
+        const double score = slot == kNoSlot ? NAN : __longlong_as_double(static_cast<long long>(t.counts[slot]));
+        out[pos] = __double2float_rn(__dadd_rn(base, __dmul_rn(args.weight, score)));
       }
+    }
+    if (part == 0u) {  // past the last masked position: zeros, nothing read
+      for (int64_t pos = end + threadIdx.x; pos < length; pos += blockDim.x) out[pos] = 0.0f;
     }
   }
 }
@@ -413,9 +576,221 @@ __device__ void process_group(const KernelArgs& args, unsigned char* smem, int64
     sort_table(t, args.words);
     write_rows(args, t, g, n_keys, correct_bits, gc);
   } else {
-    score_slots(args, t, g, correct_bits, gc);
+    score_slots<false>(args, t, g, correct_bits, gc, args.words);
     __syncthreads();
     gather_advantage(args, t, first, group_size);
+  }
+}
+
+// Smallest power-of-two table of at least kMinCapacity slots holding n_keys ids (cuda.table_capacity).
+__device__ __forceinline__ int64_t table_capacity_for(int64_t n_keys) {
+  int64_t capacity = kMinCapacity;
+  while (max_keys(capacity) < n_keys) capacity *= 2;
+  return capacity;
+}
+
+// One group of the static-bound advantage pipeline (launch_advantage), every choice made here: the
+// group's own presence words and slot layout, a table sized by its masked tokens (so only that much
+// is cleared), up to what the block's shared memory (or global slice) holds. The shared pass gives
+// up on a group that overflows (status -1, nothing written); the global pass redoes it, splitting
+// its ids into 2, 4, ... hash partitions until each fits its slice, a partition's positions written
+// after its table is complete. Nothing at all is written when the scan pass found a bad id.
+template <bool kSharedTable>
+__device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int64_t g) {
+  auto* state = reinterpret_cast<BlockState*>(smem);
+  const auto* flags = reinterpret_cast<const volatile long long*>(args.bad_ids);
+  if (flags[0] != 0 || flags[1] != 0) return;  // the host raises; `out` stays as it was
+  if (!kSharedTable && args.status[g] >= 0) return;
+  const int64_t first = args.starts[g];
+  const int group_size = static_cast<int>(args.starts[g + 1] - first);
+  const int64_t n = args.n_groups;
+  const GroupCounts gc{args.group_counts[g], args.group_counts[n + g], args.group_counts[2 * n + g],
+                       args.group_counts[3 * n + g]};
+  const int words = group_size > 32 ? (group_size + 31) / 32 : 1;
+  const int64_t tokens = gc.T_c + gc.T_w;
+  const bool packed = args.allow_packed && words == 1 && tokens <= kPackedMaxTokens;
+  const int64_t slot_bytes = packed ? 12 : 12 + 4 * static_cast<int64_t>(words);
+  uint32_t* correct_bits;
+  unsigned char* table;
+  int64_t room;
+  if (kSharedTable) {
+    correct_bits = reinterpret_cast<uint32_t*>(smem + sizeof(BlockState));
+    table = smem + header_bytes(words);
+    room = args.shared_bytes - header_bytes(words);
+  } else {  // the block's slice: the correct-rollout mask, then the table
+    unsigned char* slice = args.ws_bytes + static_cast<int64_t>(blockIdx.x) * args.ws_slice_bytes;
+    const int64_t mask_bytes = (4 * static_cast<int64_t>(words) + 7) / 8 * 8;
+    correct_bits = reinterpret_cast<uint32_t*>(slice);
+    table = slice + mask_bytes;
+    room = args.ws_slice_bytes - mask_bytes;
+  }
+  int64_t capacity = table_capacity_for(tokens);
+  if (kSharedTable && capacity > args.max_capacity) capacity = args.max_capacity;  // Tuning.table_slots
+  while (capacity > 2 && capacity * slot_bytes > room) capacity /= 2;
+  const int64_t least = kSharedTable && args.max_capacity > kMinCapacity ? kMinCapacity : 2;
+  if (capacity < least || capacity * slot_bytes > room) {  // no room: the global pass takes it
+    if (threadIdx.x == 0) args.status[g] = -1;
+    return;
+  }
+  auto* counts = reinterpret_cast<unsigned long long*>(table);
+  auto* keys = reinterpret_cast<uint32_t*>(counts + capacity);
+  const Table t{keys, counts, packed ? nullptr : keys + capacity, static_cast<uint32_t>(capacity), packed};
+
+  for (int w = threadIdx.x; w < words; w += blockDim.x) {
+    uint32_t bits = 0u;
+    for (int j = 0; j < 32 && 32 * w + j < group_size; ++j) {
+      if (args.correct[args.members[first + 32 * w + j]]) bits |= 1u << j;
+    }
+    correct_bits[w] = bits;
+  }
+  const uint32_t most_parts = kSharedTable ? 1u : (1u << 24);
+  // the shared pass records each position's slot when the table's slots fit 16 bits
+  const bool from_index = kSharedTable && args.slot_index != nullptr && capacity < kNoIndex;
+  for (uint32_t parts = 1u;; parts *= 2u) {
+    bool overflowed = false;
+    int64_t n_keys = 0;
+    for (uint32_t part = 0u; part < parts && !overflowed; ++part) {
+      clear_table<false>(t, words);
+      if (threadIdx.x == 0) *state = BlockState{0u, 0u};
+      __syncthreads();
+      if (from_index) {
+        build_table<false, true>(args, t, first, group_size, state);
+      } else {
+        build_table<false>(args, t, first, group_size, state, parts, part);
+      }
+      __syncthreads();
+      overflowed = state->overflow != 0u;
+      n_keys += state->used;
+      __syncthreads();  // every thread has read the state before it is reset
+      if (overflowed) break;
+      score_slots<true>(args, t, g, correct_bits, gc, words);
+      __syncthreads();
+      if (from_index) {
+        gather_advantage<true>(args, t, first, group_size);
+      } else {
+        gather_advantage(args, t, first, group_size, parts, part);
+      }
+      __syncthreads();  // the table is cleared for the next partition
+    }
+    if (!overflowed || parts >= most_parts) {
+      if (threadIdx.x == 0) args.status[g] = overflowed ? -1 : n_keys;
+      return;
+    }
+  }
+}
+
+// The static-bound advantage passes: blocks take the groups blockIdx.x, blockIdx.x + gridDim.x, ...
+template <bool kSharedTable>
+__global__ void __launch_bounds__(kMaxThreads) dynamic_kernel(const KernelArgs args) {
+  KTAE_DYNAMIC_SHARED(smem);
+  for (int64_t g = blockIdx.x; g < args.n_items; g += gridDim.x) {
+    process_dynamic<kSharedTable>(args, smem, g);
+    __syncthreads();
+  }
+}
+
+// Scan pass, one block per rollout: masked tokens, extent (last masked position + 1) and the ids out
+// of [0, 2^31) under the mask (bad_ids). Four block-wide accumulators in dynamic shared memory.
+__global__ void __launch_bounds__(kMaxThreads) scan_kernel(const PrepareArgs args) {
+  KTAE_DYNAMIC_SHARED(smem);
+  auto* count = reinterpret_cast<unsigned long long*>(smem);
+  auto* acc = reinterpret_cast<long long*>(smem);  // [1] extent, [2] least id, [3] excess of the largest
+  for (int64_t r = blockIdx.x; r < args.B; r += gridDim.x) {
+    if (threadIdx.x == 0) {
+      *count = 0ull;
+      acc[1] = acc[2] = acc[3] = 0;
+    }
+    __syncthreads();
+    const bool* mask = args.mask + r * args.L;
+    const int64_t* tokens = args.responses + r * args.L;
+    unsigned long long mine = 0ull;
+    long long last = 0, low = 0, high = 0;
+    for (int64_t pos = threadIdx.x; pos < args.L; pos += blockDim.x) {
+      if (!mask[pos]) continue;
+      ++mine;
+      last = pos + 1;
+      const long long id = tokens[pos];
+      low = id < low ? id : low;
+      high = id > high ? id : high;
+    }
+    if (mine) {
+      atomicAdd(count, mine);
+      atomicMax(acc + 1, last);
+    }
+    if (low < 0) atomicMin(acc + 2, low);
+    if (high > kMaxTokenId) atomicMax(acc + 3, high - kMaxTokenId);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      args.lengths[r] = static_cast<int64_t>(*count);
+      args.extent[r] = acc[1];
+      if (acc[2] < 0) atomicMin(args.bad_ids, acc[2]);
+      if (acc[3] > 0) atomicMax(args.bad_ids + 1, acc[3]);
+    }
+    __syncthreads();
+  }
+}
+
+// Groups pass, in two launches over the whole device (the per-group work is a chain of dependent
+// loads, so it wants many threads, not one block). First, per rollout: correct flags and the group
+// offsets from the members sorted by group.
+__global__ void groups_kernel(const PrepareArgs args) {
+  const int64_t B = args.B, n = args.n_groups;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = tid; i < B; i += stride) {
+    const int64_t r = args.members[i];
+    const int64_t g = args.group[r];
+    args.correct[r] = args.given_correct ? args.given_correct[r] : args.rewards[r] > args.threshold;
+    const int64_t before = i == 0 ? -1 : args.group[args.members[i - 1]];
+    for (int64_t h = before + 1; h <= g; ++h) args.starts[h] = i;
+    if (i == B - 1) {
+      for (int64_t h = g + 1; h <= n; ++h) args.starts[h] = B;
+    }
+  }
+  if (B == 0) {
+    for (int64_t h = tid; h <= n; h += stride) args.starts[h] = 0;
+  }
+}
+
+// Then one thread per group sums in member order (= index order, as torch's index_add_ on the CPU):
+// n_c, n_w, T_c, T_w and the baseline of method.rollout_advantage (every product rounded on its own).
+__global__ void group_sums_kernel(const PrepareArgs args) {
+  const int64_t n = args.n_groups;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < n; g += stride) {
+    const int64_t first = args.starts[g], end = args.starts[g + 1], size = end - first;
+    int64_t n_c = 0, T_c = 0, T = 0;
+    double sum = 0.0;
+    for (int64_t i = first; i < end; ++i) {
+      const int64_t r = args.members[i];
+      const bool c = args.correct[r];
+      n_c += c;
+      T += args.lengths[r];
+      T_c += c ? args.lengths[r] : 0;
+      sum += args.rewards[r];
+    }
+    args.status[g] = -1;
+    args.group_counts[g] = n_c;
+    args.group_counts[n + g] = size - n_c;
+    args.group_counts[2 * n + g] = T_c;
+    args.group_counts[3 * n + g] = T - T_c;
+    if (args.baseline == kBaselineGiven) continue;
+    const double mean = size > 1 ? sum / static_cast<double>(size) : 0.0;
+    double squares = 0.0;
+    for (int64_t i = first; i < end; ++i) {
+      const int64_t r = args.members[i];
+      const double centred = args.rewards[r] - mean;
+      squares = __dadd_rn(squares, __dmul_rn(centred, centred));
+    }
+    const double var = squares / static_cast<double>(size > 2 ? size - 1 : 1);
+    const double std = size > 1 ? sqrt(var) : 1.0;
+    for (int64_t i = first; i < end; ++i) {
+      const int64_t r = args.members[i];
+      const double centred = args.rewards[r] - mean;
+      args.base[r] = args.baseline == kBaselineNone ? args.rewards[r]
+                     : args.baseline == kBaselineMean ? centred
+                                                      : centred / (std + args.eps);
+    }
   }
 }
 
@@ -429,70 +804,13 @@ __global__ void __launch_bounds__(kMaxThreads) group_kernel(const KernelArgs arg
   }
 }
 
-// ---------------------------------------------------------------------------- per-table statistics
-// The statistics of every table of a grid (ktae_kernels/backends/device.py, GridTables), one thread
-// per table: the same formulas, in the same order of operations, as method.table_statistics (exact
-// mode). Each log-pmf is -(((lf[k] + lf[n1 - k]) + lf[col - k]) + lf[n2 - col + k]) from the same
-// log-factorial table, so the tie test and the p = 1 rule of F classify every table as the CPU does;
-// p = exp(lse(kept) - lse(all)), each log-sum-exp shifted by its own maximum (torch's logsumexp), and
-// only the order of the two sums differs from torch's reduction. Every product that feeds a sum is
-// rounded on its own (__dmul_rn / __dadd_rn: no FMA contraction), as on the CPU.
-
-__device__ __forceinline__ double log_pmf(const double* lf, int k, int n1, int n2, int col) {
-  return -(((lf[k] + lf[n1 - k]) + lf[col - k]) + lf[n2 - col + k]);
-}
-
-__device__ double fisher_pvalue(const StatsArgs& args, int a, int b, int n_c, int n_w) {
-  const int n1 = a + b, n2 = n_c + n_w - n1, col = n_c;
-  if (n1 == 0 || n2 == 0 || col == 0 || col == n1 + n2) return 1.0;
-  const int lo = col - n2 > 0 ? col - n2 : 0;
-  const int hi = n1 < col ? n1 : col;
-  const double* lf = args.log_factorial;
-  const double lp_obs = log_pmf(lf, a, n1, n2, col);
-  const double tol = __dadd_rn(args.log_rtol, __dmul_rn(args.log_err, fabs(lp_obs)));
-  const double limit = lp_obs + tol;
-  double top = lp_obs, top_kept = lp_obs;
-  for (int k = lo; k <= hi; ++k) {
-    const double lp = log_pmf(lf, k, n1, n2, col);
-    top = fmax(top, lp);
-    if (lp <= limit) top_kept = fmax(top_kept, lp);
-  }
-  if (lp_obs >= top - tol) return 1.0;
-  double total = 0.0, kept = 0.0;
-  for (int k = lo; k <= hi; ++k) {
-    const double lp = log_pmf(lf, k, n1, n2, col);
-    total += exp(lp - top);
-    if (lp <= limit) kept += exp(lp - top_kept);
-  }
-  return fmin(exp((log(kept) + top_kept) - (log(total) + top)), 1.0);
-}
-
-// Binary entropy in bits, 0 log 0 = 0 (method.binary_entropy).
-__device__ __forceinline__ double entropy_bits(double p, double ln2) {
-  const double q = 1.0 - p;
-  const double xp = p == 0.0 ? 0.0 : __dmul_rn(p, log(p));
-  const double xq = q == 0.0 ? 0.0 : __dmul_rn(q, log(q));
-  return -__dadd_rn(xp, xq) / ln2;
-}
-
-// H(Y) - H(Y | X) in bits, clamped at 0 (method.information_gain).
-__device__ double information_gain(int a, int b, int n_c, int n_w, double ln2) {
-  const double af = a, bf = b, ncf = n_c, nwf = n_w;
-  const double cf = ncf - af, df = nwf - bf;
-  const double n = fmax(ncf + nwf, 1.0);
-  const double present = af + bf, absent = cf + df;
-  const double h_y = entropy_bits(ncf / n, ln2);
-  const double h_present = present > 0 ? __dmul_rn(present / n, entropy_bits(af / fmax(present, 1.0), ln2)) : 0.0;
-  const double h_absent = absent > 0 ? __dmul_rn(absent / n, entropy_bits(cf / fmax(absent, 1.0), ln2)) : 0.0;
-  return fmax(__dadd_rn(__dadd_rn(h_y, -h_present), -h_absent), 0.0);
-}
-
 __global__ void table_statistics_kernel(const StatsArgs args) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= args.size) return;
   const int a = args.cells[t], b = args.cells[args.size + t];
   const int n_c = args.cells[2 * args.size + t], n_w = args.cells[3 * args.size + t];
-  const double p = fisher_pvalue(args, a, b, n_c, n_w);
+  const FisherConsts k{args.log_factorial, args.log_rtol, args.log_err, args.p_one, args.ln2};
+  const double p = fisher_pvalue(k, a, b, n_c, n_w);
   const bool informative = n_c > 0 && n_w > 0 && a + b < n_c + n_w;
   const double F = informative && p < args.p_one ? exp(-2.0 * p) : 0.0;
   const double IG = informative ? information_gain(a, b, n_c, n_w, args.ln2) : 0.0;
@@ -519,16 +837,45 @@ bool runs_on_cpu() {
 
 namespace {
 
+constexpr int kMaxDevices = 64;
+
+// Raises `kernel`'s dynamic shared memory limit to `bytes` on the current device, once per size
+// increase (so that a call inside a CUDA graph capture, after a warm-up, sets nothing). `allowed`:
+// the kernel's own record, per device (every kernel has the same type, so each launcher keeps one).
+template <class Kernel>
+cudaError_t allow_shared(Kernel kernel, int64_t bytes, std::atomic<int64_t> (&allowed)[kMaxDevices]) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device >= 0 && device < kMaxDevices && allowed[device].load() >= bytes) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (err == cudaSuccess && device >= 0 && device < kMaxDevices) allowed[device].store(bytes);
+  return err;
+}
+
 template <int kMode, bool kSharedTable>
 cudaError_t launch(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
                    cudaStream_t stream) {
   const auto kernel = group_kernel<kMode, kSharedTable>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(shared_bytes));
+  static std::atomic<int64_t> allowed[kMaxDevices] = {};
+  cudaError_t err = allow_shared(kernel, shared_bytes, allowed);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
   return cudaGetLastError();
 }
+
+template <bool kSharedTable>
+cudaError_t launch_dynamic(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
+                           cudaStream_t stream) {
+  const auto kernel = dynamic_kernel<kSharedTable>;
+  static std::atomic<int64_t> allowed[kMaxDevices] = {};
+  cudaError_t err = allow_shared(kernel, shared_bytes, allowed);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
+  return cudaGetLastError();
+}
+
+constexpr int64_t kMaxGridBlocks = 2147483647;
 
 template <int kMode>
 cudaError_t launch_mode(const KernelArgs& args, bool shared_table, int64_t n_blocks, int threads,
@@ -548,6 +895,35 @@ int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, in
     case kAdvantage: return launch_mode<kAdvantage>(args, shared_table, n_blocks, threads, shared_bytes, s);
   }
   return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
+                     void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
+  cudaError_t err = cudaMemsetAsync(prepare.bad_ids, 0, 2 * sizeof(long long), s);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (prepare.B > 0) {
+    const int64_t blocks = prepare.B < kMaxGridBlocks ? prepare.B : kMaxGridBlocks;
+    scan_kernel<<<static_cast<unsigned>(blocks), threads, 32, s>>>(prepare);
+    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
+  }
+  groups_kernel<<<groups_blocks(prepare.B + 1), kGroupsThreads, 0, s>>>(prepare);
+  if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
+  if (prepare.n_groups > 0) {
+    group_sums_kernel<<<groups_blocks(prepare.n_groups), kGroupsThreads, 0, s>>>(prepare);
+    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
+  }
+  if (kernel.n_items == 0) return 0;
+  if (kernel.shared_bytes > 0) {
+    const int64_t blocks = kernel.n_items < kMaxGridBlocks ? kernel.n_items : kMaxGridBlocks;
+    err = launch_dynamic<true>(kernel, blocks, threads, kernel.shared_bytes, s);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  if (fallback_blocks > 0) {
+    err = launch_dynamic<false>(kernel, fallback_blocks, threads, sizeof(BlockState) * 2, s);
+    if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  return 0;
 }
 
 int launch_table_statistics(const StatsArgs& args, void* stream) {

@@ -99,7 +99,89 @@ struct KernelArgs {
   bool use_given;              // kAdvantage: take each token's score from the given rows (sorted
   const int64_t* given_token;  // by (group, token), [n_rows]) instead of computing it
   const double* given_score;
+  // the static-bound advantage pipeline (launch_advantage): every choice that depends on the data is
+  // made on the device, per group, so nothing is read back before or between the launches
+  bool dynamic;                // per-group layout (presence words, packed) and table size, the
+                               // group's tables sized by its masked tokens; skip every write when
+                               // bad_ids is set (the scan pass found an id out of range)
+  const int64_t* extent;       // [B] last masked position + 1: rollouts are read up to it only
+  int64_t shared_bytes;        // dynamic shared memory of a shared-table pass
+  int64_t max_capacity;        // most slots of a table (a power of two)
+  bool allow_packed;           // the packed slot where a group has one presence word and < 2^16 tokens
+  unsigned char* ws_bytes;     // global-memory pass: block b owns [b * ws_slice_bytes, (b + 1) * ws_slice_bytes)
+  int64_t ws_slice_bytes;      //   and takes the hash partitions of an overflowing group one after another
+  uint16_t* slot_index;        // [B, L] or null: the shared pass's build records each position's slot
+                               // there and its gather reads it back (tables of < 2^16 slots)
+  int32_t grid_bound;          // table_values holds every table of groups of up to grid_bound rollouts at the
+                               // closed-form offset of device.grid_index (table_index unused); bigger groups
+                               // (or no table_values) get their statistics computed per slot from
+  const double* log_factorial; // log(k!), k < lf_size (>= the largest group + 1)
+  int64_t lf_size;
+  double log_rtol, log_err, p_one, ln2;  // as StatsArgs
 };
+
+// The [B]-sized bookkeeping of launch_advantage, on the device: a scan pass (one block per rollout:
+// masked tokens, extent, out-of-range ids) and the groups passes (a thread per rollout: correct
+// flags, group offsets from the members sorted by group; a thread per group: n_c, n_w, T_c, T_w and
+// the rollout advantage A_i).
+struct PrepareArgs {
+  const int64_t* responses;  // [B, L]
+  const bool* mask;          // [B, L]
+  int64_t B, L;
+  const int64_t* group;      // [B] dense group ids
+  const int64_t* members;    // [B] argsort(group, stable)
+  int64_t n_groups;
+  const double* rewards;     // [B]
+  const bool* given_correct; // [B] or null: then reward > threshold
+  double threshold;
+  int baseline;              // kBaseline*
+  double eps;
+  // outputs
+  long long* bad_ids;        // [2] zeroed before: least id < 0, (largest id > 2^31 - 1) - (2^31 - 1)
+  int64_t* lengths;          // [B] masked tokens
+  int64_t* extent;           // [B] last masked position + 1 (0 when none)
+  bool* correct;             // [B]
+  int64_t* starts;           // [n_groups + 1]
+  int64_t* group_counts;     // [4, n_groups] n_c, n_w, T_c, T_w
+  double* base;              // [B] A_i (unless kBaselineGiven)
+  int64_t* status;           // [n_groups] set to -1 (not done) for the table passes
+};
+
+enum Baseline : int { kBaselineGrpo = 0, kBaselineMean = 1, kBaselineNone = 2, kBaselineGiven = 3 };
+
+// Threads a block of the groups passes.
+constexpr int kGroupsThreads = 128;
+
+// The int64 workspace of launch_advantage, in this order: bad_ids [2], status [n], starts [n + 1],
+// group_counts [4 n], lengths [B], extent [B], base [B] (float64), correct [B] (bool, rounded up
+// to 8 bytes), the global-memory tables (fallback_bytes, a multiple of 8), then, with a slot index,
+// B * L uint16 (rounded up to 8 bytes).
+struct AdvantageLayout {
+  int64_t status, starts, group_counts, lengths, extent, base, correct, tables, slot_index, total;
+};
+inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, int64_t fallback_bytes,
+                                                  int64_t index_positions = 0) {
+  AdvantageLayout l{};
+  l.status = 2;
+  l.starts = l.status + n_groups;
+  l.group_counts = l.starts + n_groups + 1;
+  l.lengths = l.group_counts + 4 * n_groups;
+  l.extent = l.lengths + B;
+  l.base = l.extent + B;
+  l.correct = l.base + B;
+  l.tables = l.correct + (B + 7) / 8;
+  l.slot_index = l.tables + (fallback_bytes + 7) / 8;
+  l.total = l.slot_index + (2 * index_positions + 7) / 8;
+  return l;
+}
+
+// The whole token_advantage on `stream`, nothing read back: zero bad_ids, the scan and groups
+// passes, a shared-table pass over every group (n_groups blocks, `shared_bytes`, skipped where a
+// group's table does not fit), then, when fallback_blocks > 0, a global-memory pass of that many
+// blocks over the groups that did not complete. `kernel` carries the pointers and choices of the
+// group kernel (dynamic = true), `prepare` those of the bookkeeping. 0 or a CUDA error code.
+int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
+                     void* stream);
 
 // The per-table statistics of a grid (ktae_kernels/backends/device.py, GridTables): for each table
 // t, out[:, t] = p_value, F, IG, Cohen's h, strength (alpha F + beta IG), as method.table_statistics.

@@ -61,6 +61,11 @@ class Recorder:
         self.launches.append((kwargs["mode"], kwargs["shared_table"]))
         self.ext.launch(**kwargs)
 
+    def advantage(self, **kwargs) -> None:
+        """token_advantage's static-bound call: ("advantage", shared pass, global-pass blocks)."""
+        self.launches.append(("advantage", kwargs["shared_bytes"] > 0, kwargs["fallback_blocks"]))
+        self.ext.advantage(**kwargs)
+
 
 @needs_gpu
 @pytest.mark.parametrize("fisher", ["exact", "upstream"])
@@ -101,7 +106,7 @@ def test_groups_too_diverse_for_shared_memory_spill_by_themselves():
     batch = normalise_batch(*_on_gpu(responses, mask, rewards, index))
     ext = Recorder(cuda.load_extension())
     got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
-    assert ext.launches == [(cuda.ADVANTAGE, True), (cuda.ADVANTAGE, False)]
+    assert ext.launches == [("advantage", True, 2)]  # a shared pass, then a global pass of a block a group
     want = token_advantage(responses, mask, rewards, index, backend="torch")
     torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
     expected = key_token_scores(responses, mask, rewards, index, backend="torch")
@@ -145,3 +150,48 @@ def test_cuda_backend_without_the_extension_says_how_to_build_it(monkeypatch):
     _, responses, mask, rewards, index = CASES[0]
     with pytest.raises(BackendUnavailableError, match="KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation"):
         cuda.token_advantage(normalise_batch(responses, mask, rewards, index), KTAEConfig(), None)
+
+
+@needs_gpu
+def test_a_call_with_out_is_captured_in_a_cuda_graph_and_replayed():
+    """Issue #21: nothing is read back while a graph captures (the id flag read is skipped), so a call
+    with ``out=`` is capturable; replays on new inputs copied into the captured tensors match torch,
+    and a replay with a bad id leaves ``out`` untouched (the flag is set on the device, unread)."""
+    gen = torch.Generator().manual_seed(4)
+    B, L = 64, 512
+    def batch():
+        responses = torch.randint(0, 5000, (B, L), generator=gen)
+        mask = torch.arange(L)[None, :] < torch.randint(1, L + 1, (B, 1), generator=gen)
+        rewards = (torch.rand(B, generator=gen) < 0.5).double()
+        return responses, mask, rewards
+    index = torch.arange(B) // 16
+    responses, mask, rewards = (t.cuda() for t in batch())
+    data = normalise_batch(responses, mask, rewards, index.cuda())
+    out = torch.empty(B, L, dtype=torch.float32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up: fills the statistics grid and the allocator's pools
+        for _ in range(2):
+            cuda.token_advantage(data, KTAEConfig(), None, out)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda.token_advantage(data, KTAEConfig(), None, out)
+    for _ in range(3):
+        new = batch()
+        for dst, src in zip((data.responses, data.mask, data.rewards), new):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = token_advantage(*new, index, backend="torch")
+        torch.testing.assert_close(out.cpu(), want, rtol=0.0, atol=1e-6)
+    out.fill_(float("nan"))
+    data.responses[3, 0] = -1
+    data.mask[3, 0] = True
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all()
+    with pytest.raises(ValueError, match="found -1"):
+        cuda.token_advantage(data, KTAEConfig(), None, out)
+    assert torch.isnan(out).all()

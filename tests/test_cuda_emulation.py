@@ -108,6 +108,11 @@ class Recorder:
         self.launches.append((kwargs["mode"], kwargs["shared_table"], kwargs["block_group"].tolist()))
         self.ext.launch(**kwargs)
 
+    def advantage(self, **kwargs) -> None:
+        """The static-bound token_advantage: one call, recorded as ("advantage", shared pass, fallback blocks)."""
+        self.launches.append(("advantage", kwargs["shared_bytes"] > 0, kwargs["fallback_blocks"]))
+        self.ext.advantage(**kwargs)
+
 
 def wide_groups_case():
     """Groups of 40 and 33 rollouts: two presence words per slot."""
@@ -178,10 +183,11 @@ def test_overflowing_groups_and_only_they_take_the_global_table(emulator):
     # skips those that completed; once the count pass has told the host the distinct ids, the rows
     # pass sends exactly the spilled groups to the fallback
     assert set(spilled) <= set(torch.nonzero(tokens > room).flatten().tolist())
-    # count + rows for the scores, one advantage pass: each a shared pass, then the fallback
+    # key_token_scores: count + rows, each a shared pass then the fallback; token_advantage: one
+    # static-bound call (shared pass, then a global pass of one block per group, nothing read back)
     assert ext.launches == [(cuda.COUNT, True, all_groups), (cuda.COUNT, False, all_groups),
                             (cuda.ROWS, True, [g for g in all_groups if g not in spilled]), (cuda.ROWS, False, spilled),
-                            (cuda.ADVANTAGE, True, all_groups), (cuda.ADVANTAGE, False, all_groups)]
+                            ("advantage", True, batch.n_groups)]
 
 
 def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, monkeypatch):
@@ -192,19 +198,32 @@ def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, m
     check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=2))
 
 
-def test_large_grids_and_upstream_score_the_rows_first(emulator, monkeypatch):
+def test_groups_past_the_grid_compute_their_statistics_per_slot(emulator, monkeypatch):
+    """With no grid (its bound patched below 16), every slot computes its table's statistics in the
+    kernel (the path of groups past 64 rollouts): one static-bound call, no rows first."""
     from ktae_kernels.backends import device as device_helpers
 
     monkeypatch.setattr(device_helpers, "GRID_MAX_GROUP", 8)
-
     monkeypatch.setattr(device_helpers, "_GRID_CACHE", type(device_helpers._GRID_CACHE)())
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     ext = Recorder(emulator)
     _, advantage = expected(name, batch, KTAEConfig())
+    assert cuda.static_plan(emulator, batch, KTAEConfig()).bound is None
     got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
     torch.testing.assert_close(got, advantage, rtol=0.0, atol=1e-6)
-    # the default table holds every group: no fallback launches
+    assert ext.launches == [("advantage", True, 0)]
+    assert not device_helpers._GRID_CACHE
+
+
+def test_upstream_scores_the_rows_first(emulator):
+    name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
+    batch = normalise_batch(responses, mask, rewards, index)
+    ext = Recorder(emulator)
+    config = KTAEConfig(fisher="upstream")
+    assert cuda.static_plan(emulator, batch, config) is None
+    torch.testing.assert_close(cuda.token_advantage(batch, config, None, extension=ext),
+                               expected(name, batch, config)[1], rtol=0.0, atol=1e-6)
     assert [mode for mode, *_ in ext.launches] == [cuda.COUNT, cuda.ROWS, cuda.ADVANTAGE]
 
 
@@ -367,25 +386,172 @@ def test_statistics_binding_rejects_bad_arguments_naming_them(emulator):
         emulator.table_statistics(**dict(args, constants=[0.0]))
 
 
-def test_bad_ids_are_reported_once_after_the_kernels_so_out_is_unspecified(emulator):
-    """The id flag is read after the advantage pass (no host round trip before it writes), so a
-    caller's ``out`` is written before the ValueError: what api.token_advantage documents."""
+@pytest.mark.parametrize("bad, message", [(-7, r"token ids >= 0 where the mask is 1, found -7"),
+                                          (2**31 + 5, r"token ids must be < 2\*\*31, found 2147483653")])
+@pytest.mark.parametrize("slots", [None, 2], ids=["shared", "global"])
+def test_bad_ids_leave_out_untouched(emulator, bad, message, slots):
+    """The scan pass flags the id before any table pass runs, and the table passes (shared and global)
+    write nothing when it is set: the ValueError comes from the one read after the launches, and a
+    caller's ``out`` is exactly as it was."""
     name, responses, mask, rewards, index = CASES[0]
     responses, mask = responses.clone(), mask.clone()
     mask[1, 0] = True
-    responses[1, 0] = -7
+    responses[1, 0] = bad
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
+    tuning = cuda.Tuning(table_slots=slots)
+    plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
+    assert plan is not None and (plan.fallback_blocks > 0) == (slots is not None)
     out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"token ids >= 0 where the mask is 1, found -7"):
-        cuda.token_advantage(batch, KTAEConfig(), None, out, extension=emulator)
-    assert not torch.isnan(out).all(), "the kernels wrote `out` before the flag was read"
+    with pytest.raises(ValueError, match=message):
+        cuda.token_advantage(batch, KTAEConfig(), None, out, tuning=tuning, extension=emulator)
+    assert torch.isnan(out).all(), "a table pass wrote `out` although an id was out of range"
+    # the same `out` afterwards, with the id fixed: every position written
+    responses[1, 0] = 5
+    batch = normalise_batch(responses, mask, rewards, index)
+    cuda.token_advantage(batch, KTAEConfig(), None, out, tuning=tuning, extension=emulator)
+    torch.testing.assert_close(out, reference.token_advantage(batch, KTAEConfig(), None), rtol=0.0, atol=1e-6)
+
+
+def test_workspace_size_matches_the_binding(emulator):
+    for B, n, fallback in [(0, 0, 0), (1, 1, 0), (8, 3, 64), (16384, 1024, 128 * 2**20), (7, 7, 8 * 100)]:
+        assert cuda.advantage_workspace_size(B, n, fallback) == emulator.advantage_workspace_size(B, n, fallback)
+        for positions in (1, 3, 4, B * 3072):
+            assert (cuda.advantage_workspace_size(B, n, fallback, positions)
+                    == emulator.advantage_workspace_size(B, n, fallback, positions))
+
+
+BOOKKEEPING_CASES = ["G4-mixed-shuffled", "graded-rewards", "one-rollout-groups", "all-masked-rollouts", "G40-two-words"]
+
+
+@pytest.mark.parametrize("baseline", ["grpo", "mean", "none"])
+@pytest.mark.parametrize("name", BOOKKEEPING_CASES)
+def test_device_bookkeeping_matches_method_bitwise(emulator, name, baseline):
+    """The scan and groups passes against method.group_stats and method.rollout_advantage: integer
+    columns, flags and offsets equal, and A_i bitwise (sums in index order, products rounded alone)."""
+    _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
+    batch = normalise_batch(responses, mask, rewards, index)
+    config = KTAEConfig(baseline=baseline)
+    plan = cuda.static_plan(emulator, batch, config)
+    out = torch.empty(responses.shape, dtype=torch.float32)
+    views = cuda.workspace_views(cuda._enqueue(plan, batch, config, None, out), *responses.shape[:1], batch.n_groups)
+    stats = method.group_stats(batch, config)
+    assert views["bad_ids"].tolist() == [0, 0]
+    assert torch.equal(views["correct"], stats.correct)
+    assert torch.equal(views["lengths"], stats.lengths)
+    positions = torch.arange(responses.shape[1]) + 1
+    assert torch.equal(views["extent"], (batch.mask * positions).amax(1) if responses.shape[1] else views["extent"])
+    assert torch.equal(views["starts"], torch.cat([torch.zeros(1, dtype=torch.int64), stats.size.cumsum(0)]))
+    assert torch.equal(views["group_counts"], torch.stack([stats.n_c, stats.n_w, stats.T_c, stats.T_w]))
+    assert torch.equal(views["base"], method.rollout_advantage(batch.rewards, batch.group, stats.size, config, None))
+    assert bool((views["status"] >= 0).all())
+
+
+def test_given_correct_labels_and_rollout_advantage(emulator):
+    _, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
+    correct = torch.arange(responses.shape[0]) % 3 == 1
+    batch = normalise_batch(responses, mask, rewards, index, correct=correct)
+    given = torch.linspace(-1.0, 2.0, responses.shape[0], dtype=torch.float64)
+    for g in (None, given):
+        torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), g, extension=emulator),
+                                   reference.token_advantage(batch, KTAEConfig(), g), rtol=0.0, atol=1e-6)
+    plan = cuda.static_plan(emulator, batch, KTAEConfig())
+    views = cuda.workspace_views(cuda._enqueue(plan, batch, KTAEConfig(), None, torch.empty(responses.shape)),
+                                 responses.shape[0], batch.n_groups)
+    assert torch.equal(views["correct"], correct)
+    assert torch.equal(views["group_counts"][0], method.group_stats(batch, KTAEConfig()).n_c)
+
+
+def _one_diverse_group(seed: int = 3):
+    """An adversarial batch for static sizing: one group of 3 rollouts holding ~600 distinct ids (near
+    2^31 as well), beside 40 one-rollout groups of one id each, some padding inside the rollouts."""
+    rng = np.random.default_rng(seed)
+    L = 240
+    big = torch.as_tensor(rng.integers(0, 2**31 - 1, size=(3, L)))
+    big[:, ::7] = 2**31 - 1
+    small = torch.full((40, L), 11, dtype=torch.int64)
+    responses = torch.cat([big, small])
+    mask = torch.ones_like(responses, dtype=torch.bool)
+    mask[0, 200:] = False
+    mask[1, 10:20] = False
+    mask[3:, 3:] = False
+    rewards = torch.as_tensor(rng.random(43) < 0.5, dtype=torch.float64)
+    index = torch.cat([torch.zeros(3, dtype=torch.int64), torch.arange(1, 41)])
+    return normalise_batch(responses, mask, rewards, index)
+
+
+@pytest.mark.parametrize("slots, fallback_bytes", [(None, None), (32, None), (32, 8 * 1024), (64, 4096)],
+                         ids=["default", "shared-32", "partitions", "many-partitions"])
+def test_one_group_holding_every_distinct_id(emulator, monkeypatch, slots, fallback_bytes):
+    """Static sizing knows only B, L and the number of groups (largest group <= B - n + 1): the group
+    of ~600 distinct ids takes the shared table, or spills to a global slice, or, where even the slice
+    is too small (patched STATIC_FALLBACK_BYTES), is counted in 2, 4, ... hash partitions."""
+    batch = _one_diverse_group()
+    if fallback_bytes is not None:
+        monkeypatch.setattr(cuda, "STATIC_FALLBACK_BYTES", fallback_bytes)
+    tuning = cuda.Tuning(table_slots=slots)
+    plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
+    assert plan.largest == 3 and (plan.fallback_blocks > 0) == (slots is not None)
+    distinct = int(torch.unique(batch.responses[:3][batch.mask[:3]]).numel())
+    if fallback_bytes is not None:
+        slice_slots = plan.fallback_bytes // plan.fallback_blocks // 12
+        assert cuda.max_keys(1 << (slice_slots.bit_length() - 1)) < distinct  # more ids than a slice holds
+    want = reference.token_advantage(batch, KTAEConfig(), None)
+    got = cuda.token_advantage(batch, KTAEConfig(), None, tuning=tuning, extension=emulator)
+    torch.testing.assert_close(got, want, rtol=0.0, atol=1e-6)
 
 
 @pytest.mark.parametrize("sizes, length", [([128, 100], 6), ([1024], 3)], ids=["G128", "G1024"])
 def test_big_groups(emulator, sizes, length):
-    """Groups of 128 and 1024 rollouts (4 and 32 presence words a slot; past the device grid's bound,
-    so the statistics of the rows' tables), shuffled, against the reference, also with small tables."""
+    """Groups of 128 and 1024 rollouts (4 and 32 presence words a slot; past the device grid's bound, so
+    token_advantage computes each slot's table statistics in the kernel and key_token_scores those of
+    the rows' tables on the host), shuffled, against the reference, also with small tables."""
     batch = normalise_batch(*make_batch(np.random.default_rng(11), sizes, length, 60, shuffle=True))
     name = f"G{sizes[0]}-big"
     check(emulator, name, batch, KTAEConfig())
     check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=32))
+
+
+@pytest.mark.parametrize("name", ["G4-mixed-shuffled", "G40-two-words", "all-masked-rollouts"])
+def test_global_pass_alone_takes_every_group(emulator, name):
+    """No shared-table pass at all (shared_bytes 0): the groups pass marks every group not done, and
+    a global pass of two blocks takes them in turn, each in its slice."""
+    import dataclasses
+
+    _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
+    batch = normalise_batch(responses, mask, rewards, index)
+    plan = cuda.static_plan(emulator, batch, KTAEConfig())
+    plan = dataclasses.replace(plan, shared_bytes=0, fallback_blocks=2, fallback_bytes=2 * 64 * 1024)
+    out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
+    views = cuda.workspace_views(cuda._enqueue(plan, batch, KTAEConfig(), None, out), responses.shape[0],
+                                 batch.n_groups)
+    assert bool((views["status"] >= 0).all())
+    torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["G16-zipf", "G40-two-words", "token-ids-near-2^31", "all-masked-rollouts"])
+@pytest.mark.parametrize("slot_index", [True, False])
+def test_gather_from_the_slot_index_or_the_ids(emulator, name, slot_index):
+    """The shared pass's gather reads the slots its build recorded (2 bytes a position) or the ids
+    again: the same advantages; the index holds every masked position's slot and nothing else."""
+    _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
+    batch = normalise_batch(responses, mask, rewards, index)
+    tuning = cuda.Tuning(slot_index=slot_index)
+    plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
+    assert plan.slot_index == slot_index
+    out = torch.empty(responses.shape, dtype=torch.float32)
+    workspace = cuda._enqueue(plan, batch, KTAEConfig(), None, out)
+    torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
+    B, L = responses.shape
+    assert workspace.numel() == cuda.advantage_workspace_size(B, batch.n_groups, plan.fallback_bytes,
+                                                              B * L if slot_index else 0)
+    if slot_index and B * L:
+        start = cuda.advantage_workspace_size(B, batch.n_groups, plan.fallback_bytes)
+        slots = workspace[start:].view(torch.int16)[: B * L].view(B, L).long() & 0xFFFF
+        extent = cuda.workspace_views(workspace, B, batch.n_groups)["extent"]
+        written = torch.arange(L)[None, :] < extent[:, None]
+        assert torch.equal(slots[written] != 0xFFFF, batch.mask[written])
+        # one slot per (rollout's group, id): equal ids of a group share it
+        for g in range(batch.n_groups):
+            rows = (batch.group == g)[:, None] & batch.mask
+            pairs = torch.unique(torch.stack([batch.responses[rows], slots[rows]]), dim=1)
+            assert pairs.shape[1] == torch.unique(batch.responses[rows]).numel() == torch.unique(slots[rows]).numel()

@@ -99,3 +99,59 @@ def test_big_groups_keep_many_fallback_blocks():
     assert cuda.fallback_blocks(16, cuda.table_capacity(distinct), words, keys_only=False) == 16
     assert cuda.fallback_blocks(16, cuda.table_capacity(tokens), words, keys_only=False) == 1  # the old cliff
     assert cuda.fallback_blocks(1000, 1 << 10, 1, keys_only=False) == cuda.FALLBACK_BLOCKS
+
+
+class _SharedOnly:
+    """Stands in for the extension: static_plan reads only the opt-in shared memory."""
+
+    def max_shared_bytes(self, _device: int) -> int:
+        return H200_SHARED
+
+
+def _shape_only_batch(B: int, n_groups: int, L: int):
+    """A batch of the given shape (zero-sized storage: static_plan reads shapes only)."""
+    import numpy as np
+    from ktae_kernels.types import Batch
+
+    responses = torch.empty(B, L, dtype=torch.int64)
+    return Batch(responses=responses, mask=torch.empty(B, L, dtype=torch.bool), rewards=torch.empty(B, dtype=torch.float64),
+                 group=torch.empty(B, dtype=torch.int64), group_labels=np.arange(n_groups))
+
+
+def test_static_plan_of_the_paper_batch_reads_nothing_from_the_device():
+    """B = 16384, 1024 groups, L = 3072: every group has at most 15361 rollouts as far as the host knows
+    (no sync), so the grid of groups of up to 64 plus per-slot statistics beyond, the whole opt-in
+    shared memory, and a bounded global pass (64 blocks, STATIC_FALLBACK_BYTES) for any group that
+    overflows; the kernels size each group's own table on the device."""
+    from ktae_kernels import KTAEConfig
+
+    plan = cuda.static_plan(_SharedOnly(), _shape_only_batch(16384, 1024, 3072), KTAEConfig())
+    assert plan.largest == 16384 - 1024 + 1 and plan.bound == 64
+    assert plan.shared_bytes == H200_SHARED and plan.max_capacity == 2**30 and plan.threads == 768
+    assert plan.fallback_blocks == cuda.FALLBACK_BLOCKS
+    assert plan.fallback_bytes <= cuda.STATIC_FALLBACK_BYTES and plan.fallback_bytes % (8 * plan.fallback_blocks) == 0
+    two = cuda.static_plan(_SharedOnly(), _shape_only_batch(16384, 1024, 3072), KTAEConfig(),
+                           cuda.Tuning(blocks_per_sm=2))
+    assert two.shared_bytes == cuda.shared_limit(H200_SHARED, 2) and two.threads == 384  # two passes of 384 x 4
+
+
+def test_static_plan_small_batches_and_the_paths_that_read_sizes():
+    from ktae_kernels import KTAEConfig
+
+    small = cuda.static_plan(_SharedOnly(), _shape_only_batch(8, 4, 16), KTAEConfig())
+    # groups of at most 5 rollouts x 16 tokens: an 128-slot table always fits, no global pass
+    assert small.bound == 16 and small.fallback_blocks == 0 and small.fallback_bytes == 0
+    assert small.shared_bytes == cuda.shared_table_bytes(cuda.table_capacity(5 * 16), 1)
+    forced = cuda.static_plan(_SharedOnly(), _shape_only_batch(8, 4, 16), KTAEConfig(), cuda.Tuning(table_slots=2))
+    assert forced.max_capacity == 2 and forced.fallback_blocks == 4
+    assert cuda.static_plan(_SharedOnly(), _shape_only_batch(8, 4, 16), KTAEConfig(fisher="upstream")) is None
+    # a possible group of more than 2**30 masked tokens: the path that reads the sizes first
+    assert cuda.static_plan(_SharedOnly(), _shape_only_batch(32770, 16385, 2**16), KTAEConfig()) is None
+
+
+def test_workspace_size_mirrors_the_layout():
+    B, n, fallback = 10, 3, 800
+    assert cuda.advantage_workspace_size(B, n, fallback) == 2 + n + (n + 1) + 4 * n + 3 * B + 2 + 100
+    views = cuda.workspace_views(torch.arange(cuda.advantage_workspace_size(B, n, fallback)), B, n)
+    assert views["bad_ids"].tolist() == [0, 1] and views["status"].tolist() == [2, 3, 4]
+    assert views["group_counts"].shape == (4, n) and views["base"].dtype == torch.float64 and views["correct"].shape == (B,)

@@ -93,3 +93,34 @@ def test_grid_statistics_is_cached_on_the_device(device, monkeypatch):
     assert device_helpers.grid_statistics(n_c, n_w, 16, KTAEConfig(fisher="upstream"), device, counting) is None
     assert device_helpers.grid_statistics(n_c, n_w, 65, config, device, counting) is None
     assert runs == [16]
+
+
+def test_grid_values_is_the_cached_grid_and_grid_statistics_uses_it(monkeypatch):
+    """``grid_values`` (the CUDA backend's lookup: no index ops) and ``grid_statistics`` share one
+    cache entry; a second call computes nothing."""
+    from collections import OrderedDict
+
+    monkeypatch.setattr(device_helpers, "_GRID_CACHE", OrderedDict())
+    calls = []
+
+    def kernel(grid, alpha, beta):
+        calls.append(grid.size)
+        return torch.zeros(5, grid.size, dtype=torch.float64)
+
+    cpu = torch.device("cpu")
+    values = device_helpers.grid_values(16, KTAEConfig(), cpu, kernel)
+    index, again = device_helpers.grid_statistics(torch.tensor([2]), torch.tensor([3]), 5, KTAEConfig(), cpu, kernel)
+    assert again is values and calls == [4845]
+    assert index.tolist() == [[int(grid_index(torch.tensor([2]), torch.tensor([3]))[0])], [4]]
+    assert not device_helpers.capturing(cpu)
+
+
+def test_log_factorials_are_cached_by_power_of_two(monkeypatch):
+    from ktae_kernels.fisher import log_factorial_table
+
+    monkeypatch.setattr(device_helpers, "_LF_CACHE", {})
+    cpu = torch.device("cpu")
+    table = device_helpers.log_factorials(1025, cpu)
+    assert table.shape == (2048,) and device_helpers.log_factorials(2000, cpu) is table
+    assert torch.equal(table[:1026], log_factorial_table(1025, cpu))
+    assert device_helpers.log_factorials(3, cpu).shape == (16,)

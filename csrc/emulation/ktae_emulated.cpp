@@ -38,6 +38,28 @@ int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, in
   return kBadLaunch;
 }
 
+int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
+                     void* /*stream*/) {
+  if (threads <= 0 || threads % 32 != 0 || threads > kMaxThreads || kernel.shared_bytes < 0 ||
+      kernel.shared_bytes > kEmulatedSharedBytes || fallback_blocks < 0) {
+    return kBadLaunch;
+  }
+  prepare.bad_ids[0] = prepare.bad_ids[1] = 0;
+  if (prepare.B > 0) ktae_emu::run([&] { scan_kernel(prepare); }, prepare.B, threads, 32);
+  ktae_emu::run([&] { groups_kernel(prepare); }, groups_blocks(prepare.B + 1), kGroupsThreads, 0);
+  if (prepare.n_groups > 0) {
+    ktae_emu::run([&] { group_sums_kernel(prepare); }, groups_blocks(prepare.n_groups), kGroupsThreads, 0);
+  }
+  if (kernel.n_items == 0) return 0;
+  if (kernel.shared_bytes > 0) {
+    ktae_emu::run([&] { dynamic_kernel<true>(kernel); }, kernel.n_items, threads, kernel.shared_bytes);
+  }
+  if (fallback_blocks > 0) {
+    ktae_emu::run([&] { dynamic_kernel<false>(kernel); }, fallback_blocks, threads, 16);
+  }
+  return 0;
+}
+
 int launch_table_statistics(const StatsArgs& args, void* /*stream*/) {
   if (args.size == 0) return 0;
   const int64_t blocks = (args.size + kStatsThreads - 1) / kStatsThreads;

@@ -8,14 +8,20 @@ extension's statistics kernel computes on the device for every table of a group 
 rollouts, cached there (``device.grid_statistics``; tested against ``method.table_statistics``), then
 adds the per-row BM25 direction and squashes. A group whose distinct ids overflow
 the shared table is redone by a global-memory pass launched right behind the first without waiting
-for it: its blocks skip the groups that completed. ``fisher="upstream"`` (and groups of more than
-``device.GRID_MAX_GROUP`` rollouts) score the rows first and pass their scores in.
+for it: its blocks skip the groups that completed. ``fisher="upstream"`` scores the rows first and
+passes their scores in; a group of more than ``device.GRID_MAX_GROUP`` rollouts computes each slot's
+table statistics in the kernel.
 
-Host synchronisations of ``token_advantage``: one device -> host copy of two group sizes (they size
-the tables and pick the statistics grid) before the kernels, and the read of the out-of-range ids the
-kernels saw after them: the API's range check folded in (the registry declares ``checks_token_ids``,
-no separate pass over the ids), so a caller's ``out`` is already written when it raises (see
-``api.token_advantage``). Everything else is enqueued (host -> device copies from pinned memory).
+``token_advantage`` (exact statistics) runs from static bounds (``static_plan``, ``_enqueue``): the host
+sizes everything from ``B``, ``L`` and the number of groups and makes one binding call that enqueues a
+scan pass (masked tokens, extents, the id-range flag), a groups pass (correct flags, offsets, counts,
+``A_i``), the shared-table pass and, when a group could overflow, a bounded global-memory pass that
+splits a group's ids into hash partitions until each fits; the kernels size each group's table on the
+device. Before the call: one stable argsort and the workspace allocation; after it, the one read of
+the id flag (the API's range check folded in, ``checks_token_ids``), skipped while a CUDA graph is
+capturing. A bad id leaves ``out`` untouched: the table passes write nothing once the scan flagged
+it. ``fisher="upstream"`` (and a batch whose group could pass 2**30 masked tokens) takes the sized
+path (``_prepare``): one device -> host copy of two group sizes before the kernels, then the rows.
 
 The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
 """
@@ -33,7 +39,8 @@ from ..config import KTAEConfig
 from ..types import Batch, KeyTokenScores
 from ..validation import MAX_TOKEN_ID, check_id_range
 from .base import BackendUnavailableError
-from .device import GridTables, grid_statistics, on_device, statistics_constants, upload
+from . import device as device_helpers
+from .device import GridTables, capturing, grid_bound, grid_statistics, on_device, statistics_constants, upload
 
 #: how to build ``ktae_kernels._C`` (on a machine with nvcc and a CUDA build of torch).
 BUILD_COMMAND = 'TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation'
@@ -53,6 +60,13 @@ FALLBACK_BLOCKS = 64
 FALLBACK_BYTES = 256 * 2**20
 #: most masked tokens of a group for the packed 12-byte slot (16-bit counters).
 PACKED_MAX_TOKENS = 65535
+#: most bytes of the global-memory tables of ``token_advantage``'s static-bound pass (sized without
+#: knowing the groups: every block of the pass owns one slice, and splits a group's ids into hash
+#: partitions until each fits it).
+STATIC_FALLBACK_BYTES = 128 * 2**20
+#: the id codes of ``config.baseline`` in the groups kernel (csrc/ktae_kernels.h, ``Baseline``).
+_BASELINES = {"grpo": 0, "mean": 1, "none": 2}
+_GIVEN_BASELINE = 3
 
 
 @dataclass(frozen=True)
@@ -66,12 +80,15 @@ class Tuning:
     blocks_per_sm: shared tables sized so that this many blocks fit an SM (1 or 2); with 2, blocks
     have at most 512 threads (registers) and tables at most half an SM's shared memory.
     max_threads: most threads per block (<= ``MAX_THREADS``).
+    slot_index: ``token_advantage``'s shared pass records each position's slot (2 bytes, ``B * L`` of
+    workspace) while building, and its gather reads that instead of the mask and the int64 ids.
     """
 
     table_slots: int | None = None
     packed: bool = True
     blocks_per_sm: int = 1
     max_threads: int = MAX_THREADS
+    slot_index: bool = True
 
 
 DEFAULT_TUNING = Tuning()
@@ -161,8 +178,12 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
                     tuning: Tuning = DEFAULT_TUNING, extension: ModuleType | None = None) -> Tensor:
     """float32 ``[B, L]``: ``(A_i + weight * score[group(i), token]) * mask`` (arguments as above;
     ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``), in ``out`` when given."""
+    ext = extension or load_extension()
     with on_device(batch.device):
-        plan = _prepare(extension or load_extension(), batch, config, tuning)
+        static = static_plan(ext, batch, config, tuning)
+        if static is not None:
+            return _static_advantage(static, batch, config, given, out)
+        plan = _prepare(ext, batch, config, tuning)
         return _advantage(plan, batch, config, given, out)
 
 
@@ -230,7 +251,7 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
         correct=stats.correct.contiguous(),
         group_counts=torch.stack([stats.n_c, stats.n_w, stats.T_c, stats.T_w]).contiguous(),
         ignore_ids=_constant(tuple(i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID), device),
-        bad_ids=_constant((0, MAX_TOKEN_ID), device).clone(),  # written by the kernels
+        bad_ids=torch.zeros(2, dtype=torch.int64, device=device),  # written by the kernels
         words=words,
         shared_capacity=capacity,
         packed=packed,
@@ -349,8 +370,8 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
     counts = _bounded_pass(plan, COUNT)
     row_offset = torch.zeros(plan.n_groups + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=row_offset[1:])
-    *host_counts, low, high = torch.cat([counts, plan.common["bad_ids"]]).tolist()  # sizes the rows
-    check_id_range(low, high)
+    *host_counts, low, excess = torch.cat([counts, plan.common["bad_ids"]]).tolist()  # sizes the rows
+    check_id_range(low, MAX_TOKEN_ID + excess)
     n_rows = sum(host_counts)
     ints = torch.empty(8, n_rows, dtype=torch.int64, device=device)
     room = max_keys(plan.capacity) if plan.capacity else -1
@@ -406,8 +427,141 @@ def _advantage(plan: _Plan, batch: Batch, config: KTAEConfig, given: Tensor | No
         outputs.update(table_index=lookup[0], table_values=lookup[1])
         _bounded_pass(plan, ADVANTAGE, **outputs)
         # the id check folded into the kernels: this read replaces the API's pass over the ids
-        check_id_range(*plan.common["bad_ids"].tolist())
+        low, excess = plan.common["bad_ids"].tolist()
+        check_id_range(low, MAX_TOKEN_ID + excess)
     return out
+
+
+# ------------------------------------------------------------------ token_advantage from static bounds
+@dataclass(frozen=True)
+class StaticPlan:
+    """``token_advantage``'s launch choices from the batch's shape alone (``B``, ``L``, the number of
+    groups), nothing read from the device: every group has at most ``largest = B - n_groups + 1``
+    rollouts and ``largest * L`` masked tokens; the kernels size each group's table on the device.
+
+    bound: the statistics grid's bound (None: none; groups past it compute their tables' statistics
+    per slot from ``log_factorial``). shared_bytes: dynamic shared memory of the shared-table pass.
+    max_capacity: most slots of a table. fallback_blocks / fallback_bytes: the global-memory pass (0:
+    every group surely completes in shared memory).
+    """
+
+    ext: ModuleType
+    largest: int
+    bound: int | None
+    shared_bytes: int
+    max_capacity: int
+    packed: bool
+    fallback_blocks: int
+    fallback_bytes: int
+    threads: int
+    slot_index: bool = False
+
+
+def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
+                tuning: Tuning = DEFAULT_TUNING) -> StaticPlan | None:
+    """The static-bound plan of ``token_advantage`` (host arithmetic only), or None where the call takes
+    the path that reads the group sizes first: ``fisher="upstream"`` (scores from the rows), or a
+    batch whose largest possible group could pass ``MAX_GROUP_TOKENS`` masked tokens."""
+    B, L = batch.responses.shape
+    n = batch.n_groups
+    largest = B - n + 1 if n else 0
+    if config.fisher != "exact" or largest * L > MAX_GROUP_TOKENS:
+        return None
+    bound = grid_bound(min(largest, device_helpers.GRID_MAX_GROUP))
+    words = presence_words(largest)
+    opt_in = ext.max_shared_bytes(_device_index(batch.device))
+    limit = shared_limit(opt_in, tuning.blocks_per_sm)
+    widest = table_capacity(largest * L)  # the table of the largest possible group
+    if tuning.table_slots is None:
+        max_capacity = 2**30
+        shared_bytes = min(limit, shared_table_bytes(widest, words))
+    else:  # forces the shared tables only
+        max_capacity = _check_table_slots(tuning.table_slots, 1, opt_in, True)
+        shared_bytes = min(opt_in, shared_table_bytes(min(widest, max_capacity), words))
+    if shared_table_bytes(2, 1, True) > shared_bytes:
+        shared_bytes = 0
+    fallback_blocks = fallback_bytes = 0
+    if widest > max_capacity or shared_table_bytes(widest, words) > shared_bytes:
+        fallback_blocks = max(1, min(n, FALLBACK_BLOCKS))
+        mask_bytes = (4 * words + 7) // 8 * 8
+        need = mask_bytes + widest * (12 + 4 * words)
+        least = mask_bytes + 2 * (12 + 4 * words)
+        slice_bytes = max(least, min(need, STATIC_FALLBACK_BYTES // fallback_blocks))
+        fallback_bytes = fallback_blocks * (-(-slice_bytes // 8) * 8)
+    max_threads = min(tuning.max_threads, MAX_THREADS if tuning.blocks_per_sm <= 1 else 512)
+    return StaticPlan(ext, largest, bound, shared_bytes, max_capacity, tuning.packed, fallback_blocks,
+                      fallback_bytes, block_threads(L, max_threads), tuning.slot_index and shared_bytes > 0)
+
+
+def _static_advantage(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None,
+                      out: Tensor | None) -> Tensor:
+    """One binding call enqueues everything (csrc ``launch_advantage``): the scan pass (masked tokens,
+    extents, the id check), the groups pass (correct flags, offsets, counts, ``A_i``), the shared-table
+    pass and the global-memory one. Before it: the stable argsort of the group ids and two
+    allocations; after it, the one read of the id flags (skipped while a CUDA graph is capturing).
+    A bad id leaves ``out`` untouched: the table passes write nothing when the scan flagged one."""
+    B, L = batch.responses.shape
+    if out is None:
+        out = torch.empty((B, L), dtype=torch.float32, device=batch.device)
+    if B == 0 or L == 0:
+        return out
+    workspace = _enqueue(plan, batch, config, given, out)
+    if not capturing(batch.device):
+        low, excess = workspace[:2].tolist()  # the one device -> host read, after every launch
+        check_id_range(low, MAX_TOKEN_ID + excess)
+    return out
+
+
+def advantage_workspace_size(B: int, n_groups: int, fallback_bytes: int, index_positions: int = 0) -> int:
+    """int64 entries of ``launch_advantage``'s workspace (csrc/ktae_kernels.h, ``advantage_layout``)."""
+    return (2 + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8 + (fallback_bytes + 7) // 8
+            + (2 * index_positions + 7) // 8)
+
+
+def workspace_views(workspace: Tensor, B: int, n_groups: int) -> dict[str, Tensor]:
+    """The named parts of an ``_enqueue`` workspace (for tests): ``bad_ids, status, starts,
+    group_counts, lengths, extent, base, correct``."""
+    n = n_groups
+    at = [0, 2, 2 + n, 3 + 2 * n, 3 + 6 * n, 3 + 6 * n + B, 3 + 6 * n + 2 * B, 3 + 6 * n + 3 * B]
+    part = lambda i, size: workspace[at[i]:at[i] + size]
+    return dict(bad_ids=part(0, 2), status=part(1, n), starts=part(2, n + 1), group_counts=part(3, 4 * n).view(4, n),
+                lengths=part(4, B), extent=part(5, B), base=part(6, B).view(torch.float64),
+                correct=workspace[at[7]:at[7] + (B + 7) // 8].view(torch.bool)[:B])
+
+
+def _enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor) -> Tensor:
+    """Everything ``_static_advantage`` sends to the device; returns the workspace (``workspace_views``)."""
+    device = batch.device
+    B, L = batch.responses.shape
+    n = batch.n_groups
+    ext = plan.ext
+    values = None
+    if plan.bound is not None:
+        values = device_helpers.grid_values(plan.bound, config, device, _GridKernel(ext))[3:5]
+    log_factorial = None
+    if plan.bound is None or plan.largest > plan.bound:
+        log_factorial = device_helpers.log_factorials(plan.largest, device)
+    members = torch.argsort(batch.group, stable=True)
+    positions = B * L if plan.slot_index else 0
+    workspace = torch.empty(advantage_workspace_size(B, n, plan.fallback_bytes, positions), dtype=torch.int64,
+                            device=device)
+    constants = statistics_constants(config.alpha, config.beta)[:4]
+    ext.advantage(
+        responses=batch.responses.contiguous(), mask=batch.mask.contiguous(), group=batch.group.contiguous(),
+        members=members, rewards=batch.rewards.contiguous(),
+        correct=None if batch.correct is None else batch.correct.contiguous(),
+        given=None if given is None else given.contiguous(), table_values=values, grid_bound=plan.bound or 0,
+        log_factorial=log_factorial,
+        ignore_ids=_constant(tuple(i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID), device),
+        workspace=workspace, out=out, n_groups=n,
+        params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight], use_tf=config.use_tf,
+        threshold=config.correct_threshold,
+        baseline=_GIVEN_BASELINE if given is not None else _BASELINES[config.baseline],
+        eps=config.eps, constants=constants, shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
+        allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks, fallback_bytes=plan.fallback_bytes,
+        slot_index=plan.slot_index, threads=plan.threads,
+        stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    return workspace
 
 
 def _device_index(device: torch.device) -> int:

@@ -122,28 +122,36 @@ def tables_of(cells: Tensor, bound: int) -> GridTables:
                       log_factorial_table(bound, device), angle)
 
 
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (no host reads then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 #: device statistics of recently used grids, per (kernel, alpha, beta, bound, device): a run sees one or two.
 _GRID_CACHE: "OrderedDict[tuple, tuple[Tensor, Optional[torch.cuda.Event]]]" = OrderedDict()
 _GRID_CACHE_SIZE = 16
+#: grids and log-factorial tables a CUDA graph captured: never evicted (the graph reads them on replay).
+_PINNED: dict[tuple, Tensor] = {}
 
 
-def grid_statistics(n_c: Tensor, n_w: Tensor, largest: int, config: KTAEConfig, device: torch.device,
-                    kernel: StatisticsKernel) -> tuple[Tensor, Tensor] | None:
-    """The statistics of every table a group of at most ``largest`` rollouts can have, computed on
-    ``device`` by ``kernel`` and cached there: ``index`` int64 ``[2, n_groups]`` (``grid_index`` of the
-    int64 device counts ``n_c, n_w``) and ``values`` float64 ``[5, size]`` (``p_value, F, IG, h,
-    strength``); the table ``(a, b)`` of group ``g`` is column ``index[0, g] + a * index[1, g] + b``.
+def _not_while_capturing(what: str) -> RuntimeError:
+    return RuntimeError(f"ktae_kernels: the {what} is computed on the first call and cached; make one call with "
+                        f"the same config and batch shape before capturing a CUDA graph (a warm-up)")
 
-    None where the statistics must come from the rows (``fisher="upstream"``, or ``largest`` past
-    ``GRID_MAX_GROUP``). A cache hit costs a dict lookup and the few device ops of ``grid_index``:
-    nothing is computed or copied on the host.
-    """
-    bound = grid_bound(largest)
-    if config.fisher != "exact" or bound is None:
-        return None
+
+def grid_values(bound: int, config: KTAEConfig, device: torch.device, kernel: StatisticsKernel) -> Tensor:
+    """float64 ``[5, grid_size(bound)]``: ``p_value, F, IG, h, strength`` of every table of a group of
+    at most ``bound`` rollouts (``grid_tables`` order: the table ``(a, b)`` of a group is column
+    ``grid_index(n_c, n_w)[0] + a * (n_w + 1) + b``), computed on ``device`` by ``kernel`` once per
+    (kernel, alpha, beta, bound, device) and cached there. A hit costs a dict lookup (and, on CUDA,
+    an event wait on the current stream); while a CUDA graph is capturing, a hit is pinned (never
+    evicted) and a miss raises (make a warm-up call first)."""
     key = (kernel, config.alpha, config.beta, bound, device)
     hit = _GRID_CACHE.get(key)
+    capture = capturing(device)
     if hit is None:
+        if capture:
+            raise _not_while_capturing("table statistics grid")
         values = kernel(grid_tables(bound, device), config.alpha, config.beta)
         ready = None
         if device.type == "cuda":  # later calls may come on other streams: they wait for the kernel
@@ -156,8 +164,49 @@ def grid_statistics(n_c: Tensor, n_w: Tensor, largest: int, config: KTAEConfig, 
     else:
         _GRID_CACHE.move_to_end(key)
     values, ready = hit
-    if ready is not None:
+    if capture:
+        _PINNED[("grid",) + key] = values
+    elif ready is not None:
         stream = torch.cuda.current_stream(device)
         stream.wait_event(ready)
         values.record_stream(stream)  # not reused while this stream may still read it
-    return grid_index(n_c, n_w), values
+    return values
+
+
+_LF_CACHE: dict[tuple, Tensor] = {}
+
+
+def log_factorials(n_max: int, device: torch.device) -> Tensor:
+    """float64 ``log(k!)`` for ``k = 0 .. >= n_max`` on ``device`` (``fisher.log_factorial_table``, the
+    same values as the CPU's), sized to a power of two and cached per device; pinned while capturing."""
+    size = 16
+    while size < n_max + 1:
+        size *= 2
+    key = (size, device)
+    table = _LF_CACHE.get(key)
+    if table is None:
+        if capturing(device):
+            raise _not_while_capturing("log-factorial table")
+        table = _LF_CACHE[key] = log_factorial_table(size - 1, device)
+        if device.type == "cuda":  # read on any stream later
+            torch.cuda.current_stream(device).synchronize()
+    elif capturing(device):
+        _PINNED[("lf",) + key] = table
+    return table
+
+
+def grid_statistics(n_c: Tensor, n_w: Tensor, largest: int, config: KTAEConfig, device: torch.device,
+                    kernel: StatisticsKernel) -> tuple[Tensor, Tensor] | None:
+    """The statistics of every table a group of at most ``largest`` rollouts can have, computed on
+    ``device`` by ``kernel`` and cached there: ``index`` int64 ``[2, n_groups]`` (``grid_index`` of the
+    int64 device counts ``n_c, n_w``) and ``values`` float64 ``[5, size]`` (``p_value, F, IG, h,
+    strength``); the table ``(a, b)`` of group ``g`` is column ``index[0, g] + a * index[1, g] + b``.
+
+    None where the statistics must come from the rows (``fisher="upstream"``, or ``largest`` past
+    ``GRID_MAX_GROUP``). A cache hit costs a dict lookup and the few device ops of ``grid_index``:
+    nothing is computed or copied on the host (``grid_values``).
+    """
+    bound = grid_bound(largest)
+    if config.fisher != "exact" or bound is None:
+        return None
+    return grid_index(n_c, n_w), grid_values(bound, config, device, kernel)
