@@ -70,7 +70,7 @@ _ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, _WEIGHT, _THRESH, _EPS, _IGNORE =
 # rows of the int64 per-group buffer ``grp`` (each ``n_groups`` long; RSUM, MEAN, VAR hold float64 bits)
 (_N_C, _N_W, _T_C, _T_W, _FILL, _OFFSET, _LOG_CAP, _WORDS, _BITS_OFF, _GRID_OFF, _STRIDE, _RSUM, _MEAN,
  _VAR, _OVER) = (tl.constexpr(i) for i in range(15))
-_ROWS_PER_GROUP = 15
+_ROWS_PER_GROUP = tl.constexpr(15)
 # the flags after the rows: out-of-range ids (least negative, largest past MAX_TOKEN_ID; 0: none), why
 # the path cannot complete (a bit set), slots and presence words the tables use, and where the
 # slices still to clear start (0, then the rebuilt groups' slices)
@@ -531,7 +531,7 @@ class Run:
 
     @property
     def flags(self) -> Tensor:
-        return self.grp[_ROWS_PER_GROUP * self.n:]
+        return self.grp[_ROWS_PER_GROUP.value * self.n:]
 
 
 def run(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None, plan: Sizes) -> Run:
@@ -541,7 +541,7 @@ def run(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | No
     n = batch.n_groups
     consts = constants(config, device)
     values = _grid_values(config, plan.bound, device)
-    grp = torch.zeros(_ROWS_PER_GROUP * n + _N_FLAGS, dtype=torch.int64, device=device)
+    grp = torch.zeros(_ROWS_PER_GROUP.value * n + _N_FLAGS, dtype=torch.int64, device=device)
     tab = torch.empty(plan.int32_total, dtype=torch.int32, device=device)
     occ = torch.empty(plan.slots, dtype=torch.int64, device=device)
     if out is None:
