@@ -87,8 +87,9 @@ KERNELS += [
       for (r, c), p, m in itertools.product([(1, 1024), (64, 16)], [True, False], [False, True])]),
     (nosync._score_kernel,
      dict(**GRP, tab_ptr=ptr("i32"), occ_ptr=ptr("i64"), order_at="i64", bits_at="i64", values_ptr=ptr("fp64"),
-          grid_size="i32", const_ptr=ptr("fp64"), n_ignore="i32"),
-     [dict(USE_TF=u, BLOCK=128) for u in (True, False)]),
+          grid_size="i32", const_ptr=ptr("fp64"), n_ignore="i32", lf_ptr=ptr("fp64"), angle_ptr=ptr("fp64"),
+          stat_const_ptr=ptr("fp64")),
+     [dict(USE_TF=u, INLINE=i, BLOCK=128) for u in (True, False) for i in (False, True)]),
     (nosync._advantage_kernel,
      dict(B="i32", L="i32", group_ptr=ptr("i64"), rewards_ptr=ptr("fp64"), given_ptr=ptr("fp64"), **GRP,
           tab_ptr=ptr("i32"), occ_ptr=ptr("i64"), roll_at="i64", index_at="i64", const_ptr=ptr("fp64"),
@@ -195,5 +196,5 @@ def test_kernels_compile_for_sm90_and_use_no_replicated_atomic_result(tmp_path):
         pytest.skip("this triton wheel has no bundled ptxas")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "flagged the #7402 pattern" in done.stdout
-    assert done.stdout.count("compiled") == 8 + 1 + 1 + 4 + 2 + (2 + 2 + 1 + 1 + 2 + 8 + 2 + 5)
+    assert done.stdout.count("compiled") == 8 + 1 + 1 + 4 + 2 + (2 + 2 + 1 + 1 + 2 + 8 + 4 + 5)
     assert done.stdout.count("unfused") == 3

@@ -138,30 +138,14 @@ def test_bad_ids_leave_out_untouched(bad, message, device):
     assert (flags[nosync._BAD_LOW.value] < 0) == (bad < 0) and (flags[nosync._BAD_HIGH.value] > 0) == (bad > 0)
 
 
-@pytest.fixture
-def quick_grids(monkeypatch, device):
-    """Under the interpreter the statistics kernel takes about a minute for the 32-rollout grid: the
-    grid's values come from ``method.table_statistics`` instead (the kernel has its own tests)."""
-    from ktae_kernels import method
+def test_a_group_past_the_assumed_bound_falls_back_then_the_shape_assumes_more(device, monkeypatch):
+    """Groups of 20 rollouts: the first call flags them (bound 16) and returns the synchronising path's
+    result; the shape then assumes 32 and the next call is sync-free. (The device grid stops at 16
+    here: the interpreter takes about a minute for the 32-rollout grid, so the rows' statistics are
+    computed in the score kernel.)"""
     from ktae_kernels.backends import device as device_helpers
 
-    monkeypatch.setattr(device_helpers, "_GRID_CACHE", type(device_helpers._GRID_CACHE)())
-    monkeypatch.setattr(nosync, "_VALUES", {})
-    if device != "cpu":
-        return
-
-    def by_method(grid, alpha, beta):
-        a, b, n_c, n_w = grid.cells.long()
-        table = method.TableGrid(offset=a[:0], stride=a[:0], a=a, b=b, n_c=n_c, n_w=n_w, width=torch.zeros_like(a))
-        stats = method.table_statistics(table, KTAEConfig(alpha=alpha, beta=beta))
-        return torch.stack([stats.p_value, stats.F, stats.IG, stats.h, stats.strength])
-
-    monkeypatch.setattr(nosync, "grid_statistics_kernel", by_method)
-
-
-def test_a_group_past_the_assumed_bound_falls_back_then_the_shape_assumes_more(device, quick_grids):
-    """Groups of 20 rollouts: the first call flags them (bound 16) and returns the synchronising path's
-    result; the shape then assumes 32 and the next call is sync-free."""
+    monkeypatch.setattr(device_helpers, "GRID_MAX_GROUP", 16)
     responses, mask, rewards, index = make_batch(np.random.default_rng(9), [20, 12], 8, 40, shuffle=True)
     want = reference(responses, mask, rewards, index)
     args = on(device, responses, mask, rewards, index)
@@ -177,18 +161,21 @@ def test_a_group_past_the_assumed_bound_falls_back_then_the_shape_assumes_more(d
 
 
 @pytest.mark.parametrize("sizes, length", [([128, 100], 6), ([1024], 3)], ids=["G128", "G1024"])
-def test_big_groups_take_the_synchronising_path(sizes, length, device, monkeypatch):
-    """Past 64 rollouts: each call flags the group, the shape assumes twice the bound until past
-    ``GRID_MAX_GROUP`` (here lowered to 16, so at once), then is remembered; results are the reference's."""
-    from ktae_kernels.backends import device as device_helpers
-
+def test_big_groups_computed_on_the_device(sizes, length, device, monkeypatch):
+    """Past 64 rollouts: the first call flags the group and falls back; the shape then assumes its
+    largest group (read with the flags) and the next call is sync-free, the score kernel computing
+    each row's table statistics; past ``INLINE_MAX_GROUP`` the shape takes the synchronising path."""
     responses, mask, rewards, index = make_batch(np.random.default_rng(11), sizes, length, 60, shuffle=True)
     want = reference(responses, mask, rewards, index)
     args = on(device, responses, mask, rewards, index)
     key = (*responses.shape, len(sizes), torch.device(device))
     torch.testing.assert_close(token_advantage(*args, backend="triton").cpu(), want, rtol=0, atol=1e-6)
-    assert nosync._BOUNDS == {key: 32} and not nosync._SYNC_SHAPES
-    monkeypatch.setattr(device_helpers, "GRID_MAX_GROUP", 16)
+    assert nosync._BOUNDS == {key: sizes[0]} and not nosync._SYNC_SHAPES
+    assert nosync.inline(sizes[0])
+    torch.testing.assert_close(token_advantage(*args, backend="triton").cpu(), want, rtol=0, atol=1e-6)
+    assert nosync._BOUNDS == {key: sizes[0]} and not nosync._SYNC_SHAPES
+    monkeypatch.setattr(nosync, "_BOUNDS", {})
+    monkeypatch.setattr(nosync, "INLINE_MAX_GROUP", 64)
     torch.testing.assert_close(token_advantage(*args, backend="triton").cpu(), want, rtol=0, atol=1e-6)
     assert nosync._SYNC_SHAPES == {key}
 
@@ -201,4 +188,5 @@ def test_sizes_are_static_bounds_of_the_shape():
     assert plan.slots >= 1024 * 2**14  # the paper batch's first tables: 2**14 slots a group
     small = nosync.sizes(24, 10, 3)
     assert small.slots >= 3 * 16 + 3 * 16  # first slices of at least 16 and their rebuilds
-    assert nosync.sizes(100, 10, 1, bound=128) is None
+    assert nosync.sizes(100, 10, 1, bound=128).bound == 128
+    assert nosync.sizes(10**4, 10, 1, bound=8192) is None  # past INLINE_MAX_GROUP

@@ -61,7 +61,7 @@ from ...validation import MAX_TOKEN_ID, check_id_range
 from .. import device as device_helpers
 from ..device import upload
 from .scores import _bm25_tf, _tanh_half
-from .statistics import grid_statistics_kernel
+from .statistics import grid_statistics_kernel, table_statistics
 from . import tables
 from .tables import _claim, _home_slot, _popcount, interpreting, tile_shape
 
@@ -74,8 +74,12 @@ _ROWS_PER_GROUP = tl.constexpr(15)
 # the flags after the rows: out-of-range ids (least negative, largest past MAX_TOKEN_ID; 0: none), why
 # the path cannot complete (a bit set), slots and presence words the tables use, and where the
 # slices still to clear start (0, then the rebuilt groups' slices)
-_BAD_LOW, _BAD_HIGH, _RETRY, _SLOTS, _WORDS_USED, _SLOTS_FROM, _WORDS_FROM = (tl.constexpr(i) for i in range(7))
-_N_FLAGS = 7
+_BAD_LOW, _BAD_HIGH, _RETRY, _SLOTS, _WORDS_USED, _SLOTS_FROM, _WORDS_FROM, _LARGEST = (tl.constexpr(i)
+                                                                                      for i in range(8))
+_N_FLAGS = 8
+#: the largest group whose rows' statistics the score kernel computes itself (past the device grid's
+#: ``GRID_MAX_GROUP``); its log-factorial and angle tables take 8 (bound + 1)(bound + 4) / 2 bytes
+INLINE_MAX_GROUP = 4096
 #: retry reasons (bits of the flag)
 RETRY_BIG_GROUP, RETRY_BUDGET, RETRY_OVERFLOW, RETRY_TOKENS = 1, 2, 4, 8
 _EMPTY = tl.constexpr(tables.EMPTY)
@@ -149,6 +153,7 @@ def _plan_kernel(grp_ptr, n, slot_limit, word_limit, group_limit, token_limit, g
     slot_carry = tl.zeros([1], tl.int64)
     word_carry = tl.zeros([1], tl.int64)
     retry = tl.zeros([1], tl.int64)
+    largest = tl.zeros([1], tl.int64)
     for c0 in range(0, n, BLOCK):
         gi = c0 + tl.arange(0, BLOCK)
         v = gi < n
@@ -179,12 +184,14 @@ def _plan_kernel(grp_ptr, n, slot_limit, word_limit, group_limit, token_limit, g
         slot_carry += tl.sum(slots, 0)
         word_carry += tl.sum(wslots, 0)
         retry |= tl.max(tl.where(v & (size > group_limit), 1, 0), 0)
+        largest = tl.maximum(largest, tl.max(tl.where(v, size, 0), 0))
         retry |= tl.max(tl.where(v & (tokens > token_limit), 8, 0), 0)
     retry |= tl.where((slot_carry > slot_limit) | (word_carry > word_limit), 2, 0)
     flags = grp_ptr + _ROWS_PER_GROUP * n + tl.arange(0, 1)
     tl.store(flags + _RETRY, retry)
     tl.store(flags + _SLOTS, slot_carry)
     tl.store(flags + _WORDS_USED, word_carry)
+    tl.store(flags + _LARGEST, largest)
 
 
 @triton.jit
@@ -332,7 +339,7 @@ def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, n, grp_ptr, tab_ptr, occ
 
 @triton.jit
 def _score_kernel(grp_ptr, n, tab_ptr, occ_ptr, order_at, bits_at, values_ptr, grid_size, const_ptr, n_ignore,
-                  USE_TF: tl.constexpr, BLOCK: tl.constexpr):
+                  lf_ptr, angle_ptr, stat_const_ptr, USE_TF: tl.constexpr, INLINE: tl.constexpr, BLOCK: tl.constexpr):
     """Group ``program_id(0)``'s occupied slots, a share each of ``num_programs(1)``: the score of each
     replaces its counters (float64 bits in ``occ``)."""
     g = tl.program_id(0)
@@ -372,9 +379,14 @@ def _score_kernel(grp_ptr, n, tab_ptr, occ_ptr, order_at, bits_at, values_ptr, g
             a += _popcount(word & correct.to(tl.int32))
             present += _popcount(word)
         b = present - a
-        entry = grid_off + a.to(tl.int64) * stride + b
-        x = tl.load(values_ptr + 3 * grid_size + entry, mask=valid, other=0.0)
-        strength = tl.load(values_ptr + 4 * grid_size + entry, mask=valid, other=0.0)
+        if INLINE:  # groups past the device grid: each row's table computed here (statistics.py's maths)
+            zero = tl.zeros([BLOCK], tl.int32)
+            _, _, _, x, strength = table_statistics(a, b, zero + n_c.to(tl.int32), zero + n_w.to(tl.int32), valid,
+                                                    lf_ptr, angle_ptr, stat_const_ptr)
+        else:
+            entry = grid_off + a.to(tl.int64) * stride + b
+            x = tl.load(values_ptr + 3 * grid_size + entry, mask=valid, other=0.0)
+            strength = tl.load(values_ptr + 4 * grid_size + entry, mask=valid, other=0.0)
         if USE_TF:
             tf_c = _bm25_tf(f_c, T_c, avg, k1, bm)
             tf_w = _bm25_tf(f_w, T_w, avg, k1, bm)
@@ -494,8 +506,8 @@ def sizes(B: int, L: int, n: int, bound: int = 16) -> Sizes | None:
     are assumed to hold at most ``bound`` rollouts (the statistics grid's bound; a bigger group sets
     a retry flag); None when this path cannot take it (a bound past ``device.GRID_MAX_GROUP``)."""
     largest = B - n + 1  # every group holds a rollout
-    bound = device_helpers.grid_bound(min(largest, bound))
-    if bound is None or bound > device_helpers.GRID_MAX_GROUP:
+    bound = _power_of_two(min(largest, bound))
+    if bound > INLINE_MAX_GROUP:
         return None
     group = min(largest, bound)
     # a group's first slice: 2**log_cap <= max(2**MIN, ceil(2 * guess * tokens) * 2 - 1), at most 2**MAX
@@ -515,6 +527,34 @@ def sizes(B: int, L: int, n: int, bound: int = 16) -> Sizes | None:
     roll_at = bits_at + words
     index_at = roll_at + 3 * B
     return Sizes(bound, slots, words, order_at, bits_at, roll_at, index_at, index_at + B * L)
+
+
+def _power_of_two(largest: int) -> int:
+    """The bound of groups of ``largest`` rollouts: a power of two >= 16 (``device.grid_bound``'s rule)."""
+    bound = 16
+    while bound < largest:
+        bound *= 2
+    return bound
+
+
+def inline(bound: int) -> bool:
+    """True when groups of ``bound`` rollouts are past the device grid: the score kernel computes the
+    statistics of each row's table."""
+    return device_helpers.grid_bound(bound) is None
+
+
+def _inline_tables(config: KTAEConfig, bound: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """float64 log-factorials and angles up to ``bound`` and the statistics constants, cached per device."""
+    key = ("inline", config.alpha, config.beta, bound, device)
+    hit = _VALUES.get(key)
+    if hit is None:
+        grid = device_helpers.tables_of(torch.zeros(4, 0, dtype=torch.int32, device=device), bound)
+        consts = upload(torch.tensor(device_helpers.statistics_constants(config.alpha, config.beta),
+                                     dtype=torch.float64), device)
+        hit = _VALUES[key] = (grid.log_factorial, grid.angle, consts)
+        while len(_VALUES) > 16:
+            _VALUES.pop(next(iter(_VALUES)))
+    return hit
 
 
 @dataclass(frozen=True)
@@ -540,7 +580,12 @@ def run(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | No
     B, L = batch.responses.shape
     n = batch.n_groups
     consts = constants(config, device)
-    values = _grid_values(config, plan.bound, device)
+    if inline(plan.bound):
+        lf, angle, stat_consts = _inline_tables(config, plan.bound, device)
+        values = lf
+    else:
+        values = _grid_values(config, plan.bound, device)
+        lf = angle = stat_consts = values
     grp = torch.zeros(_ROWS_PER_GROUP.value * n + _N_FLAGS, dtype=torch.int64, device=device)
     tab = torch.empty(plan.int32_total, dtype=torch.int32, device=device)
     occ = torch.empty(plan.slots, dtype=torch.int64, device=device)
@@ -573,8 +618,9 @@ def run(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | No
     _insert_kernel[tiles](*insert, tables._UNLIMITED, ROWS=rows, COLS=cols,
                           PREDICATED=not interpreting(), REBUILD=True)
     _score_kernel[(n, _SCORE_SPLIT)](
-        grp, n, tab, occ, plan.order_at, plan.bits_at, values, values.shape[1], consts, consts.shape[0] - 10,
-        USE_TF=config.use_tf, BLOCK=_SCORE_BLOCK, enable_fp_fusion=False)
+        grp, n, tab, occ, plan.order_at, plan.bits_at, values, values.shape[-1], consts, consts.shape[0] - 10,
+        lf, angle, stat_consts, USE_TF=config.use_tf, INLINE=inline(plan.bound), BLOCK=_SCORE_BLOCK,
+        enable_fp_fusion=False)
     _advantage_kernel[tiles](
         B, L, batch.group, batch.rewards, given if given is not None else batch.rewards, n, grp, tab, occ, plan.roll_at,
         plan.index_at, consts, out, BASELINE=baseline, ROWS=rows, COLS=cols, enable_fp_fusion=False)
@@ -604,11 +650,12 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     done = run(batch, config, given, out, plan)
     if capturing(batch.device):
         return done.out
-    low, high, retry = done.flags[:3].tolist()  # the one device -> host copy, after the last launch
+    flags = done.flags.tolist()  # the one device -> host copy, after the last launch
+    low, high, retry, largest = flags[0], flags[1], flags[2], flags[_LARGEST.value]
     if retry:
         # (a group past the bound also overruns the presence words sized for it: RETRY_BUDGET with it)
-        if retry & RETRY_BIG_GROUP and 2 * plan.bound <= device_helpers.GRID_MAX_GROUP:
-            _BOUNDS[key] = 2 * plan.bound  # the next call of this shape assumes groups twice as big
+        if retry & RETRY_BIG_GROUP and _power_of_two(largest) <= INLINE_MAX_GROUP:
+            _BOUNDS[key] = _power_of_two(largest)  # the next call of this shape assumes its largest group
         else:
             _SYNC_SHAPES.add(key)
         return None
