@@ -1,7 +1,7 @@
 """``token_advantage`` without the host on the critical path: ten kernels, no device -> host copy
 before the last one, every allocation sized from ``B``, ``L`` and the number of groups.
 
-The host computes no group statistic. It allocates (from static bounds), launches, and reads three
+The host computes no group statistic. It allocates (from static bounds), launches, and reads its
 flags at the end (skipped while a CUDA graph is being captured):
 
 ``ranks``    per rollout: correct flag, its rank among its group's correct (or wrong) rollouts (one
@@ -25,11 +25,13 @@ flags at the end (skipped while a CUDA graph is being captured):
              on every error.
 
 Presence words are per group (``ceil(size / 32)``) and correct rollouts take ranks ``0 .. n_c - 1``,
-so ``a`` is the popcount of the words' low ``n_c`` bits. The statistics of every table of groups of
+so ``a`` is the popcount of the words' low ``n_c`` bits. Past ``device.GRID_MAX_GROUP`` rollouts
+(up to ``INLINE_MAX_GROUP``) the score kernel computes each row's table statistics itself
+(``statistics.table_statistics``). Otherwise the statistics of every table of groups of
 up to ``bound`` rollouts come from the device grid (``device.grid_statistics``, cached here per
 (alpha, beta, bound, device) so that a call costs no torch op for it). ``bound`` is 16 for a new
-shape; a batch with a bigger group flags it, is redone by the synchronising path, and its shape
-assumes 32, then 64 rollouts from then on (groups past 64: the synchronising path).
+shape; a batch with a bigger group flags it (and its size), is redone by the synchronising path, and
+its shape assumes that size from then on.
 
 A group whose first table overflows is rebuilt on the device, without the host: a rebuild plan
 (one program) gives every marked group a slice of ``2**ceil(log2(2 * tokens))`` slots after the
@@ -38,7 +40,7 @@ them; with no overflow these three launches find nothing to do.
 
 What this path does not take sets a flag instead, and the call is redone by the synchronising path
 (``tables.build_hash_tables`` ...) whose result is returned: a group of more than ``bound``
-rollouts, tables past ``TABLE_BUDGET_BYTES``, a group of more than ``tables.MAX_GROUP_TOKENS``
+rollouts (or than ``INLINE_MAX_GROUP``), tables past ``TABLE_BUDGET_BYTES``, a group of more than ``tables.MAX_GROUP_TOKENS``
 masked tokens. The shape ``(B, L, n_groups, device)`` is then remembered (``_BOUNDS``,
 ``_SYNC_SHAPES``). While a CUDA graph is being captured nothing is read back: a replay whose batch
 breaks one of those conditions, or holds an out-of-range id, leaves ``out`` as it was (``Run.flags``
