@@ -104,10 +104,12 @@ def test_one_group_holding_every_distinct_id_is_rebuilt_on_the_device(device):
 
 
 def test_hash_collisions(device):
-    """Ids with the same Fibonacci home slot (multiples of 2**28 share the top bits of id * φ mod 2**32
-    in a 16-slot table) probe past each other; plus a forced probe limit of 1 and a tiny first guess,
-    so that every group is rebuilt on the device."""
-    ids = torch.tensor([k << 27 for k in range(1, 15)] + [7, 7, 9])
+    """Ids with the same Fibonacci home slot (the top 8 bits of id * 2654435761 mod 2**32 are zero: slot 0
+    of every table of up to 256 slots) probe past each other; then a forced probe limit of 1 and a tiny
+    first guess, so that every group is rebuilt on the device."""
+    same_home = [t for t in range(1, 10**4) if ((t * 2654435761) & 0xFFFFFFFF) >> 24 == 0][:14]
+    assert len(same_home) == 14
+    ids = torch.tensor(same_home + [7, 7, 9])
     responses = ids[torch.as_tensor(np.random.default_rng(3).integers(0, len(ids), size=(8, 24)))]
     mask = torch.ones_like(responses, dtype=torch.bool)
     rewards = torch.tensor([1.0, 0.0] * 4)
