@@ -135,3 +135,46 @@ def test_device_statistics_grid_matches_the_cpu_on_the_gpu():
         from ktae_kernels.backends import cuda
 
         assert_matches_method(cuda._GridKernel(cuda.load_extension())(grid, 1.0, 1.0), grid, KTAEConfig())
+
+
+@pytest.mark.skipif("triton" not in GPU_BACKENDS, reason="needs a CUDA GPU and triton")
+def test_triton_call_with_out_is_captured_and_replayed_in_a_cuda_graph():
+    """The sync-free path (backends/triton/nosync.py) under ``torch.cuda.graph``: nothing is read back
+    while capturing; each replay recomputes from the captured input buffers (new ids, mask and
+    rewards copied in), and a replay whose batch holds an out-of-range id leaves ``out`` untouched.
+    Called at the backend (the API's validation reads values on the host, which capture forbids)."""
+    from ktae_kernels import KTAEConfig
+    from ktae_kernels.backends import triton as backend
+    from ktae_kernels.backends.triton import nosync
+    from ktae_kernels.validation import normalise_batch
+
+    config = KTAEConfig()
+    args = _batch("cuda", groups=8, G=16, L=512, seed=3)
+    batch = normalise_batch(*args)
+    out = torch.empty(batch.responses.shape, dtype=torch.float32, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compiles the kernels, caches the constants and the grid
+        for _ in range(2):
+            backend.token_advantage(batch, config, None, out)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    key = (*batch.responses.shape, batch.n_groups, batch.device)
+    assert key not in nosync._SYNC_SHAPES and key not in nosync._BOUNDS
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.token_advantage(batch, config, None, out)
+    for seed in (3, 4):
+        new = _batch("cuda", groups=8, G=16, L=512, seed=seed)
+        batch.responses.copy_(new[0])
+        batch.mask.copy_(new[1])
+        batch.rewards.copy_(new[2].double())
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, token_advantage(*new, backend="torch"), rtol=0, atol=1e-6)
+    batch.responses[0, 0], batch.mask[0, 0] = -3, True
+    out.fill_(7.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all())

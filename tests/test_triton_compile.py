@@ -61,6 +61,42 @@ KERNELS = [
      [dict(ROWS=1, COLS=1024), dict(ROWS=64, COLS=16)]),
 ]
 
+# the sync-free path (nosync.py)
+from ktae_kernels.backends.triton import nosync
+GRP = dict(grp_ptr=ptr("i64"), n="i32")
+KERNELS += [
+    (nosync._ranks_kernel,
+     dict(group_ptr=ptr("i64"), rewards_ptr=ptr("fp64"), correct_ptr=ptr("u8"), const_ptr=ptr("fp64"), B="i32",
+          n="i32", grp_ptr=ptr("i64"), tab_ptr=ptr("i32"), roll_at="i64"),
+     [dict(HAS_CORRECT=c, BLOCK=1024) for c in (True, False)]),
+    (nosync._lengths_kernel,
+     dict(mask_ptr=ptr("u8"), B="i32", L="i32", group_ptr=ptr("i64"), n="i32", grp_ptr=ptr("i64"),
+          tab_ptr=ptr("i32"), roll_at="i64"), [dict(ROWS=1, COLS=1024), dict(ROWS=64, COLS=16)]),
+    (nosync._plan_kernel,
+     dict(**GRP, slot_limit="i64", word_limit="i64", group_limit="i32", token_limit="i32", guess="fp32"),
+     [dict(MIN_LOG_CAP=4, MAX_LOG_CAP=16, BLOCK=1024)]),
+    (nosync._rebuild_plan_kernel, dict(**GRP, slot_limit="i64", word_limit="i64"), [dict(BLOCK=1024)]),
+    (nosync._clear_kernel,
+     dict(**GRP, tab_ptr=ptr("i32"), occ_ptr=ptr("i64"), bits_at="i64", group_ptr=ptr("i64"), rewards_ptr=ptr("fp64"),
+          B="i32"), [dict(GRPO=g, BLOCK=1024) for g in (True, False)]),
+    (nosync._insert_kernel,
+     dict(resp_ptr=ptr("i64"), mask_ptr=ptr("u8"), B="i32", L="i32", group_ptr=ptr("i64"), **GRP,
+          tab_ptr=ptr("i32"), occ_ptr=ptr("i64"), roll_at="i64", order_at="i64", bits_at="i64", index_at="i64",
+          probe_limit="i32"),
+     [dict(ROWS=r, COLS=c, PREDICATED=p, REBUILD=m)
+      for (r, c), p, m in itertools.product([(1, 1024), (64, 16)], [True, False], [False, True])]),
+    (nosync._score_kernel,
+     dict(**GRP, tab_ptr=ptr("i32"), occ_ptr=ptr("i64"), order_at="i64", bits_at="i64", values_ptr=ptr("fp64"),
+          grid_size="i32", const_ptr=ptr("fp64"), n_ignore="i32", lf_ptr=ptr("fp64"), angle_ptr=ptr("fp64"),
+          stat_const_ptr=ptr("fp64")),
+     [dict(USE_TF=u, INLINE=i, BLOCK=128) for u in (True, False) for i in (False, True)]),
+    (nosync._advantage_kernel,
+     dict(B="i32", L="i32", group_ptr=ptr("i64"), rewards_ptr=ptr("fp64"), given_ptr=ptr("fp64"), **GRP,
+          tab_ptr=ptr("i32"), occ_ptr=ptr("i64"), roll_at="i64", index_at="i64", const_ptr=ptr("fp64"),
+          out_ptr=ptr("fp32")),
+     [dict(BASELINE=b, ROWS=1, COLS=1024) for b in range(4)] + [dict(BASELINE=3, ROWS=64, COLS=16)]),
+]
+
 
 def layouts(ttgir):
     """``#name -> (sizePerThread, threadsPerWarp, warpsPerCTA)`` of the blocked layouts."""
@@ -160,5 +196,5 @@ def test_kernels_compile_for_sm90_and_use_no_replicated_atomic_result(tmp_path):
         pytest.skip("this triton wheel has no bundled ptxas")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "flagged the #7402 pattern" in done.stdout
-    assert done.stdout.count("compiled") == 8 + 1 + 1 + 4 + 2
+    assert done.stdout.count("compiled") == 8 + 1 + 1 + 4 + 2 + (2 + 2 + 1 + 1 + 2 + 8 + 4 + 5)
     assert done.stdout.count("unfused") == 3

@@ -1,5 +1,11 @@
 """Triton backend: a whole batch in a few kernels, on CUDA (or on CPU under ``TRITON_INTERPRET=1``).
 
+``token_advantage`` runs ``nosync`` (seven kernels, allocations from ``B``, ``L`` and the group count,
+one read of a flag vector at the end; capturable in a CUDA graph with ``out=``) and falls back to
+the synchronising pipeline below only for what that path flags (groups past the device grid,
+overflowed first tables, ``fisher="upstream"``). ``key_token_scores`` (whose row count must reach
+the host) always takes the pipeline below:
+
 groups (``method.group_stats``, [B]-sized) -> ``tables``: one hash table per group, filled from one
 read of the tokens -> per-table statistics (``statistics``: every table of the groups' sizes, computed
 on the device and cached there) -> ``scores``: one kernel per occupied slot (lookup of its table's statistics,
@@ -18,6 +24,7 @@ from ... import method
 from ...config import KTAEConfig
 from ...types import Batch, KeyTokenScores
 from ..device import on_device
+from . import nosync
 from .advantage import token_advantages
 from .scores import RowStats, TableLookup, kernel_constants, score_rows, table_lookup
 from .tables import HashTables, Rows, build_hash_tables, occupied_rows, row_counts
@@ -37,6 +44,17 @@ def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
+    with on_device(batch.device):
+        done = nosync.token_advantage(batch, config, given, out)
+        if done is not None:
+            return done
+        return synchronising_token_advantage(batch, config, given, out)
+
+
+def synchronising_token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None,
+                                  out: Tensor | None = None) -> Tensor:
+    """``token_advantage`` by the path that reads sizes back mid-pipeline (``tables.build_hash_tables``):
+    any group size, table rebuilds, ``fisher="upstream"``; ``out`` untouched on an id error."""
     with on_device(batch.device):
         p = pipeline(batch, config)
         base = method.rollout_advantage(batch.rewards, batch.group, p.stats.size, config, given)

@@ -91,6 +91,21 @@ def _pvalue(a, b, n_c, n_w, valid, lf_ptr, log_rtol, log_err):
 
 
 @triton.jit
+def table_statistics(a, b, n_c, n_w, valid, lf_ptr, angle_ptr, const_ptr):
+    """``p, F, IG, h, strength`` of the tables ``(a, b, n_c, n_w)`` (int32 tensors): log-factorials
+    and angles up to ``n_c + n_w``, the constants of ``device.statistics_constants``."""
+    p = _pvalue(a, b, n_c, n_w, valid, lf_ptr, tl.load(const_ptr + _LOG_RTOL), tl.load(const_ptr + _ERR))
+    informative = (n_c > 0) & (n_w > 0) & (a + b < n_c + n_w)
+    F = tl.where(informative & (p < tl.load(const_ptr + _ONE)), tl.exp(-2.0 * p), 0.0)
+    IG = tl.where(informative, _information_gain(a, b, n_c, n_w, tl.load(const_ptr + _LN2)), 0.0)
+    tri_c = (n_c.to(tl.int64) * (n_c + 1)) // 2
+    tri_w = (n_w.to(tl.int64) * (n_w + 1)) // 2
+    h = (tl.load(angle_ptr + tri_c + a, mask=valid, other=0.0) - tl.load(angle_ptr + tri_w + b, mask=valid, other=0.0))
+    strength = tl.load(const_ptr + _ALPHA) * F + tl.load(const_ptr + _BETA) * IG
+    return p, F, IG, h, strength
+
+
+@triton.jit
 def _statistics_kernel(cells_ptr, size, lf_ptr, angle_ptr, const_ptr, out_ptr, BLOCK: tl.constexpr):
     """``out[:, t]`` = ``p, F, IG, h, strength`` of the tables ``t`` of this program; ``cells``: int32
     ``[4, size]`` rows ``a, b, n_c, n_w``; ``out``: float64 ``[5, size]``."""
@@ -100,14 +115,7 @@ def _statistics_kernel(cells_ptr, size, lf_ptr, angle_ptr, const_ptr, out_ptr, B
     b = tl.load(cells_ptr + size + t, mask=valid, other=0)
     n_c = tl.load(cells_ptr + 2 * size + t, mask=valid, other=0)
     n_w = tl.load(cells_ptr + 3 * size + t, mask=valid, other=0)
-    p = _pvalue(a, b, n_c, n_w, valid, lf_ptr, tl.load(const_ptr + _LOG_RTOL), tl.load(const_ptr + _ERR))
-    informative = (n_c > 0) & (n_w > 0) & (a + b < n_c + n_w)
-    F = tl.where(informative & (p < tl.load(const_ptr + _ONE)), tl.exp(-2.0 * p), 0.0)
-    IG = tl.where(informative, _information_gain(a, b, n_c, n_w, tl.load(const_ptr + _LN2)), 0.0)
-    tri_c = (n_c.to(tl.int64) * (n_c + 1)) // 2
-    tri_w = (n_w.to(tl.int64) * (n_w + 1)) // 2
-    h = (tl.load(angle_ptr + tri_c + a, mask=valid, other=0.0) - tl.load(angle_ptr + tri_w + b, mask=valid, other=0.0))
-    strength = tl.load(const_ptr + _ALPHA) * F + tl.load(const_ptr + _BETA) * IG
+    p, F, IG, h, strength = table_statistics(a, b, n_c, n_w, valid, lf_ptr, angle_ptr, const_ptr)
     tl.store(out_ptr + t, p, mask=valid)
     tl.store(out_ptr + size + t, F, mask=valid)
     tl.store(out_ptr + 2 * size + t, IG, mask=valid)
