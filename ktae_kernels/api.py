@@ -50,9 +50,10 @@ def token_advantage(
             or "torch"); see ``ktae_kernels.distributed``. None (default): this batch alone.
         out: optional preallocated contiguous float32 ``[B, L]`` tensor on the device of
             ``responses``, overwritten with the result (a trainer can reuse it every step). After a
-            ValueError for an out-of-range token id its contents are unspecified: the cpu, triton
-            and cuda backends check ids inside their kernels, with no host round trip before they
-            write, and raise after.
+            ValueError for an out-of-range token id its contents are unspecified on the cpu
+            backend, which checks ids while it counts and raises after; the cuda and triton backends
+            check every id on the device before they write and leave ``out`` untouched (in exact
+            mode; ``fisher="upstream"`` runs their older, synchronising path, which may write first).
 
     Returns:
         float32 ``[B, L]`` on the device of ``responses`` (``out`` when given):
@@ -60,8 +61,8 @@ def token_advantage(
 
     Raises:
         ValueError: an argument has the wrong type, shape, dtype or values; the message names it
-            and the fix (e.g. float ids: "convert with `responses.long()`"). A token id out of range
-            may be reported after ``out`` was partly written (see ``out``).
+            and the fix (e.g. float ids: "convert with `responses.long()`"). On the cpu backend a
+            token id out of range may be reported after ``out`` was partly written (see ``out``).
         BackendUnavailableError: ``backend`` cannot run here or on these tensors' device; the
             message says why and what to do.
 

@@ -38,9 +38,8 @@ class BackendSpec:
     order (lower first; absent: never chosen automatically). unavailable: None when it can run on
     that device type, else the reason and the fix. checks_token_ids: the backend checks the
     token-id range while counting (``validation.check_id_range``), so the API skips its own pass;
-    the kernels report a bad id through a flag read once, after they ran, so such a backend may
-    have written part of a caller's ``out`` before it raises (the API documents ``out`` as
-    unspecified after that ValueError).
+    the kernels report a bad id through a flag read once, after they ran (the API documents, per
+    backend, whether a caller's ``out`` may have been written before that ValueError).
     """
 
     name: str
