@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..config import KTAEConfig
 from ..fisher import _LOG_ERR, P_ONE, SCIPY_RTOL, log_factorial_table
+from ..method import block_offset
 
 
 @contextlib.contextmanager
@@ -89,8 +90,7 @@ def grid_index(n_c: Tensor, n_w: Tensor) -> Tensor:
     ``(a, b)`` is entry ``offset + a (n_w + 1) + b``; the offset does not depend on the grid's bound."""
     n, c = n_c + n_w, n_c
     before = (n + 3) * (n + 2) * (n + 1) * n // 24
-    inside = (n + 2) * c * (c + 1) // 2 - c * (c + 1) * (2 * c + 1) // 6
-    return torch.stack([before + inside, n_w + 1])
+    return torch.stack([before + block_offset(n, c), n_w + 1])
 
 
 def _triangle(bound: int, device: torch.device) -> tuple[Tensor, Tensor]:
