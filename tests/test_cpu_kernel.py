@@ -191,6 +191,93 @@ def test_many_distinct_sparse_ids_in_one_group():
                                token_advantage(responses, mask, rewards, index, backend="reference"), rtol=0, atol=1e-6)
 
 
+# ------------------------------------------------------------------------------------- counting paths
+# The kernel reads a row in blocks of 8 positions: a block all in the mask whose ids are all below the
+# dense map's end takes one loop, one all in the mask with ids up to 2**31 - 1 another (the hash table),
+# a block partly in the mask a third, and a row's tail (L % 8 positions) and a block with an id out of
+# range go position by position. Each mask kind x id kind below sends rows through a different mix.
+MASKS = {
+    "prefix": lambda rng, B, L: np.arange(L)[None, :] < rng.integers(0, L + 1, size=(B, 1)),
+    "full": lambda rng, B, L: np.ones((B, L), dtype=bool),
+    "random-60%-out": lambda rng, B, L: rng.random((B, L)) >= 0.6,
+    "blocks": lambda rng, B, L: np.repeat(rng.random((B, L // 8 + 1)) < 0.5, 8, axis=1)[:, :L],
+}
+IDS = {
+    "dense": lambda rng, shape: rng.zipf(1.2, size=shape) % 5000,
+    "spread": lambda rng, shape: rng.choice(np.arange(DENSE_IDS, MAX_ID, 7919), size=shape),
+    "dense-and-spread": lambda rng, shape: np.where(rng.random(shape) < 0.5, rng.zipf(1.2, size=shape) % 3000,
+                                                    MAX_ID - rng.zipf(1.2, size=shape) % 3000),
+    "edges": lambda rng, shape: rng.choice([0, 1, DENSE_IDS - 1, DENSE_IDS, DENSE_IDS + 1, MAX_ID - 1, MAX_ID],
+                                           size=shape),
+}
+
+
+@pytest.mark.parametrize("length", [64, 61])  # 61: a tail of 5 positions in every row
+@pytest.mark.parametrize("ids", IDS)
+@pytest.mark.parametrize("mask", MASKS)
+def test_counting_paths_match_torch_bitwise(mask, ids, length):
+    rng = np.random.default_rng([len(mask), len(ids), length])
+    sizes = [16, 16, 5, 70]  # 70: a group past the rollout bits (packed presence)
+    B = sum(sizes)
+    responses = torch.as_tensor(IDS[ids](rng, (B, length)), dtype=torch.int64)
+    masks = torch.as_tensor(MASKS[mask](rng, B, length))
+    rewards = torch.as_tensor(rng.random(B) < 0.5, dtype=torch.float32)
+    index = torch.as_tensor(rng.permutation(np.repeat(np.arange(len(sizes)), sizes)), dtype=torch.int64)
+    config = KTAEConfig(ignore_token_ids=(1, DENSE_IDS + 1, MAX_ID))  # ignored ids in both maps
+    expected = token_advantage(responses, masks, rewards, index, config=config, backend="torch")
+    for threads in (1, 2):
+        got = token_advantage(responses, masks, rewards, index, config=KTAEConfig(
+            ignore_token_ids=config.ignore_token_ids, threads=threads), backend="cpu")
+        assert torch.equal(got, expected), f"{threads} threads"
+    torch.testing.assert_close(expected, token_advantage(responses, masks, rewards, index, config=config,
+                                                         backend="reference"), rtol=0, atol=1e-6)
+    assert_scores_match(key_token_scores(responses, masks, rewards, index, config=config, backend="reference"),
+                        key_token_scores(responses, masks, rewards, index, config=config, backend="cpu"))
+
+
+@pytest.mark.parametrize("where", ["all-in-block", "mixed-block", "tail", "spread-block"])
+@pytest.mark.parametrize("value", [-1, 2**31, -(2**63)])
+def test_out_of_range_ids_in_every_counting_path(where, value):
+    rng = np.random.default_rng(8)
+    B, L = 8, 21  # two blocks and a tail of 5
+    responses = torch.as_tensor(rng.integers(0, 100, size=(B, L)), dtype=torch.int64)
+    if where == "spread-block":
+        responses[:, :8] += MAX_ID - 200
+    mask = torch.ones(B, L, dtype=torch.bool)
+    if where == "mixed-block":
+        mask[:, 8:16] = torch.as_tensor(rng.random((B, 8)) < 0.5)
+        mask[5, 9] = True
+    rewards, index = torch.tensor([1.0, 0] * 4), torch.zeros(B, dtype=torch.int64)
+    at = {"all-in-block": 3, "mixed-block": 9, "tail": 19, "spread-block": 4}[where]
+    responses[5, at] = value
+    with pytest.raises(ValueError, match="responses"):
+        token_advantage(responses, mask, rewards, index, backend="cpu")
+    mask[5, at] = False  # out of the mask the id is never counted
+    assert torch.equal(token_advantage(responses, mask, rewards, index, backend="cpu"),
+                       token_advantage(responses, mask, rewards, index, backend="torch"))
+
+
+def test_hash_table_is_empty_between_groups_of_any_size():
+    """Groups in one call, on one thread, share a workspace: a group with many ids past the dense map
+    grows the hash table, the smaller groups after it empty it key by key (not by zeroing), and ids
+    that a previous group held must not leak into the next one."""
+    rng = np.random.default_rng(12)
+    pool = np.arange(DENSE_IDS, MAX_ID, 104729)
+    sizes, L = [4, 6, 5, 4, 6], 500
+    rows = [rng.choice(pool, size=(G, L)) if g == 0 else rng.choice(pool[:40], size=(G, L))
+            for g, G in enumerate(sizes)]
+    responses = torch.as_tensor(np.concatenate(rows), dtype=torch.int64)
+    mask = torch.ones_like(responses, dtype=torch.bool)
+    rewards = torch.as_tensor(rng.random(sum(sizes)) < 0.5, dtype=torch.float32)
+    index = torch.as_tensor(np.repeat(np.arange(len(sizes)), sizes), dtype=torch.int64)
+    expected = token_advantage(responses, mask, rewards, index, backend="torch")
+    for _ in range(2):  # the second call reuses the grown table
+        assert torch.equal(token_advantage(responses, mask, rewards, index, config=KTAEConfig(threads=1),
+                                           backend="cpu"), expected)
+    assert_scores_match(key_token_scores(responses, mask, rewards, index, backend="reference"),
+                        key_token_scores(responses, mask, rewards, index, backend="cpu"))
+
+
 # ---------------------------------------------------------------------------------------------- threads
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
 def test_threads_setting_is_validated(value):

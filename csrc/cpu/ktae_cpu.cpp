@@ -16,6 +16,9 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#ifdef KTAE_CPU_PROFILE
+#include <nanobind/stl/vector.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -34,12 +37,25 @@
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 #include "arrays.h"
 #include "sparse_map.h"
 #include "statistics.h"
 
 namespace nb = nanobind;
+
+#ifdef KTAE_CPU_PROFILE  // scratch instrumentation: cycles per phase and thread (see profile())
+#include <x86intrin.h>
+namespace ktae { uint64_t g_prof[8][8]; }
+#define PROF_START() uint64_t prof_t = __rdtsc(); const int prof_thr = omp_get_thread_num()
+#define PROF_MARK(k) do { uint64_t n_ = __rdtsc(); ktae::g_prof[prof_thr][k] += n_ - prof_t; prof_t = n_; } while (0)
+#else
+#define PROF_START() (void)0
+#define PROF_MARK(k) (void)0
+#endif
 
 namespace ktae {
 namespace {
@@ -68,7 +84,7 @@ enum class Presence { kBits, kPacked, kWide };
 struct StampedEntry {
   uint64_t pres;
   uint64_t occ;
-  int64_t last;
+  int64_t last;  // 1 + the index in `order` of the last rollout the id was seen in, 0: none yet
 };
 
 struct Batch {
@@ -95,7 +111,7 @@ struct Params {
   bool use_tf;
 };
 
-// A growable array whose contents are undefined until written.
+// A growable array whose contents are undefined until written (see ensure_zeroed).
 template <typename T>
 struct Buffer {
   std::unique_ptr<T[]> data;
@@ -108,50 +124,72 @@ struct Buffer {
     }
     return data.get();
   }
+
+  // The same, all zero when (re)allocated; the caller keeps it zero.
+  T* ensure_zeroed(int64_t n) {
+    if (n > capacity) {
+      data.reset(new T[size_t(n)]());
+      capacity = n;
+    }
+    return data.get();
+  }
 };
 
 // A thread's counting table: token id -> 1 + index of the id's entry in the current group (0: not
-// seen yet), in a 4-byte dense map for small ids and a seeded hash table above; the group's entries,
-// token ids and weighted scores are compact arrays in first-seen order. Both maps are empty between
-// groups. `stats` memoises table statistics on this thread (in front of the shared cache).
+// seen yet), in a 4-byte dense map for small ids and a seeded hash table above; the group's entries
+// and their ids are compact arrays in first-seen order, behind a trash entry at index -1 that positions
+// out of the mask update (counting has no branch on the mask). The maps and the entries are all zero
+// between groups. `position` holds, for every block of kWord positions that counting read (one with a
+// position in the mask) and every position of a row's tail, the slot of each position: 1 + its entry,
+// 0 out of the mask. `stats` memoises table statistics on this thread (in front of the shared cache).
+struct MemoSlot {
+  uint64_t key;  // a | b << 16 | f_c << 32 | f_w << 48, or kNoKey
+  double score;
+};
+
 struct Workspace {
   std::vector<uint32_t> slot;
   SparseMap sparse;
-  Buffer<Entry> entries;
-  Buffer<StampedEntry> stamped;  // groups of more than kBitsRollouts rollouts, while counting
-  Buffer<int64_t> tokens;
-  Buffer<uint32_t> position;  // the slot of each masked position of the group, in order
+  Buffer<Entry> entry_buffer;    // [0]: the trash entry, [1 + j]: entry j
+  Buffer<StampedEntry> stamped;  // the same while counting a group of more than kPackedRollouts rollouts
+  Buffer<uint32_t> tokens;       // the id of each entry (and one written ahead)
+  Buffer<uint32_t> position;
   int64_t n_entries = 0;
+  uint64_t n_sparse = 0;         // entries in `sparse`
   std::vector<double> scores;  // by slot: [0] a zero sentinel, [1 + j] entry j's weighted score
-  std::vector<double> memo;  // score by (a, b, f_c, f_w) for small counts, NaN when not computed yet
+  Buffer<MemoSlot> memo;       // score by (a, b, f_c, f_w) in the current group (direct-mapped)
   LocalStatistics stats;
 
   Workspace() : slot(kDenseIds, 0) {}
 
-  // Room for a group of `positions` positions: at most that many entries, plus one spare that
-  // counting writes ahead into.
+  Entry* entries() const { return entry_buffer.data.get() + 1; }
+
+  // Room for a group of `positions` positions: at most that many entries (plus the trash entry), ids
+  // (plus one written ahead) and position slots.
   void begin_group(int64_t positions) {
-    entries.ensure(positions + 1);
+    entry_buffer.ensure_zeroed(positions + 1);
     tokens.ensure(positions + 1);
-    position.ensure(positions + 1);  // + 1: write_group may read one past the last masked position
+    position.ensure(positions + 1);
     n_entries = 0;
+    n_sparse = 0;
   }
 
-  uint32_t& slot_of(int64_t id) { return id < kDenseIds ? slot[size_t(id)] : sparse.at(uint32_t(id)); }
-
-  // Bring the map entry of a coming id into cache (any int64: out-of-range ids touch a valid line).
-  void prefetch(int64_t id) const {
-    if (static_cast<uint64_t>(id) < static_cast<uint64_t>(kDenseIds))
-      __builtin_prefetch(slot.data() + id, 1);
-    else
-      sparse.prefetch(uint32_t(id));
+  // 1 + the entry of id in the current group, 0 when the id was not counted (any int64).
+  uint32_t slot_value(int64_t id) const {
+    if (static_cast<uint64_t>(id) < static_cast<uint64_t>(kDenseIds)) return slot[size_t(id)];
+    if (static_cast<uint64_t>(id) > static_cast<uint64_t>(kMaxTokenId)) return 0;
+    return sparse.value_of(uint32_t(id));
   }
 
+  // Empty the maps and zero the entries (the trash entry included) for the next group.
   void reset() {
+    const uint32_t* ids = tokens.data.get();
     for (int64_t j = 0; j < n_entries; ++j)
-      if (tokens.data[j] < kDenseIds) slot[size_t(tokens.data[j])] = 0;
-    sparse.clear();
+      if (ids[j] < kDenseIds) slot[ids[j]] = 0;
+    sparse.clear(ids, n_entries, uint32_t(kDenseIds), n_sparse);
+    std::memset(static_cast<void*>(entry_buffer.data.get()), 0, size_t(n_entries + 1) * sizeof(Entry));
     n_entries = 0;
+    n_sparse = 0;
   }
 };
 
@@ -205,7 +243,7 @@ void bits_to_counts(Entry* entries, int64_t n, uint64_t correct_bits) {
                       (uint64_t(__builtin_popcountll(entries[j].pres & ~correct_bits)) << 32);
 }
 
-// Mask bytes are 0 or 1 (bool): eight of them read as one word tell an all-out or all-in stretch.
+// Mask bytes are 0 or 1 (bool): eight of them read as one word tell an all-out or all-in block.
 constexpr int64_t kWord = 8;
 constexpr uint64_t kAllIn = 0x0101010101010101ull;
 
@@ -215,90 +253,291 @@ inline uint64_t mask_word(const uint8_t* m) {
   return w;
 }
 
-// Positions ahead of the current one whose map entry is prefetched: a group's distinct ids first
-// touch scattered cache lines of the maps, and overlapping those misses is most of the counting time.
-// (Prefetching the counting entry too, through a second look-up, measured slower.)
+// Positions ahead of the current block whose map slots are prefetched: a group's distinct ids first
+// touch scattered cache lines of the maps, and overlapping those misses is much of the counting time.
 constexpr int64_t kPrefetch = 64;
+
+// One rollout's part of the presence update (see count_group_as).
+struct Rollout {
+  int64_t k;            // its index in `order`
+  uint64_t bit;         // kBits: its presence bit
+  uint64_t inc;         // 1 (correct) or 1 << 32 (wrong): f_c | f_w << 32, and a | b << 32 for kWide
+  uint64_t stamp;       // kPacked: its position in the group + 1
+  uint64_t packed_inc;  // kPacked: a (1 << 32) or b (1 << 48)
+};
+
+template <Presence kMode, typename Counted>
+inline void update(Counted& e, const Rollout& r) {
+  if constexpr (kMode == Presence::kBits) {
+    e.pres |= r.bit;
+  } else if constexpr (kMode == Presence::kWide) {
+    e.pres += (e.last != r.k + 1) ? r.inc : 0;
+    e.last = r.k + 1;
+  } else {
+    const uint64_t w = e.pres;
+    e.pres = ((w & ~uint64_t(0xffffffff)) + (lo(w) != r.stamp ? r.packed_inc : 0)) | r.stamp;
+  }
+  e.occ += r.inc;
+}
+
+// cond != 0 ? yes : no, as a conditional move: compilers make a branch of the plain ternary here, and
+// the first occurrences of ids (about one token in five) would mispredict it.
+template <typename T>
+inline T pick(uint32_t cond, T yes, T no) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  __asm__("test %[c], %[c]\n\tcmovnz %[y], %[n]" : [n] "+r"(no) : [y] "r"(yes), [c] "r"(cond) : "cc");
+  return no;
+#else
+  const T m = T(0) - T(cond != 0);
+  return (yes & m) | (no & ~m);
+#endif
+}
+
+// The OR of a block's ids (as uint64), in vector registers where there are some: the counting loop then
+// reads each id again from L1 instead of holding eight in general registers.
+inline uint64_t block_or(const int64_t* ids) {
+#ifdef __SSE2__
+  const __m128i* v = reinterpret_cast<const __m128i*>(ids);
+  const __m128i any = _mm_or_si128(_mm_or_si128(_mm_loadu_si128(v), _mm_loadu_si128(v + 1)),
+                                   _mm_or_si128(_mm_loadu_si128(v + 2), _mm_loadu_si128(v + 3)));
+  return uint64_t(_mm_cvtsi128_si64(any)) | uint64_t(_mm_cvtsi128_si64(_mm_unpackhi_epi64(any, any)));
+#else
+  uint64_t any = 0;
+  for (int64_t j = 0; j < kWord; ++j) any |= static_cast<uint64_t>(ids[j]);
+  return any;
+#endif
+}
+
+// A group's counting state. Each loop below works on a local copy, so that the compiler keeps it in
+// registers (stores through the uint32 arrays could otherwise alias its fields), and copies it back.
+//
+// A token's id reaches its slot (1 + its entry; 0: new) in the dense map or the hash table. A new id gets
+// entry n + 1 (all zero: entries are zero between groups), by a conditional move, not a branch: the
+// slot is written back every time (the same value for a known id, at an address known from the id
+// alone), and the id is written ahead into tokens[n] every time and kept only when new.
+template <Presence kMode, typename Counted>
+struct Cursor {
+  Counted* entries;  // the group's entries, entries[-1]: the trash entry (positions out of the mask)
+  uint32_t* tokens;  // the id of each entry
+  uint32_t* pos;     // the next position slot to record (see Workspace::position)
+  uint32_t* dense;   // the dense map
+  SparseMap* sparse;
+  SparseMap::View table;
+  uint32_t n;        // entries so far
+  uint32_t n_dense;  // of which in the dense map (the others are in the hash table)
+  int64_t counted;   // masked, in-range tokens of the current rollout
+  uint32_t bad;      // a masked id out of range was met
+  Rollout r;
+
+  // An id below kDenseIds, in the mask.
+  void dense_id(uint32_t id) {
+    const uint32_t found = dense[id];
+    tokens[n] = id;
+    const uint32_t here = pick(found, found, n + 1);
+    dense[id] = here;
+    n += found == 0;
+    *pos++ = here;
+    update<kMode>(entries[int64_t(here) - 1], r);
+  }
+
+  // An id in [kDenseIds, 2**31), in the mask; the table has room for it (see make_room).
+  void sparse_id(uint32_t id) {
+    const uint32_t key = id + 1;
+    uint64_t h = table.home(key);
+    SparseMap::Slot at = table.slots[h];
+    if (__builtin_expect(at.key != key && at.key != 0, 0)) {
+      h = SparseMap::probe_index(table.slots, table.mask, key, h);
+      at = table.slots[h];
+    }
+    const uint32_t found = at.value;  // 0 in an empty slot
+    tokens[n] = id;
+    const uint32_t here = pick(found, found, n + 1);
+    table.slots[h] = SparseMap::Slot{key, here};
+    n += found == 0;
+    *pos++ = here;
+    update<kMode>(entries[int64_t(here) - 1], r);
+  }
+
+  // Any id, in the mask or not: out of the mask (or out of range, flagged when in the mask) it is
+  // counted as id 0 on the trash entry, position slot 0, with no branch on the mask.
+  void any_id(int64_t id, uint32_t in_mask) {
+    const uint32_t valid = static_cast<uint64_t>(id) <= static_cast<uint64_t>(kMaxTokenId);
+    bad |= in_mask & (valid ^ 1);
+    const uint32_t keep = in_mask & valid;
+    const int64_t counted_id = id & -int64_t(keep);
+    counted += keep;
+    if (counted_id >= kDenseIds) {
+      sparse_id(uint32_t(counted_id));
+      return;
+    }
+    const uint32_t found = dense[counted_id];
+    tokens[n] = uint32_t(counted_id);
+    const uint32_t fresh = keep & uint32_t(found == 0);
+    const uint32_t here = pick(found, found, n + 1) & (0u - keep);
+    dense[counted_id] = here | found;  // out of the mask: found, unchanged
+    n += fresh;
+    n_dense += fresh;
+    *pos++ = here;
+    update<kMode>(entries[int64_t(here) - 1], r);
+  }
+
+  // Keep the hash table's load under 1/4 with `more` new ids to come.
+  void make_room(uint64_t more) {
+    if (__builtin_expect(sparse->full(n - n_dense, more), 0)) {
+      sparse->grow(tokens, n, uint32_t(kDenseIds));
+      table = sparse->view();
+    }
+  }
+
+  // Prefetch the map slots of the block of ids at `ahead`.
+  void prefetch(const int64_t* ahead) const {
+    if (block_or(ahead) < static_cast<uint64_t>(kDenseIds)) {
+      for (int64_t j = 0; j < kWord; ++j) __builtin_prefetch(dense + ahead[j], 1);
+    } else {
+      for (int64_t j = 0; j < kWord; ++j) __builtin_prefetch(table.slots + table.home(uint32_t(ahead[j]) + 1), 1);
+    }
+  }
+};
+
+// The runs of blocks of one row from position t (the first block qualifies); each returns where its
+// run ends. dense_run: blocks all in the mask with every id below kDenseIds (one test of their OR);
+// sparse_run: all in the mask with every id in [0, 2**31); mixed_run: blocks partly in the mask.
+template <Presence kMode, typename Counted>
+int64_t dense_run(const int64_t* ids, const uint8_t* m, int64_t t, int64_t L, Cursor<kMode, Counted>& cursor) {
+  Cursor<kMode, Counted> c = cursor;
+  const int64_t start = t;
+  const uint32_t n_start = c.n;
+  for (; t + kWord <= L; t += kWord) {
+    const int64_t* const block = ids + t;
+    if (mask_word(m + t) != kAllIn || block_or(block) >= static_cast<uint64_t>(kDenseIds)) break;
+    if (t + kPrefetch + kWord <= L)
+      for (int64_t j = 0; j < kWord; ++j)
+        __builtin_prefetch(c.dense + (static_cast<uint64_t>(block[kPrefetch + j]) & (kDenseIds - 1)), 1);
+    for (int64_t j = 0; j < kWord; ++j) c.dense_id(uint32_t(block[j]));
+  }
+  c.n_dense += c.n - n_start;  // every new entry of the run is a dense one
+  c.counted += t - start;
+  cursor = c;
+  return t;
+}
+
+template <Presence kMode, typename Counted>
+int64_t sparse_run(const int64_t* ids, const uint8_t* m, int64_t t, int64_t L, Cursor<kMode, Counted>& cursor) {
+  Cursor<kMode, Counted> c = cursor;
+  const int64_t start = t;
+  for (; t + kWord <= L; t += kWord) {
+    const int64_t* const block = ids + t;
+    if (mask_word(m + t) != kAllIn || block_or(block) > static_cast<uint64_t>(kMaxTokenId)) break;
+    c.make_room(kWord);
+    if (t + kPrefetch + kWord <= L)
+      for (int64_t j = 0; j < kWord; ++j)
+        __builtin_prefetch(c.table.slots + c.table.home(uint32_t(block[kPrefetch + j]) + 1), 1);
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < kWord; ++j) {
+      const uint32_t id = uint32_t(block[j]);
+      if (__builtin_expect(id >= kDenseIds, 1)) {
+        c.sparse_id(id);
+      } else {
+        const uint32_t before = c.n;
+        c.dense_id(id);
+        c.n_dense += c.n - before;
+      }
+    }
+  }
+  c.counted += t - start;
+  cursor = c;
+  return t;
+}
+
+template <Presence kMode, typename Counted>
+int64_t mixed_run(const int64_t* ids, const uint8_t* m, int64_t t, int64_t L, Cursor<kMode, Counted>& cursor) {
+  Cursor<kMode, Counted> c = cursor;
+  for (; t + kWord <= L; t += kWord) {
+    const uint64_t w = mask_word(m + t);
+    if (w == 0 || w == kAllIn) break;
+    c.make_room(kWord);
+    if (t + kPrefetch + kWord <= L) c.prefetch(ids + t + kPrefetch);
+    for (int64_t j = 0; j < kWord; ++j) c.any_id(ids[t + j], m[t + j] != 0);
+  }
+  cursor = c;
+  return t;
+}
+
+// Positions one by one: a block all in the mask with an id out of range, a row's tail.
+template <Presence kMode, typename Counted>
+void count_positions(const int64_t* ids, const uint8_t* m, int64_t count, Cursor<kMode, Counted>& cursor) {
+  Cursor<kMode, Counted> c = cursor;
+  c.make_room(uint64_t(count));
+  for (int64_t j = 0; j < count; ++j) c.any_id(ids[j], m[j] != 0);
+  cursor = c;
+}
 
 // Count one group's masked tokens into `ws`. Presence: kBits, one bit per rollout (<= 64 rollouts);
 // kPacked, `pres` = last-seen rollout + 1 (low 32 bits) | a << 32 | b << 48, growing a or b when an id
-// shows up in a rollout other than the last one it was seen in; kWide, the same in a 24-byte entry.
-// A new id's entry is written ahead into the spare entry for every token and kept only when the id
-// is new: no branch on the (frequent, unpredictable) first occurrences.
+// shows up in a rollout other than the last one it was seen in; kWide, the same with the stamp in a
+// third word (24-byte entries). A row is read in blocks of kWord positions: a block out of the mask is
+// skipped (a response's padding); the others go through the runs above, a row's tail through
+// count_positions. Every block read records kWord position slots, which write_group reads back in step.
 template <Presence kMode>
 GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
   constexpr bool kBits = kMode == Presence::kBits, kWide = kMode == Presence::kWide;
   using Counted = std::conditional_t<kWide, StampedEntry, Entry>;
   GroupTotals tot;
-  uint64_t correct_bits = 0;
-  const int64_t positions = (in.start[g + 1] - in.start[g]) * in.L;
+  const int64_t first = in.start[g], last = in.start[g + 1], L = in.L;
+  const int64_t positions = (last - first) * L;
   ws.begin_group(positions);
   Counted* entries;
   if constexpr (kWide)
-    entries = ws.stamped.ensure(positions + 1);
+    entries = ws.stamped.ensure_zeroed(positions + 1) + 1;
   else
-    entries = ws.entries.data.get();
-  int64_t* tokens = ws.tokens.data.get();
-  uint32_t* position = ws.position.data.get();
-  int64_t n_entries = 0;
-  for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
-    const int64_t i = in.order[k], local = k - in.start[g];
-    const int64_t* ids = in.ids + i * in.ids_stride;
-    const uint8_t* m = in.mask + i * in.mask_stride;
+    entries = ws.entries();
+  Cursor<kMode, Counted> c{entries, ws.tokens.data.get(), ws.position.data.get(), ws.slot.data(), &ws.sparse,
+                           ws.sparse.view(), 0, 0, 0, 0, Rollout{}};
+  uint64_t correct_bits = 0;
+  for (int64_t k = first; k < last; ++k) {
+    const int64_t i = in.order[k], local = k - first;
+    const int64_t* const ids = in.ids + i * in.ids_stride;
+    const uint8_t* const m = in.mask + i * in.mask_stride;
     const bool is_c = in.correct[i] != 0;
-    const uint64_t inc = is_c ? uint64_t(1) : (uint64_t(1) << 32);
-    const uint64_t bit = kBits ? uint64_t(1) << local : 0;
-    const uint64_t stamp = uint64_t(local + 1), packed_inc = is_c ? uint64_t(1) << 32 : uint64_t(1) << 48;
-    if (kBits && is_c) correct_bits |= bit;
-    int64_t n = 0;
-    for (int64_t t = 0; t < in.L; ++t) {
-      if ((t & (kWord - 1)) == 0 && t + kWord <= in.L && mask_word(m + t) == 0) {
-        t += kWord - 1;  // eight positions out of the mask (a response's padding)
-        continue;
-      }
-      if (t + kPrefetch < in.L) ws.prefetch(ids[t + kPrefetch]);
-      if (!m[t]) continue;
-      const int64_t id = ids[t];
-      if (static_cast<uint64_t>(id) > static_cast<uint64_t>(kMaxTokenId)) {
-        tot.bad_id = true;
-        continue;
-      }
-      ++n;
-      uint32_t& s = ws.slot_of(id);
-      const uint32_t found = s;
-      if constexpr (kWide)
-        entries[n_entries] = Counted{0, 0, -1};
-      else
-        entries[n_entries] = Counted{0, 0};
-      tokens[n_entries] = id;
-      const uint32_t fresh = found == 0;
-      const uint32_t here = found + fresh * uint32_t(n_entries + 1);  // arithmetic, not a branch
-      n_entries += fresh;
-      s = here;
-      *position++ = here;
-      Counted& e = entries[here - 1];
-      if constexpr (kBits) {
-        e.pres |= bit;
-      } else if constexpr (kWide) {
-        e.pres += (e.last != k) ? inc : 0;
-        e.last = k;
+    c.r = Rollout{k, kBits ? uint64_t(1) << local : 0, is_c ? uint64_t(1) : (uint64_t(1) << 32), uint64_t(local + 1),
+                  is_c ? uint64_t(1) << 32 : uint64_t(1) << 48};
+    if (kBits && is_c) correct_bits |= c.r.bit;
+    c.counted = 0;
+    int64_t t = 0;
+    while (t + kWord <= L) {
+      const uint64_t w = mask_word(m + t);
+      if (w == 0) {
+        t += kWord;
+      } else if (w != kAllIn) {
+        t = mixed_run(ids, m, t, L, c);
       } else {
-        const uint64_t w = e.pres;
-        e.pres = ((w & ~uint64_t(0xffffffff)) + (lo(w) != stamp ? packed_inc : 0)) | stamp;
+        const uint64_t any = block_or(ids + t);
+        if (any < static_cast<uint64_t>(kDenseIds)) {
+          t = dense_run(ids, m, t, L, c);
+        } else if (any <= static_cast<uint64_t>(kMaxTokenId)) {
+          t = sparse_run(ids, m, t, L, c);
+        } else {
+          count_positions(ids + t, m + t, kWord, c);
+          t += kWord;
+        }
       }
-      e.occ += inc;
     }
-    (is_c ? tot.T_c : tot.T_w) += n;
+    count_positions(ids + t, m + t, L - t, c);
+    (is_c ? tot.T_c : tot.T_w) += c.counted;
     (is_c ? tot.n_c : tot.n_w) += 1;
   }
-  ws.n_entries = n_entries;
-  Entry* out = ws.entries.data.get();
+  const int64_t n = c.n;
+  ws.n_entries = n;
+  ws.n_sparse = c.n - c.n_dense;
+  tot.bad_id = c.bad != 0;
+  Entry* out = ws.entries();
   if constexpr (kBits) {
-    bits_to_counts(entries, n_entries, correct_bits);
+    bits_to_counts(out, n, correct_bits);
   } else if constexpr (kWide) {
-    for (int64_t j = 0; j < n_entries; ++j) out[j] = Entry{entries[j].pres, entries[j].occ};
+    for (int64_t j = 0; j < n; ++j) out[j] = Entry{entries[j].pres, entries[j].occ};
+    std::memset(static_cast<void*>(entries - 1), 0, size_t(n + 1) * sizeof(Counted));  // zero for the next group
   } else {
-    for (int64_t j = 0; j < n_entries; ++j) out[j].pres = ((out[j].pres >> 32) & 0xffff) | (out[j].pres >> 48) << 32;
+    for (int64_t j = 0; j < n; ++j) out[j].pres = ((out[j].pres >> 32) & 0xffff) | (out[j].pres >> 48) << 32;
   }
   return tot;
 }
@@ -345,48 +584,68 @@ inline Strength strength_of(int64_t g, int64_t a, int64_t b, const GroupTotals& 
   return {p.alpha * s.F + p.beta * s.IG, s.h};
 }
 
-// The zero rules, as method.informative_rows and method.ignored_rows: a row is scored only where its
-// table is informative (a mixed group, a token missing from some rollout) and its id is not ignored.
-inline bool scorable(int64_t a, int64_t b, const GroupTotals& tot, int64_t token, const Params& p) {
-  const bool informative = tot.n_c > 0 && tot.n_w > 0 && a + b < tot.n_c + tot.n_w;
-  return informative && !(p.n_ignore && std::binary_search(p.ignore, p.ignore + p.n_ignore, token));
+// The zero rule of method.informative_rows: a row is scored only where its table is informative (a
+// mixed group, a token missing from some rollout). (Ignored ids are zeroed by score_group.)
+inline bool informative(int64_t a, int64_t b, const GroupTotals& tot) {
+  return tot.n_c > 0 && tot.n_w > 0 && a + b < tot.n_c + tot.n_w;
 }
 
-// Most ids of a group are rare, and the score depends only on (a, b, f_c, f_w): scores of ids seen at
-// most kMemoCount times per class are memoised per group (when the group's grid is small).
-constexpr uint64_t kMemoCount = 4;
-constexpr int64_t kMemoLimit = int64_t(1) << 16;
+// A row's score depends only on (a, b, f_c, f_w) within a group, and a group's rows share few of them
+// (most ids are rare): scores are memoised per group in a direct-mapped table of about one slot per
+// kMemoEntries entries (a collision only recomputes). Rows with a count past 16 bits are not memoised.
+constexpr uint64_t kNoKey = ~uint64_t(0);
+constexpr int64_t kMemoEntries = 4;
+constexpr int kMemoMinBits = 8, kMemoMaxBits = 13;
+
+inline int memo_bits(int64_t n_entries) {
+  int bits = kMemoMinBits;
+  while (bits < kMemoMaxBits && (int64_t(1) << bits) * kMemoEntries < n_entries) ++bits;
+  return bits;
+}
 
 // weight * score of every distinct id of group g, into ws.scores, as method.score_rows.
 void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws) {
   const double avg = double(tot.T_c + tot.T_w) / 2.0;
-  const int64_t stride = tot.n_w + 1;
-  const int64_t memo_size = (tot.n_c + 1) * stride * int64_t(kMemoCount * kMemoCount);
-  const bool memo = memo_size <= kMemoLimit;
-  if (memo) ws.memo.assign(size_t(memo_size), std::nan(""));
-  ws.scores.resize(size_t(ws.n_entries) + 1);
-  ws.scores[0] = 0.0;
-  for (int64_t j = 0; j < ws.n_entries; ++j) {
-    const Entry& e = ws.entries.data[j];
-    const int64_t a = int64_t(lo(e.pres)), b = int64_t(hi(e.pres));
+  const int64_t n = ws.n_entries;
+  const int bits = memo_bits(n);
+  MemoSlot* const memo = ws.memo.ensure(int64_t(1) << bits);
+  std::fill(memo, memo + (int64_t(1) << bits), MemoSlot{kNoKey, 0.0});
+  ws.scores.resize(size_t(n) + 1);
+  double* const scores = ws.scores.data();
+  scores[0] = 0.0;
+  const Entry* const entries = ws.entries();
+  auto compute = [&](int64_t a, int64_t b, uint64_t occ) {
+    return informative(a, b, tot) ? score_of(strength_of(g, a, b, tot, p, ws), occ, tot, avg, p) : 0.0;
+  };
+  for (int64_t j = 0; j < n; ++j) {
+    const Entry e = entries[j];
+    const uint64_t a = lo(e.pres), b = hi(e.pres), f_c = lo(e.occ), f_w = hi(e.occ);
     double score;
-    if (memo && lo(e.occ) < kMemoCount && hi(e.occ) < kMemoCount) {
-      const int64_t table = a * stride + b;
-      double& cached = ws.memo[size_t((table * int64_t(kMemoCount) + int64_t(lo(e.occ))) * int64_t(kMemoCount) + int64_t(hi(e.occ)))];
-      if (std::isnan(cached)) cached = score_of(strength_of(g, a, b, tot, p, ws), e.occ, tot, avg, p);
-      score = cached;
+    if ((a | b) < 0x10000 && f_c < 0xffff && f_w < 0xffff) {
+      const uint64_t key = a | b << 16 | f_c << 32 | f_w << 48;
+      MemoSlot& slot = memo[(key * 0x9e3779b97f4a7c15ull) >> (64 - bits)];
+      if (slot.key == key) {
+        score = slot.score;
+      } else {
+        score = compute(int64_t(a), int64_t(b), e.occ);
+        slot = MemoSlot{key, score};
+      }
     } else {
-      score = score_of(strength_of(g, a, b, tot, p, ws), e.occ, tot, avg, p);
+      score = compute(int64_t(a), int64_t(b), e.occ);
     }
-    if (!scorable(a, b, tot, ws.tokens.data[j], p)) score = 0.0;
-    ws.scores[size_t(j) + 1] = score * p.weight;
+    scores[j + 1] = score * p.weight;
+  }
+  // method.ignored_rows: an ignored id scores 0 (looked up once per ignored id, not per row)
+  for (int64_t k = 0; k < p.n_ignore; ++k) {
+    const uint32_t s = ws.slot_value(p.ignore[k]);
+    if (s != 0) scores[s] = 0.0 * p.weight;
   }
 }
 
 // float32(scores[slot] + base) where keep is 1, +0.0f where it is 0, without a branch (a masked-out
 // position reads slot 0, the zero sentinel, and its value's bits are cleared).
-inline float select_value(const double* scores, const uint32_t* slot, double base, uint32_t keep) {
-  const float value = static_cast<float>(scores[*slot & (0u - keep)] + base);
+inline float select_value(const double* scores, uint32_t slot, double base, uint32_t keep) {
+  const float value = static_cast<float>(scores[slot] + base);
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);
   bits &= 0u - keep;
@@ -395,51 +654,48 @@ inline float select_value(const double* scores, const uint32_t* slot, double bas
   return out;
 }
 
-// out[i, t] = float32(weight * score + base[i]) under the mask, 0 elsewhere, for group g's rollouts
-// (the masked positions' slots were recorded in order while counting: no second read of the ids).
-// Eight positions at a time: a stretch all out of the mask (a response's padding) is zeroed at
-// once, one all in is written without a test, a mixed one without a branch per position.
+// out[i, t] = float32(weight * score + base[i]) under the mask, 0 elsewhere, for group g's rollouts,
+// from the slots counting recorded (no second read of the ids), block by block as counting read them:
+// a block out of the mask is zeroed at once, one all in is written without a test, a mixed one
+// without a branch.
 void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
-  const double* scores = ws.scores.data();
-  const uint32_t* slot = ws.position.data.get();
+  const double* const scores = ws.scores.data();
+  const uint32_t* pos = ws.position.data.get();
   const int64_t L = in.L;
+  const uint8_t* const all_masks = in.mask;
+  const int64_t mask_stride = in.mask_stride;
   for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
     const int64_t i = in.order[k];
-    const uint8_t* m = in.mask + i * in.mask_stride;
+    const uint8_t* const m = all_masks + i * mask_stride;
     const double base = p.base[i];
-    float* o = out + i * L;
+    float* const o = out + i * L;
     int64_t t = 0;
     for (; t + kWord <= L; t += kWord) {
       const uint64_t w = mask_word(m + t);
       if (w == 0) {
         std::memset(o + t, 0, kWord * sizeof(float));
-      } else if (w == kAllIn) {
-        for (int64_t j = 0; j < kWord; ++j) o[t + j] = static_cast<float>(scores[slot[j]] + base);
-        slot += kWord;
-      } else {
-        for (int64_t j = 0; j < kWord; ++j) {
-          const uint32_t keep = m[t + j] != 0;
-          o[t + j] = select_value(scores, slot, base, keep);
-          slot += keep;
-        }
+        continue;
       }
+      if (w == kAllIn) {
+        for (int64_t j = 0; j < kWord; ++j) o[t + j] = static_cast<float>(scores[pos[j]] + base);
+      } else {
+        for (int64_t j = 0; j < kWord; ++j) o[t + j] = select_value(scores, pos[j], base, m[t + j] != 0);
+      }
+      pos += kWord;
     }
-    for (; t < L; ++t) {
-      const uint32_t keep = m[t] != 0;
-      o[t] = select_value(scores, slot, base, keep);
-      slot += keep;
-    }
+    for (; t < L; ++t) o[t] = select_value(scores, *pos++, base, m[t] != 0);
   }
 }
 
 // Rows of group g sorted by token id: token, a, b, f_c, f_w written from `row` into cols[5][capacity].
 int64_t emit_rows(Workspace& ws, int64_t row, int64_t* cols, int64_t capacity) {
-  const int64_t* tokens = ws.tokens.data.get();
+  const uint32_t* tokens = ws.tokens.data.get();
+  const Entry* entries = ws.entries();
   std::vector<uint32_t> by_token(size_t(ws.n_entries));
   for (size_t j = 0; j < by_token.size(); ++j) by_token[j] = uint32_t(j);
   std::sort(by_token.begin(), by_token.end(), [&](uint32_t x, uint32_t y) { return tokens[x] < tokens[y]; });
   for (uint32_t j : by_token) {
-    const Entry& e = ws.entries.data[j];
+    const Entry& e = entries[j];
     cols[row] = tokens[j];
     cols[capacity + row] = int64_t(lo(e.pres));
     cols[2 * capacity + row] = int64_t(hi(e.pres));
@@ -528,12 +784,17 @@ bool advantage(const Array& ids, const Array& mask, const Array& order, const Ar
   {
     nb::gil_scoped_release release;
     bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
+      PROF_START();
       const GroupTotals tot = count_group(in, g, ws);
+      PROF_MARK(0);
       if (!tot.bad_id) {  // an out-of-range id was never counted: do not look it up
         score_group(g, tot, p, ws);
+        PROF_MARK(1);
         write_group(in, g, p, ws, result);
+        PROF_MARK(2);
       }
       ws.reset();
+      PROF_MARK(3);
       return tot.bad_id;
     });
   }
@@ -652,5 +913,12 @@ NB_MODULE(_cpu, m) {
   m.def("statistics_cache_size", &ktae::shared_cache_size, "Tables held in the shared statistics cache.");
   m.def("clear_statistics_cache", &ktae::clear_shared_cache, "Empty the shared statistics cache.");
   m.def("advise_huge", &ktae::advise_huge, "out"_a, "Hint huge pages for a fresh output buffer (Linux).");
+#ifdef KTAE_CPU_PROFILE
+  m.def("profile", []() {
+    std::vector<std::vector<uint64_t>> r;
+    for (auto& t : ktae::g_prof) { r.emplace_back(t, t + 8); std::fill(t, t + 8, 0); }
+    return r;
+  });
+#endif
   m.def("openmp", &ktae::openmp, "Whether the module was built with OpenMP.");
 }

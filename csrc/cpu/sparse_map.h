@@ -1,57 +1,106 @@
-// SparseMap: token id (< 2**31) -> uint32 slot, an open-addressing (linear probing) hash table for the
-// ids past the kernel's dense map. The hash is multiply-add-shift with a random multiplier and
-// addend drawn per table (a universal family): ids chosen to collide under one table's hash do not
-// collide under another's, so there is no hash-flooding worst case. The table only grows; clear()
-// empties it in time proportional to what the group inserted.
+// SparseMap: token id (< 2**31) -> uint32 value (1 + the id's entry in the current group, 0: absent), an
+// open-addressing (linear probing) hash table for the ids past the kernel's dense map.
+//
+// The hash is multiply-shift with a random odd multiplier drawn per table (a universal family, see
+// home()): ids chosen to collide under one table's hash do not collide under another's, so there is no
+// hash-flooding worst case. The load stays at most 1/4 (the counting loop calls grow() before a block of
+// ids could pass it), so a look-up almost always ends at the id's home slot: the counting loop reads that
+// slot inline (key match: found; empty: a new id; anything else: probe_index()) and writes it back as
+// one 8-byte store, exactly as it reads and writes the dense map.
+//
+// The table holds no list of its own: the group's entries (their ids, in first-seen order) are the
+// list. grow() re-inserts them, clear() removes them newest first (removing the newest key of a linear
+// probing table leaves every older key's probe path intact) or zeroes the table when that is cheaper.
+// The table only grows; it is empty between groups.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <random>
-#include <vector>
 
 namespace ktae {
 
 class SparseMap {
  public:
+  // key = id + 1 (0 marks an empty slot); value = 1 + entry index.
+  struct Slot {
+    uint32_t key, value;
+  };
+
   SparseMap() {
     std::seed_seq seq{entropy(), uint64_t(reinterpret_cast<uintptr_t>(this)),
                       uint64_t(std::chrono::steady_clock::now().time_since_epoch().count())};
     std::mt19937_64 rng(seq);
     multiplier_ = rng() | 1;
-    addend_ = rng();
-    rebuild(kInitialBits);
+    allocate(kInitialBits);
   }
 
-  // The value of `id`, inserted as 0 when absent; valid until the next call.
-  uint32_t& at(uint32_t id) {
-    if (4 * (used_.size() + 1) > capacity()) rebuild(bits_ + 1);  // load <= 1/4: short probes
-    const uint32_t key = id + 1;  // 0 marks an empty slot
-    for (uint64_t i = index(key);; i = (i + 1) & mask_) {
-      Slot& s = slots_[i];
-      if (s.key == key) return s.value;
-      if (s.key == 0) {
-        s.key = key;
-        s.value = 0;
-        used_.push_back(uint32_t(i));
-        return s.value;
-      }
+  // What the counting loop needs, to hold in registers: the slots, the hash multiplier and the mask.
+  struct View {
+    Slot* slots;
+    uint64_t multiplier, mask;
+
+    uint64_t home(uint32_t key) const { return ((uint64_t(key) * multiplier) >> 32) & mask; }
+  };
+
+  View view() const { return View{slots_.get(), multiplier_, mask_}; }
+  Slot* slots() const { return slots_.get(); }
+  uint64_t mask() const { return mask_; }
+  uint64_t capacity() const { return mask_ + 1; }
+
+  // The home slot of a key: bits 32 .. 32 + log2(capacity) of multiplier * key (mod 2**64), that is the
+  // top bits of a product modulo 2**(32 + log2(capacity)): Dietzfelbinger's multiply-shift with a
+  // random odd multiplier (universal: two keys collide with probability at most 2 / capacity over the
+  // multiplier), with a shift that does not depend on the table's size.
+  uint64_t home(uint32_t key) const { return view().home(key); }
+
+  // The index of `key`'s slot after its home slot `i` held another key: where the key is, or the
+  // empty slot where it goes.
+  static uint64_t probe_index(const Slot* slots, uint64_t mask, uint32_t key, uint64_t i) {
+    for (i = (i + 1) & mask;; i = (i + 1) & mask)
+      if (slots[i].key == key || slots[i].key == 0) return i;
+  }
+
+  // Whether `count` keys plus `more` new ones would pass the table's load of 1/4.
+  bool full(uint64_t count, uint64_t more) const { return 4 * (count + more) > capacity(); }
+
+  // The slot of `key` after its home slot held another key: where the key is, or the empty slot where
+  // it goes.
+  Slot* probe(uint32_t key, uint64_t i) const { return slots_.get() + probe_index(slots_.get(), mask_, key, i); }
+
+  // The slot of `key` (where it is, or where it would go).
+  Slot* find(uint32_t key) const {
+    const uint64_t i = home(key);
+    Slot* s = slots_.get() + i;
+    return (s->key == key || s->key == 0) ? s : probe(key, i);
+  }
+
+  // The value of id, 0 when absent.
+  uint32_t value_of(uint32_t id) const { return find(id + 1)->value; }
+
+  void prefetch(uint32_t id) const { __builtin_prefetch(slots_.get() + home(id + 1), 1); }
+
+  // Double the table and re-insert the ids of ids[0 .. n) that are >= first (value j + 1 for ids[j]).
+  void grow(const uint32_t* ids, int64_t n, uint32_t first) {
+    allocate(bits_ + 1);
+    for (int64_t j = 0; j < n; ++j)
+      if (ids[j] >= first) *find(ids[j] + 1) = Slot{ids[j] + 1, uint32_t(j + 1)};
+  }
+
+  // Empty the table, which holds `count` keys: the ids of ids[0 .. n) that are >= first.
+  void clear(const uint32_t* ids, int64_t n, uint32_t first, uint64_t count) {
+    if (count == 0) return;
+    if (8 * count >= capacity()) {
+      std::memset(static_cast<void*>(slots_.get()), 0, capacity() * sizeof(Slot));
+      return;
     }
-  }
-
-  // Bring the first slot `id` probes into cache.
-  void prefetch(uint32_t id) const { __builtin_prefetch(slots_.get() + index(id + 1), 1); }
-
-  void clear() {
-    for (uint32_t i : used_) slots_[i] = Slot{0, 0};
-    used_.clear();
+    for (int64_t j = n - 1; j >= 0; --j)
+      if (ids[j] >= first) *find(ids[j] + 1) = Slot{0, 0};
   }
 
  private:
-  struct Slot {
-    uint32_t key, value;
-  };
   static constexpr int kInitialBits = 12;
 
   static uint64_t entropy() {
@@ -63,23 +112,14 @@ class SparseMap {
     }
   }
 
-  uint64_t capacity() const { return mask_ + 1; }
-  uint64_t index(uint32_t key) const { return (uint64_t(key) * multiplier_ + addend_) >> (64 - bits_); }
-
-  // Re-insert every entry into a table of 2**bits slots.
-  void rebuild(int bits) {
-    std::vector<Slot> old;
-    for (uint32_t i : used_) old.push_back(slots_[i]);
+  void allocate(int bits) {
     bits_ = bits;
     mask_ = (uint64_t(1) << bits) - 1;
     slots_.reset(new Slot[capacity()]());
-    used_.clear();
-    for (const Slot& s : old) at(s.key - 1) = s.value;
   }
 
   std::unique_ptr<Slot[]> slots_;
-  std::vector<uint32_t> used_;  // occupied slots, in insertion order
-  uint64_t mask_ = 0, multiplier_ = 1, addend_ = 0;
+  uint64_t mask_ = 0, multiplier_ = 1;
   int bits_ = 0;
 };
 
