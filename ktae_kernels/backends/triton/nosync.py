@@ -62,7 +62,7 @@ from ...types import Batch
 from ...validation import MAX_TOKEN_ID, check_id_range
 from .. import device as device_helpers
 from ..device import upload
-from .scores import _bm25_tf, _tanh_half
+from .scores import _direction, _squash
 from .statistics import grid_statistics_kernel, table_statistics
 from . import tables
 from .tables import _claim, _home_slot, _popcount, interpreting, tile_shape
@@ -390,15 +390,11 @@ def _score_kernel(grp_ptr, n, tab_ptr, occ_ptr, order_at, bits_at, values_ptr, g
             x = tl.load(values_ptr + 3 * grid_size + entry, mask=valid, other=0.0)
             strength = tl.load(values_ptr + 4 * grid_size + entry, mask=valid, other=0.0)
         if USE_TF:
-            tf_c = _bm25_tf(f_c, T_c, avg, k1, bm)
-            tf_w = _bm25_tf(f_w, T_w, avg, k1, bm)
-            x = x + (tf_c / (tf_w + eps) - tf_w / (tf_c + eps))
+            x = _direction(x, f_c, f_w, T_c, T_w, avg, k1, bm, eps)
         scorable = (n_c > 0) & (n_w > 0) & (a + b < n_c + n_w)
         for k in range(n_ignore):
             scorable = scorable & (token != tl.load(const_ptr + _IGNORE + k).to(tl.int32))
-        key = strength * x / scale
-        squashed = tl.minimum(tl.maximum(top * _tanh_half(key), -bound), bound)
-        score = tl.where(scorable, squashed, 0.0) + 0.0  # no -0.0 scores, as method.squash
+        score = _squash(strength, x, scorable, scale, top, bound)
         tl.store(occ_ptr + slot, score.to(tl.int64, bitcast=True), mask=valid)
 
 

@@ -73,6 +73,22 @@ def _bm25_tf(f, T, avg, k1, b):
 
 
 @triton.jit
+def _direction(x, f_c, f_w, T_c, T_w, avg, k1, bm, eps):
+    """``x`` plus the BM25 term-frequency ratio of ``f_c, f_w`` (``method.tf_ratio``)."""
+    tf_c = _bm25_tf(f_c, T_c, avg, k1, bm)
+    tf_w = _bm25_tf(f_w, T_w, avg, k1, bm)
+    return x + (tf_c / (tf_w + eps) - tf_w / (tf_c + eps))
+
+
+@triton.jit
+def _squash(strength, x, scorable, scale, top, bound):
+    """``method.squash``: ``top * tanh(strength * x / scale / 2)`` inside ``(-bound, bound)``, 0 where not
+    ``scorable``, never ``-0.0``."""
+    squashed = tl.minimum(tl.maximum(top * _tanh_half(strength * x / scale), -bound), bound)
+    return tl.where(scorable, squashed, 0.0) + 0.0
+
+
+@triton.jit
 def _tanh_half(key):
     """``tanh(key / 2)`` in float64 to ~1e-14 relative: ``-expm1(-|key|) / (1 + exp(-|key|))``,
     with a Taylor series for ``-expm1`` where ``1 - exp`` would cancel."""
@@ -110,17 +126,13 @@ def _score_kernel(slot_ptr, group_ptr, n_rows,
         k1 = tl.load(const_ptr + _K1)
         bm = tl.load(const_ptr + _B)
         eps = tl.load(const_ptr + _TF_EPS)
-        tf_c = _bm25_tf(f_c, T_c, avg, k1, bm)
-        tf_w = _bm25_tf(f_w, T_w, avg, k1, bm)
-        x = x + (tf_c / (tf_w + eps) - tf_w / (tf_c + eps))
+        x = _direction(x, f_c, f_w, T_c, T_w, avg, k1, bm, eps)
 
     scorable = (n_c > 0) & (n_w > 0) & (a + b < n_c + n_w)
     for k in range(n_ignore):
         scorable = scorable & (token != tl.load(const_ptr + _IGNORE + k).to(tl.int32))
-    key = strength * x / (tl.load(const_ptr + _ALPHA) + tl.load(const_ptr + _BETA))
-    bound = tl.load(const_ptr + _BOUND)
-    squashed = tl.minimum(tl.maximum(tl.load(const_ptr + _TOP) * _tanh_half(key), -bound), bound)
-    score = tl.where(scorable, squashed, 0.0) + 0.0  # no -0.0 scores, as method.squash
+    score = _squash(strength, x, scorable, tl.load(const_ptr + _ALPHA) + tl.load(const_ptr + _BETA),
+                    tl.load(const_ptr + _TOP), tl.load(const_ptr + _BOUND))
 
     tl.store(slot_score_ptr + slot, score, mask=valid)
     if WRITE_ROWS:
