@@ -39,6 +39,26 @@ T* ptr(const Tensor& t) {
   return t.numel() ? t.data_ptr<T>() : nullptr;
 }
 
+// `responses` on the device the kernels run on (the GPU, or the CPU under the emulator) and [B, L].
+void check_responses(const Tensor& responses) {
+  const at::DeviceType kind = ktae::runs_on_cpu() ? at::kCPU : at::kCUDA;
+  TORCH_CHECK(responses.device().type() == kind, "ktae_kernels._C: tensors must be on ",
+              at::DeviceTypeName(kind), ", got ", responses.device());
+  TORCH_CHECK(responses.dim() == 2, "ktae_kernels._C: `responses` must be [B, L], got ", responses.sizes());
+}
+
+// The scoring constants every table kernel reads: params = [alpha, beta, k1, b, top, weight], use_tf.
+void set_scoring(ktae::KernelArgs& args, const std::vector<double>& params, bool use_tf) {
+  TORCH_CHECK(params.size() == 6, "ktae_kernels._C: `params` must be [alpha, beta, k1, b, top, weight]");
+  args.alpha = params[0];
+  args.beta = params[1];
+  args.k1 = params[2];
+  args.bm25_b = params[3];
+  args.top = params[4];
+  args.weight = params[5];
+  args.use_tf = use_tf;
+}
+
 // One pass of the group kernel over the groups in `block_group` (see ktae_kernels.h for each
 // argument). Optional tensors are needed only by some modes / table kinds.
 void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tensor& mask,
@@ -54,10 +74,7 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
             const OptTensor& given_score, int64_t threads, int64_t shared_bytes, int64_t stream) {
   TORCH_CHECK(mode == ktae::kCount || mode == ktae::kRows || mode == ktae::kAdvantage,
               "ktae_kernels._C: `mode` must be 0 (count), 1 (rows) or 2 (advantage), got ", mode);
-  const at::DeviceType kind = ktae::runs_on_cpu() ? at::kCPU : at::kCUDA;
-  TORCH_CHECK(responses.device().type() == kind, "ktae_kernels._C: tensors must be on ",
-              at::DeviceTypeName(kind), ", got ", responses.device());
-  TORCH_CHECK(responses.dim() == 2, "ktae_kernels._C: `responses` must be [B, L], got ", responses.sizes());
+  check_responses(responses);
   const at::Device device = responses.device();
   const int64_t B = responses.size(0), L = responses.size(1);
   const int64_t n_groups = starts.numel() - 1;
@@ -76,7 +93,6 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   TORCH_CHECK(blocks >= 1 && blocks <= std::max<int64_t>(n_items, 1) && blocks <= std::numeric_limits<int32_t>::max(),
               "ktae_kernels._C: `blocks` must be in [1, len(block_group)], got ", blocks);
   TORCH_CHECK(words >= 1, "ktae_kernels._C: `words` must be >= 1, got ", words);
-  TORCH_CHECK(params.size() == 6, "ktae_kernels._C: `params` must be [alpha, beta, k1, b, top, weight]");
   TORCH_CHECK(threads >= 32 && threads <= ktae::kMaxThreads && threads % 32 == 0,
               "ktae_kernels._C: `threads` must be a multiple of 32 in [32, ", ktae::kMaxThreads, "], got ", threads);
 
@@ -95,13 +111,7 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   args.n_items = n_items;
   args.skip_done = skip_done;
   args.words = static_cast<int32_t>(words);
-  args.alpha = params[0];
-  args.beta = params[1];
-  args.k1 = params[2];
-  args.bm25_b = params[3];
-  args.top = params[4];
-  args.weight = params[5];
-  args.use_tf = use_tf;
+  set_scoring(args, params, use_tf);
   args.status = ptr<int64_t>(status);
   args.bad_ids = reinterpret_cast<long long*>(ptr<int64_t>(bad_ids));
 
@@ -191,10 +201,7 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
                const std::vector<double>& constants, int64_t shared_bytes, int64_t max_capacity,
                bool allow_packed, int64_t fallback_blocks, int64_t fallback_bytes, bool slot_index,
                int64_t threads, int64_t stream) {
-  const at::DeviceType kind = ktae::runs_on_cpu() ? at::kCPU : at::kCUDA;
-  TORCH_CHECK(responses.device().type() == kind, "ktae_kernels._C: tensors must be on ",
-              at::DeviceTypeName(kind), ", got ", responses.device());
-  TORCH_CHECK(responses.dim() == 2, "ktae_kernels._C: `responses` must be [B, L], got ", responses.sizes());
+  check_responses(responses);
   const at::Device device = responses.device();
   const int64_t B = responses.size(0), L = responses.size(1);
   TORCH_CHECK(n_groups >= 0, "ktae_kernels._C: `n_groups` must be >= 0");
@@ -211,7 +218,6 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
               "ktae_kernels._C: `baseline` must be 0 (grpo), 1 (mean), 2 (none) or 3 (given), got ", baseline);
   TORCH_CHECK((baseline == ktae::kBaselineGiven) == given.has_value(),
               "ktae_kernels._C: `given` goes with baseline 3 (given), and only with it");
-  TORCH_CHECK(params.size() == 6, "ktae_kernels._C: `params` must be [alpha, beta, k1, b, top, weight]");
   TORCH_CHECK(constants.size() == 4, "ktae_kernels._C: `constants` must be [log_rtol, log_err, p_one, ln2]");
   TORCH_CHECK(threads >= 32 && threads <= ktae::kMaxThreads && threads % 32 == 0,
               "ktae_kernels._C: `threads` must be a multiple of 32 in [32, ", ktae::kMaxThreads, "], got ", threads);
@@ -294,13 +300,7 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
   args.n_ignore = ignore_ids.numel();
   args.n_items = n_groups;
   args.words = 1;
-  args.alpha = params[0];
-  args.beta = params[1];
-  args.k1 = params[2];
-  args.bm25_b = params[3];
-  args.top = params[4];
-  args.weight = params[5];
-  args.use_tf = use_tf;
+  set_scoring(args, params, use_tf);
   args.bad_ids = prep.bad_ids;
   args.status = ws + layout.status;
   args.base = given.has_value() ? ptr<double>(*given) : prep.base;
