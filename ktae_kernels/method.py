@@ -359,10 +359,10 @@ def rollout_advantage(rewards: Tensor, group: Tensor, size: Tensor, config: KTAE
 
 
 def _group_add(group, values, n_groups: int):
-    """Per-group float64 sums of ``values`` (numpy arrays or tensors), added in order as ``index_add_``."""
+    """Per-group float64 sums of float64 ``values`` (numpy arrays, or tensors: ``group_sum``), added in order."""
     if isinstance(values, np.ndarray):
         return np.bincount(group, weights=values, minlength=n_groups)
-    return torch.zeros(n_groups, dtype=values.dtype, device=values.device).index_add_(0, group, values)
+    return group_sum(group, n_groups, values)
 
 
 def _baseline(rewards, group, size, config: KTAEConfig):

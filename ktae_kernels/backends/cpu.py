@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .. import method
 from ..config import KTAEConfig
-from ..primitives import repeat_counts, row_counts
+from ..primitives import group_sum, repeat_counts, row_counts
 from ..types import Batch, KeyTokenScores
 from ..validation import check_token_ids
 
@@ -101,7 +101,7 @@ def _list_rows(inputs: _Inputs, config: KTAEConfig) -> tuple[method.Rows, Tensor
     """Every group's rows, sorted by (group, token), and ``T_c, T_w`` (int64 ``[n_groups]``)."""
     batch = inputs.batch
     n = batch.n_groups
-    per_group = torch.zeros(n, dtype=torch.int64).index_add_(0, batch.group, row_counts(batch.mask))
+    per_group = group_sum(batch.group, n, row_counts(batch.mask))
     offset = torch.cumsum(per_group, 0) - per_group  # a group has at most as many rows as masked tokens
     cols = torch.empty(5, int(per_group.sum()), dtype=torch.int64)
     totals = torch.zeros(3, n, dtype=torch.int64)
