@@ -88,6 +88,16 @@ class _StubExtension:
         return H200_SHARED_BYTES
 
 
+def _to_first_launch(ext: _StubExtension, call: Callable[[], object]) -> float:
+    """Seconds from ``call()`` to the first launch ``ext`` recorded (the stub stops the call there)."""
+    t0 = time.perf_counter()
+    try:
+        call()
+    except FirstLaunch:
+        pass
+    return ext.launched[0] - t0
+
+
 class _StubKernel:
     """Stands in for a Triton kernel: ``kernel[grid](...)`` stops the clock."""
 
@@ -163,24 +173,14 @@ def cuda_host_times(repeats: int, config: KTAEConfig = KTAEConfig()) -> dict[str
             plan = cuda.static_plan(ext, batch, config)
             _cache_grid(cuda._GridKernel(ext), config, batch.device, plan.bound)
             device_helpers.log_factorials(plan.largest, batch.device)
-            t0 = time.perf_counter()
-            try:
-                cuda.token_advantage(batch, config, None, out, extension=ext)
-            except FirstLaunch:
-                pass
-            return ext.launched[0] - t0
+            return _to_first_launch(ext, lambda: cuda.token_advantage(batch, config, None, out, extension=ext))
         result.update(_timed(run, repeats, "first_launch"))
     with _scratch_grid_cache(), _patched(cuda, "_read_sizes", lambda size, tokens: [PAPER.G, PAPER_GROUP_TOKENS]), \
             _patched(cuda, "static_plan", lambda *_: None):
         def sized() -> float:
             ext = _StubExtension(True)
             _cache_grid(cuda._GridKernel(ext), config, batch.device, PAPER.G)
-            t0 = time.perf_counter()
-            try:
-                cuda.token_advantage(batch, config, None, out, extension=ext)
-            except FirstLaunch:
-                pass
-            return ext.launched[0] - t0
+            return _to_first_launch(ext, lambda: cuda.token_advantage(batch, config, None, out, extension=ext))
         result.update(_timed(sized, repeats, "sized_path_first_launch"))
     return result
 
