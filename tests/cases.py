@@ -122,6 +122,19 @@ def adversarial_cases(small: bool = False):
     return cases
 
 
+def distinct_and_repeated_groups():
+    """Two groups of 4 rollouts x 40: group 0 holds 160 distinct ids (past any first table slice),
+    group 1 only ids 0-2; rewards 1, 0, 1, 0 in each. (responses, mask, rewards, index) tensors."""
+    rng = np.random.default_rng(8)
+    G, L = 4, 40
+    responses = torch.as_tensor(np.concatenate([rng.permutation(10**5)[:G * L].reshape(G, L),
+                                                rng.integers(0, 3, size=(G, L))]))
+    mask = torch.ones_like(responses, dtype=torch.bool)
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0] * 2)
+    index = torch.arange(2 * G) // G
+    return responses, mask, rewards, index
+
+
 def assert_scores_match(expected: KeyTokenScores, actual: KeyTokenScores, *, p_rtol: float = 1e-9,
                         atol: float = 1e-9) -> None:
     """Same rows, identical integer columns, float columns within tolerance (p-values relative)."""

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from cases import adversarial_cases, assert_scores_match, make_batch, random_cases, triton_devices
+from cases import (adversarial_cases, assert_scores_match, distinct_and_repeated_groups, make_batch, random_cases,
+                   triton_devices)
 from ktae_kernels import KTAEConfig, key_token_scores, method, token_advantage
 
 pytest.importorskip("triton")
@@ -87,13 +88,7 @@ def test_undersized_tables_are_rebuilt(device, monkeypatch):
 
 def test_only_the_groups_that_overflow_are_rebuilt(device, monkeypatch):
     """Group 0 holds only distinct ids (more than its first slice takes), group 1 three ids."""
-    rng = np.random.default_rng(8)
-    G, L = 4, 40
-    responses = torch.as_tensor(np.concatenate([rng.permutation(10**5)[:G * L].reshape(G, L),
-                                                rng.integers(0, 3, size=(G, L))]))
-    mask = torch.ones_like(responses, dtype=torch.bool)
-    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0] * 2)
-    index = torch.arange(2 * G) // G
+    responses, mask, rewards, index = distinct_and_repeated_groups()
     calls = []
     regrow = tables._regrow
     monkeypatch.setattr(tables, "_regrow", lambda *args: calls.append(args[2].cpu().tolist()) or regrow(*args))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cases import adversarial_cases, make_batch, random_cases, triton_devices
+from cases import adversarial_cases, distinct_and_repeated_groups, make_batch, random_cases, triton_devices
 from ktae_kernels import KTAEConfig, token_advantage
 
 pytest.importorskip("triton")
@@ -89,13 +89,7 @@ def test_baselines_and_labels_on_the_device(baseline, device):
 def test_one_group_holding_every_distinct_id_is_rebuilt_on_the_device(device):
     """One group of all-distinct ids (far past its first table) beside a group of three ids: the
     device rebuild takes it (no fallback), and only that group is marked."""
-    rng = np.random.default_rng(8)
-    G, L = 4, 40
-    responses = torch.as_tensor(np.concatenate([rng.permutation(10**5)[:G * L].reshape(G, L),
-                                                rng.integers(0, 3, size=(G, L))]))
-    mask = torch.ones_like(responses, dtype=torch.bool)
-    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0] * 2)
-    index = torch.arange(2 * G) // G
+    responses, mask, rewards, index = distinct_and_repeated_groups()
     done, flags = run(responses, mask, rewards, index, device)
     over = done.grp[nosync._OVER.value * 2: nosync._OVER.value * 2 + 2].tolist()
     assert over == [1, 0] and flags[nosync._RETRY.value] == 0
