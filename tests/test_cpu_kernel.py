@@ -404,3 +404,19 @@ def test_binding_rejects_a_device_array(kernel):
     args["ids"] = _OnCuda(6, 5)
     with pytest.raises(ValueError, match="`ids` must be a int64 CPU array.*on device type 2"):
         kernel.advantage(*args.values(), **SCALARS)
+
+
+def test_fault_in_maps_a_fresh_output_without_changing_its_shape(kernel):
+    out = torch.full((300, 4096), 7.0)  # 4.7 MB: spans pages and (where aligned) a huge page
+    kernel.fault_in(out, threads=2)
+    assert out.shape == (300, 4096) and out.dtype == torch.float32
+    touched = out.view(-1)[::1024]  # the page starts it may zero (the output is overwritten anyway)
+    assert set(touched.unique().tolist()) <= {0.0, 7.0}
+    kernel.fault_in(torch.empty(0, 5), threads=2)  # nothing to map
+
+
+@pytest.mark.parametrize("bad", [torch.empty(5, 6).t(), torch.empty(4, 4, dtype=torch.float64), torch.empty(8)],
+                         ids=["not-contiguous", "float64", "1-D"])
+def test_fault_in_rejects_what_the_kernel_would_not_write(kernel, bad):
+    with pytest.raises(ValueError, match="_cpu.fault_in: `out` must be a float32 CPU array"):
+        kernel.fault_in(bad, threads=1)

@@ -134,7 +134,7 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     counts = method.group_counts(batch, config)
     if out is None:
         out = torch.empty(batch.responses.shape, dtype=torch.float32)
-        load_extension().advise_huge(out)  # fewer page faults on the first write
+        load_extension().fault_in(out, threads=kernel_threads(batch, config))
     if batch.n_groups == 0 or batch.responses.shape[1] == 0:
         return out.zero_()
     inputs = _Inputs(batch, counts)
