@@ -38,6 +38,39 @@ def normalise_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: Arr
     ``check_ids=False`` leaves the token-id range check to a backend that does it while counting.
     Raises ValueError naming the argument (and the fix) on any shape, dtype or value problem.
     """
+    responses, mask, reward = _checked_tensors(responses, response_mask, rewards, check_ids=check_ids, read=True)
+    group, labels = dense_group_ids(index, responses.shape[0], responses.device)
+    return _batch(responses, mask, reward, group, labels, correct, read=True)
+
+
+def planned_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, group: Tensor,
+                  labels: np.ndarray, *, correct: ArrayLike | None = None, check_ids: bool = True,
+                  read: bool = True) -> Batch:
+    """``normalise_batch`` for group ids already made dense (``dense_group_ids``: ``group`` int64 ``[B]``
+    on the batch's device, ``labels`` ``[n_groups]``).
+
+    ``read=False`` (while a CUDA graph captures) reads no value back to the host: the tensors must
+    already be on ``group``'s device, the mask (and ``correct``) bool; rewards are not checked for
+    NaN / inf, and token ids are left to a backend that checks them on the device (``check_ids=False``).
+    """
+    if not read:
+        for name, value in (("responses", responses), ("response_mask", response_mask), ("rewards", rewards),
+                            ("correct", correct)):
+            if value is not None and (not isinstance(value, Tensor) or value.device != group.device):
+                raise ValueError(f"`{name}` must be a tensor on {group.device} while a CUDA graph captures "
+                                 f"(nothing may be copied from the host then), got "
+                                 f"{value.device if isinstance(value, Tensor) else type(value).__name__}")
+    responses, mask, reward = _checked_tensors(responses, response_mask, rewards, check_ids=check_ids, read=read)
+    if responses.device != group.device or responses.shape[0] != group.shape[0]:
+        raise ValueError(f"`responses` must have B = {group.shape[0]} rows on {group.device}, as planned, got "
+                         f"{tuple(responses.shape)} on {responses.device}")
+    return _batch(responses, mask, reward, group, labels, correct, read=read)
+
+
+def _checked_tensors(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, *, check_ids: bool,
+                     read: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """int64 responses ``[B, L]``, bool mask ``[B, L]`` and float64 rewards ``[B]``, checked (values
+    too when ``read``) in the order the errors are reported."""
     responses = _as_tensor("responses", responses)
     if responses.dim() != 2:
         raise ValueError(f"`responses` must be 2-D [B, L], got shape {tuple(responses.shape)}")
@@ -46,14 +79,19 @@ def normalise_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: Arr
                          f"convert with `responses.long()`")
     device = responses.device
     shape = tuple(responses.shape)
-    mask = _check_mask(_as_tensor("response_mask", response_mask, device), shape)
+    mask = _check_mask(_as_tensor("response_mask", response_mask, device), shape, read)
     responses = responses.to(torch.int64)
     if check_ids:
         check_token_ids(responses, mask)
-    reward = _check_rewards(_as_tensor("rewards", rewards, device), shape)
-    group, labels = dense_group_ids(index, shape[0], device)
-    flags = None if correct is None else _check_correct(_as_tensor("correct", correct, device), shape[0])
-    return Batch(responses=responses, mask=mask, rewards=reward, group=group, group_labels=labels, correct=flags)
+    reward = _check_rewards(_as_tensor("rewards", rewards, device), shape, read)
+    return responses, mask, reward
+
+
+def _batch(responses: Tensor, mask: Tensor, rewards: Tensor, group: Tensor, labels: np.ndarray,
+           correct: ArrayLike | None, *, read: bool) -> Batch:
+    flags = None if correct is None else _check_correct(_as_tensor("correct", correct, responses.device),
+                                                        responses.shape[0], read)
+    return Batch(responses=responses, mask=mask, rewards=rewards, group=group, group_labels=labels, correct=flags)
 
 
 def check_token_ids(responses: Tensor, mask: Tensor) -> None:
@@ -96,20 +134,24 @@ def check_out(out: Tensor | None, batch: Batch) -> Tensor | None:
     return out
 
 
-def check_rollout_advantage(value: ArrayLike | None, batch: Batch) -> Tensor | None:
-    """``[B]`` float64 on the batch device, or None."""
+def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = True) -> Tensor | None:
+    """``[B]`` float64 on the batch device, or None (checked finite when ``read``)."""
     if value is None:
         return None
+    if not read and (not isinstance(value, Tensor) or value.device != batch.device):
+        raise ValueError(f"`rollout_advantage` must be a tensor on {batch.device} while a CUDA graph captures")
     t = _as_tensor("rollout_advantage", value, batch.device)
     if t.dtype.is_complex or tuple(t.shape) != (batch.responses.shape[0],):
         raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], "
                          f"got {t.dtype} {tuple(t.shape)}")
-    return _finite_float64("rollout_advantage", t)
+    return _finite_float64("rollout_advantage", t, read)
 
 
-def _finite_float64(name: str, t: Tensor) -> Tensor:
-    """``t`` detached as float64; ValueError naming ``name`` if it holds NaN or inf."""
+def _finite_float64(name: str, t: Tensor, read: bool = True) -> Tensor:
+    """``t`` detached as float64; ValueError naming ``name`` if it holds NaN or inf (checked when ``read``)."""
     t = t.detach().to(torch.float64)
+    if not read:
+        return t
     finite = np.isfinite(t.numpy()).all() if t.device.type == "cpu" else bool(torch.isfinite(t).all())
     if not finite:
         raise ValueError(f"`{name}` must be finite (found NaN or inf)")
@@ -134,22 +176,26 @@ def _as_tensor(name: str, value: Any, device: torch.device | None = None) -> Ten
     return t if device is None else t.to(device)
 
 
-def _check_mask(mask: Tensor, shape: tuple[int, ...]) -> Tensor:
+def _check_mask(mask: Tensor, shape: tuple[int, ...], read: bool = True) -> Tensor:
     if tuple(mask.shape) != shape:
         raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}")
-    return _zero_one_flags("response_mask", mask, "build it as `responses != pad_id`")
+    return _zero_one_flags("response_mask", mask, "build it as `responses != pad_id`", read)
 
 
-def _zero_one_flags(name: str, t: Tensor, fix: str) -> Tensor:
-    """bool from bool, or from numbers that are all 0 or 1; ValueError naming ``name`` and ``fix`` else."""
+def _zero_one_flags(name: str, t: Tensor, fix: str, read: bool = True) -> Tensor:
+    """bool from bool, or from numbers that are all 0 or 1 (bool only when not ``read``: the values
+    cannot be checked); ValueError naming ``name`` and ``fix`` else."""
     if t.dtype == torch.bool:
         return t
+    if not read:
+        raise ValueError(f"`{name}` must be bool while a CUDA graph captures (its values cannot be checked "
+                         f"then), got {t.dtype}; {fix}")
     if t.dtype.is_complex or not bool(((t == 0) | (t == 1)).all()):
         raise ValueError(f"`{name}` must be bool or hold only 0 and 1, got {t.dtype}; {fix}")
     return t != 0
 
 
-def _check_rewards(rewards: Tensor, shape: tuple[int, ...]) -> Tensor:
+def _check_rewards(rewards: Tensor, shape: tuple[int, ...], read: bool = True) -> Tensor:
     if rewards.dtype.is_complex or rewards.dtype == torch.bool:
         raise ValueError(f"`rewards` must be real numbers, got {rewards.dtype}; convert with `rewards.float()`")
     if rewards.dim() == 2:
@@ -159,14 +205,14 @@ def _check_rewards(rewards: Tensor, shape: tuple[int, ...]) -> Tensor:
     elif rewards.dim() != 1 or rewards.shape[0] != shape[0]:
         raise ValueError(f"`rewards` must have shape [B] = [{shape[0]}] or [B, L] = {list(shape)}, "
                          f"got {tuple(rewards.shape)}")
-    return _finite_float64("rewards", rewards)
+    return _finite_float64("rewards", rewards, read)
 
 
-def _check_correct(correct: Tensor, batch_size: int) -> Tensor:
+def _check_correct(correct: Tensor, batch_size: int, read: bool = True) -> Tensor:
     """bool ``[B]`` from bool or 0/1 labels."""
     if tuple(correct.shape) != (batch_size,):
         raise ValueError(f"`correct` must have shape [B] = [{batch_size}], got {tuple(correct.shape)}")
-    return _zero_one_flags("correct", correct, "e.g. `correct=task_score > 0`")
+    return _zero_one_flags("correct", correct, "e.g. `correct=task_score > 0`", read)
 
 
 def _index_values(index: Any) -> np.ndarray:
