@@ -1,12 +1,13 @@
 """ktae_kernels: fast, exact Key-token Advantage Estimation (KTAE) for GRPO/DAPO.
 
-Public API: ``token_advantage``, ``key_token_scores``, ``KTAEConfig``, ``fisher_exact_pvalue``,
-``KeyTokenScores``, ``available_backends``.
+Public API: ``token_advantage``, ``key_token_scores``, ``plan_token_advantage``, ``KTAEConfig``,
+``fisher_exact_pvalue``, ``KeyTokenScores``, ``available_backends``.
 """
 from .api import key_token_scores, token_advantage
 from .backends.base import BackendUnavailableError
 from .config import KTAEConfig
 from .fisher import fisher_exact_pvalue
+from .plan import TokenAdvantagePlan, plan_token_advantage
 from .registry import available_backends
 from .types import KeyTokenScores
 
@@ -16,8 +17,10 @@ __all__ = [
     "BackendUnavailableError",
     "KTAEConfig",
     "KeyTokenScores",
+    "TokenAdvantagePlan",
     "available_backends",
     "fisher_exact_pvalue",
     "key_token_scores",
+    "plan_token_advantage",
     "token_advantage",
 ]

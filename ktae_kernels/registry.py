@@ -113,6 +113,6 @@ register_backend(BackendSpec("cpu", "ktae_kernels.backends.cpu", ("cpu",), _cpu_
 register_backend(BackendSpec("torch", "ktae_kernels.backends.torch", ("cpu", "cuda"), _always,
                              {"cpu": 1, "cuda": 0}))
 register_backend(BackendSpec("triton", "ktae_kernels.backends.triton", ("cpu", "cuda"), _triton_unavailable,
-                             checks_token_ids=True))
+                             checks_token_ids=True, capturable=True))
 register_backend(BackendSpec("cuda", "ktae_kernels.backends.cuda", ("cuda",), _cuda_unavailable,
-                             checks_token_ids=True))
+                             checks_token_ids=True, capturable=True))

@@ -257,8 +257,9 @@ def test_public_examples_run():
     import ktae_kernels.api as api
     import ktae_kernels.config as config
     import ktae_kernels.fisher as fisher
+    import ktae_kernels.plan as plan
 
-    for module, examples in ((api, 4), (fisher, 2), (config, 2)):
+    for module, examples in ((api, 4), (fisher, 2), (config, 2), (plan, 4)):
         failures, tried = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
         assert tried >= examples and failures == 0, module.__name__
 

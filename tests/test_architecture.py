@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ktae_kernels"
 BACKENDS = ("torch", "cpu", "cuda", "triton")
 #: modules a backend must never import: the layers above it.
-ABOVE_BACKENDS = ("ktae_kernels.api", "ktae_kernels.registry", "ktae_kernels.distributed",
+ABOVE_BACKENDS = ("ktae_kernels.api", "ktae_kernels.plan", "ktae_kernels.registry", "ktae_kernels.distributed",
                   "ktae_kernels.integrations", "ktae_kernels.viz", "ktae_kernels.metrics", "ktae_kernels.__main__")
 
 

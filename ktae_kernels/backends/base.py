@@ -40,6 +40,8 @@ class BackendSpec:
     token-id range while counting (``validation.check_id_range``), so the API skips its own pass;
     the kernels report a bad id through a flag read once, after they ran (the API documents, per
     backend, whether a caller's ``out`` may have been written before that ValueError).
+    capturable: ``token_advantage`` in exact mode reads nothing back to the host on CUDA tensors once
+    a shape has run (a ``plan_token_advantage`` call may be captured in a CUDA graph).
     """
 
     name: str
@@ -48,6 +50,7 @@ class BackendSpec:
     unavailable: Callable[[str], Optional[str]]
     auto_rank: Mapping[str, int] = field(default_factory=dict)
     checks_token_ids: bool = False
+    capturable: bool = False
 
     def load(self) -> Backend:
         """The implementation module, checked against the contract (once: the protocol check costs

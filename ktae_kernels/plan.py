@@ -1,0 +1,118 @@
+"""``plan_token_advantage``: the host side of ``token_advantage`` for a fixed group layout, done once.
+
+A trainer whose batches keep one layout (the same ``index`` and ``[B, L]`` every step) plans once and
+calls the plan every step: the group ids are made dense once, not per call. On CUDA tensors with the
+``cuda`` or ``triton`` backend in exact mode, a plan's call reads nothing back to the host, so it can be
+captured in a CUDA graph (``torch.cuda.graph``) and replayed on new data copied into the captured tensors.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .backends.base import BackendSpec, BackendUnavailableError
+from .backends.device import capturing
+from .config import KTAEConfig
+from .registry import resolve
+from .types import ArrayLike
+from .validation import check_config, check_out, check_rollout_advantage, dense_group_ids, planned_batch
+
+
+@dataclass(frozen=True)
+class TokenAdvantagePlan:
+    """``token_advantage`` for batches of one shape and group layout (build it with ``plan_token_advantage``).
+
+    shape: ``(B, L)``. device: where the batches live. group: int64 ``[B]`` dense group ids on ``device``.
+    group_labels: numpy ``[n_groups]``, the caller's label of each dense id. spec: the backend.
+    """
+
+    shape: tuple[int, int]
+    device: torch.device
+    config: KTAEConfig
+    spec: BackendSpec
+    group: Tensor
+    group_labels: np.ndarray
+
+    def __call__(self, responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, *,
+                 rollout_advantage: ArrayLike | None = None, correct: ArrayLike | None = None,
+                 out: Tensor | None = None) -> Tensor:
+        """float32 ``[B, L]`` advantages, exactly ``token_advantage(responses, response_mask, rewards, index,
+        ...)`` for the planned ``index`` (arguments as there).
+
+        While a CUDA graph captures (``torch.cuda.graph``): the backend must be ``cuda`` or ``triton``
+        and ``config.fisher`` "exact"; every argument a tensor already on the plan's device, the mask
+        (and ``correct``) bool. Nothing is read back then, so rewards are not checked for NaN / inf,
+        and a replay with a token id out of range leaves ``out`` untouched (flagged on the device, not
+        raised). Run the plan once on the same shapes before capturing (a warm-up, as every CUDA
+        graph needs: it fills the backend's caches).
+
+        Raises:
+            ValueError: an argument does not fit the plan (shape, device) or is invalid, as
+                ``token_advantage`` reports it.
+            BackendUnavailableError: capturing with a backend that reads back.
+        """
+        read = not capturing(self.device)
+        if not read:
+            self._check_capturable()
+        batch = planned_batch(responses, response_mask, rewards, self.group, self.group_labels, correct=correct,
+                              check_ids=not self.spec.checks_token_ids, read=read)
+        if tuple(batch.responses.shape) != self.shape:
+            raise ValueError(f"`responses` must have the planned shape {self.shape}, got {tuple(batch.responses.shape)}")
+        base = check_rollout_advantage(rollout_advantage, batch, read)
+        return self.spec.load().token_advantage(batch, self.config, base, check_out(out, batch))
+
+    def _check_capturable(self) -> None:
+        if not self.spec.capturable:
+            raise BackendUnavailableError(
+                f"backend {self.spec.name!r} reads results back to the host and cannot be captured in a CUDA "
+                f"graph; plan with backend='cuda' or backend='triton'")
+        if self.config.fisher != "exact":
+            raise ValueError(f"`config.fisher` must be 'exact' to capture a CUDA graph (the 'upstream' p-values "
+                             f"need the rows read back), got {self.config.fisher!r}")
+
+
+def plan_token_advantage(index: Any, shape: tuple[int, int], *, device: torch.device | str = "cpu",
+                         config: KTAEConfig | None = None, backend: str = "auto") -> TokenAdvantagePlan:
+    """A ``TokenAdvantagePlan`` for ``[B, L]`` batches on ``device`` whose rollouts are grouped by ``index``.
+
+    Args:
+        index: ``[B]`` group ids, as ``token_advantage`` takes them (ints or uid strings).
+        shape: ``(B, L)`` of every batch the plan will see.
+        device: where those batches' tensors live.
+        config: hyper-parameters; ``KTAEConfig()`` when None.
+        backend: as ``token_advantage`` (resolved once, here, for ``device``).
+
+    Raises:
+        ValueError: a bad ``index``, ``shape``, ``config`` or backend name.
+        BackendUnavailableError: the backend cannot run on ``device`` here.
+
+    Example:
+        >>> import torch
+        >>> from ktae_kernels import plan_token_advantage
+        >>> plan = plan_token_advantage([0, 0], (2, 3))
+        >>> responses = torch.tensor([[5, 7, 2], [5, 8, 2]])
+        >>> plan(responses, responses != 0, torch.tensor([1.0, 0.0])).shape
+        torch.Size([2, 3])
+    """
+    config = check_config(config)
+    B, L = _check_shape(shape)
+    device = torch.device(device)
+    spec = resolve(backend, device)
+    group, labels = dense_group_ids(index, B, device)
+    return TokenAdvantagePlan(shape=(B, L), device=device, config=config, spec=spec, group=group,
+                              group_labels=labels)
+
+
+def _check_shape(shape: Any) -> tuple[int, int]:
+    try:
+        B, L = (operator.index(n) for n in shape)
+    except (TypeError, ValueError):
+        raise ValueError(f"`shape` must be (B, L), two ints, got {shape!r}") from None
+    if B < 0 or L < 0 or isinstance(shape, (str, bytes)):
+        raise ValueError(f"`shape` must be (B, L), two non-negative ints, got {shape!r}")
+    return B, L
