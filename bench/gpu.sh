@@ -60,7 +60,8 @@ run_stage() {
 }
 
 # the tests that need a GPU (the others run on the CPU machine): pytest -ra names every failure
-GPU_TESTS="tests/test_cuda_backend.py tests/test_triton_backend.py tests/test_device_statistics.py tests/test_gpu_backends.py"
+GPU_TESTS="tests/test_cuda_backend.py tests/test_triton_backend.py tests/test_device_statistics.py tests/test_gpu_backends.py
+  tests/test_plan.py::test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed"
 GPU_TESTS_ARGS="-q -ra -p no:cacheprovider --deselect tests/test_gpu_backends.py::test_gpu_sh_parses
   --deselect tests/test_gpu_backends.py::test_gpu_check_dry_run"
 
