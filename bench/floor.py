@@ -97,12 +97,17 @@ def _resident_bytes(field: str) -> int | None:
 
 
 def _trim_heap() -> None:
-    """Give freed heap memory back to the OS (glibc), so that the resident set before a call holds
-    only live data and the call's own peak shows."""
+    """Give freed memory back to the OS (glibc's heap, and the outputs the native CPU kernel keeps for
+    reuse), so that the resident set before a call holds only live data and the call's own peak
+    shows, its output included."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+    from ktae_kernels.backends import cpu
+
+    if cpu.unavailable_reason() is None:
+        cpu.release_output_pool()
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int | None:

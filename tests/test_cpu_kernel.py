@@ -406,17 +406,71 @@ def test_binding_rejects_a_device_array(kernel):
         kernel.advantage(*args.values(), **SCALARS)
 
 
-def test_fault_in_maps_a_fresh_output_without_changing_its_shape(kernel):
-    out = torch.full((300, 4096), 7.0)  # 4.7 MB: spans pages and (where aligned) a huge page
-    kernel.fault_in(out, threads=2)
-    assert out.shape == (300, 4096) and out.dtype == torch.float32
-    touched = out.view(-1)[::1024]  # the page starts it may zero (the output is overwritten anyway)
-    assert set(touched.unique().tolist()) <= {0.0, 7.0}
-    kernel.fault_in(torch.empty(0, 5), threads=2)  # nothing to map
+# ------------------------------------------------------------------------------------------ output pool
+def _pooled_batch():
+    """A batch whose output (128 x 8192 float32, 4 MB) comes from the output pool."""
+    gen = torch.Generator().manual_seed(11)
+    responses = torch.randint(0, 151_936, (128, 8192), generator=gen)
+    mask = torch.arange(8192)[None, :] < torch.randint(1, 8193, (128, 1), generator=gen)
+    rewards = (torch.rand(128, generator=gen) < 0.5).float()
+    return responses, mask, rewards, torch.arange(128) // 16
 
 
-@pytest.mark.parametrize("bad", [torch.empty(5, 6).t(), torch.empty(4, 4, dtype=torch.float64), torch.empty(8)],
-                         ids=["not-contiguous", "float64", "1-D"])
-def test_fault_in_rejects_what_the_kernel_would_not_write(kernel, bad):
-    with pytest.raises(ValueError, match="_cpu.fault_in: `out` must be a float32 CPU array"):
-        kernel.fault_in(bad, threads=1)
+def test_the_output_pool_reuses_only_outputs_torch_has_freed(kernel):
+    """A returned output's memory is reused only once nothing refers to its storage: not while the
+    tensor, a view of it, a numpy array over it or a DLPack export of it is alive."""
+    batch = _pooled_batch()
+    assert 128 * 8192 * 4 >= cpu.POOL_MIN_BYTES
+    want = token_advantage(*batch, backend="cpu", out=torch.empty(128, 8192))
+    cpu.release_output_pool()
+
+    def call():
+        result = token_advantage(*batch, backend="cpu")
+        assert torch.equal(result, want)  # a reused block is overwritten everywhere
+        return result
+
+    holders = {"tensor": lambda t: t, "view": lambda t: t[3:, 5:], "numpy": lambda t: t.numpy(),
+               "dlpack": torch.utils.dlpack.to_dlpack}
+    for name, hold in holders.items():
+        result = call()
+        address = result.data_ptr()
+        holder = hold(result)
+        del result
+        assert call().data_ptr() != address, f"reused while a {name} of the output was alive"
+        del holder
+        assert call().data_ptr() == address  # freed: the next call takes it (the warmest block)
+    assert kernel.output_pool_held()[0] == 2  # at most two freed blocks are kept
+    assert cpu.release_output_pool() >= 2 * 128 * 8192 * 4
+    assert kernel.output_pool_held() == (0, 0)
+
+
+def test_concurrent_calls_never_share_an_output(kernel):
+    from concurrent.futures import ThreadPoolExecutor
+
+    batch = _pooled_batch()
+    want = token_advantage(*batch, backend="cpu", out=torch.empty(128, 8192))
+    with ThreadPoolExecutor(3) as threads:
+        results = list(threads.map(lambda _: token_advantage(*batch, backend="cpu"), range(6)))
+    assert len({r.data_ptr() for r in results}) == 6
+    assert all(torch.equal(r, want) for r in results)
+
+
+def test_the_output_pool_fits_a_block_at_most_twice_the_request(kernel):
+    kernel.clear_output_pool()
+    big = kernel.new_output(1024, 3072, threads=2)  # 12 MB
+    assert big.shape == (1024, 3072) and big.dtype == torch.float32 and big.is_contiguous()
+    address = big.data_ptr()
+    del big
+    small = kernel.new_output(1024, 1000, threads=1)  # 4 MB: a 12 MB block is more than twice that
+    assert small.data_ptr() != address
+    half = kernel.new_output(1024, 1536, threads=1)  # 6 MB: fits
+    assert half.data_ptr() == address and half.shape == (1024, 1536)
+    del small, half
+    assert kernel.output_pool_held()[0] == 2
+    kernel.clear_output_pool()
+
+
+@pytest.mark.parametrize("rows, cols", [(0, 5), (5, 0), (-1, 3)])
+def test_new_output_needs_a_positive_shape(kernel, rows, cols):
+    with pytest.raises(ValueError, match="_cpu.new_output: `rows` and `cols` must be positive"):
+        kernel.new_output(rows, cols, threads=1)

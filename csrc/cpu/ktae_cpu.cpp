@@ -16,6 +16,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #ifdef KTAE_CPU_PROFILE
 #include <nanobind/stl/vector.h>
 #endif
@@ -34,14 +35,12 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#ifdef __linux__
-#include <sys/mman.h>
-#endif
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
 
 #include "arrays.h"
+#include "output_pool.h"
 #include "sparse_map.h"
 #include "statistics.h"
 
@@ -858,28 +857,21 @@ void table_statistics(const Array& tables, const Array& out) {
   }
 }
 
-// fault_in(out, threads): map a fresh output buffer's pages before the kernel writes it. On Linux the
-// buffer is first advised to transparent huge pages (2 MB faults instead of 4 KB ones). The pages are
-// then touched, one write per 4 KB, in contiguous per-thread slices: faults taken this way cost about
-// a memset of the buffer, while the same faults taken inside the kernel's group loop (two threads
-// faulting neighbouring huge pages, each zeroing 2 MB through the cache it is counting in) cost
-// three to four times as much.
-void fault_in(const Array& out, int threads) {
-  Check{"_cpu.fault_in"}.contiguous_matrix("out", out, kFloat32);
-  char* const data = static_cast<char*>(out.data());
-  const int64_t bytes = int64_t(out.nbytes());
-  if (bytes == 0) return;
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t(1) << 21;
-  const uintptr_t address = reinterpret_cast<uintptr_t>(data);
-  const uintptr_t start = (address + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (address + uintptr_t(bytes)) & ~(kHuge - 1);
-  if (end > start) madvise(reinterpret_cast<void*>(start), end - start, MADV_HUGEPAGE);
-#endif
-  constexpr int64_t kPage = 4096;
-  const int64_t pages = (bytes + kPage - 1) / kPage;
-#pragma omp parallel for schedule(static) num_threads(clamp_threads(threads)) if (threads > 1)
-  for (int64_t p = 0; p < pages; ++p) data[p * kPage] = 0;
+// new_output(rows, cols, threads): a float32 [rows, cols] torch tensor over a block of the output pool
+// (output_pool.h); the block returns to the pool when torch frees the tensor's storage.
+using Output = nb::ndarray<nb::pytorch, float, nb::ndim<2>, nb::c_contig>;
+
+Output new_output(int64_t rows, int64_t cols, int threads) {
+  if (rows <= 0 || cols <= 0)
+    throw nb::value_error(("_cpu.new_output: `rows` and `cols` must be positive, got " + std::to_string(rows) +
+                           " and " + std::to_string(cols)).c_str());
+  OutputPool::Block* block;
+  {
+    nb::gil_scoped_release unlocked;
+    block = output_pool().take(size_t(rows) * size_t(cols) * sizeof(float), threads);
+  }
+  nb::capsule owner(block, [](void* b) noexcept { output_pool().give(static_cast<OutputPool::Block*>(b)); });
+  return Output(block->data, {size_t(rows), size_t(cols)}, owner);
 }
 
 bool openmp() {
@@ -921,8 +913,13 @@ NB_MODULE(_cpu, m) {
         "(p, F, IG, h) float64 [4, T] of the tables (a, b, n_c, n_w) int64 [4, T], as the kernel computes them.");
   m.def("statistics_cache_size", &ktae::shared_cache_size, "Tables held in the shared statistics cache.");
   m.def("clear_statistics_cache", &ktae::clear_shared_cache, "Empty the shared statistics cache.");
-  m.def("fault_in", &ktae::fault_in, "out"_a, nb::kw_only(), "threads"_a,
-        "Map a fresh output buffer's pages (huge pages on Linux) on `threads` threads before a kernel writes it.");
+  m.def("new_output", &ktae::new_output, "rows"_a, "cols"_a, nb::kw_only(), "threads"_a,
+        "A float32 [rows, cols] tensor over a block of the output pool (mapped on `threads` threads when new); "
+        "the block returns to the pool when torch frees the tensor.");
+  m.def("output_pool_held", []() { return ktae::output_pool().held(); },
+        "(blocks, bytes) of returned outputs the pool keeps for reuse.");
+  m.def("clear_output_pool", []() { return ktae::output_pool().clear(); },
+        "Free the returned outputs the pool keeps; returns the bytes freed.");
 #ifdef KTAE_CPU_PROFILE
   m.def("profile", []() {
     std::vector<std::vector<uint64_t>> r;

@@ -133,8 +133,7 @@ def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
     counts = method.group_counts(batch, config)
     if out is None:
-        out = torch.empty(batch.responses.shape, dtype=torch.float32)
-        load_extension().fault_in(out, threads=kernel_threads(batch, config))
+        out = new_output(batch, config)
     if batch.n_groups == 0 or batch.responses.shape[1] == 0:
         return out.zero_()
     inputs = _Inputs(batch, counts)
@@ -148,6 +147,25 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     if not ok:
         _raise_bad_ids(batch)
     return out
+
+
+#: outputs of at least this many bytes come from the extension's output pool (smaller ones: glibc's
+#: heap already reuses their memory without page faults).
+POOL_MIN_BYTES = 1 << 22
+
+
+def new_output(batch: Batch, config: KTAEConfig) -> Tensor:
+    """A float32 ``[B, L]`` tensor for a call without ``out=``: from ``csrc/cpu/output_pool.h`` (memory of
+    outputs torch has freed, kept mapped: no page faults) when it is large, else ``torch.empty``."""
+    B, L = batch.responses.shape
+    if B * L * 4 < POOL_MIN_BYTES:
+        return torch.empty((B, L), dtype=torch.float32)
+    return load_extension().new_output(B, L, threads=kernel_threads(batch, config))
+
+
+def release_output_pool() -> int:
+    """Free the memory of outputs kept for reuse (at most two); returns the bytes freed."""
+    return load_extension().clear_output_pool()
 
 
 def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
