@@ -25,7 +25,9 @@ The report is written after every check and every timed backend, so a run cut by
 what it measured.
 
 timings (CUDA events, median of ``--repeats``): each backend's ``token_advantage`` on the paper
-batch, through the API and on a validated batch with a reused ``out``; Triton's stages
+batch, through the API and on a validated batch with a reused ``out`` (tables sized by the distinct
+ids of the calls before), and with tables sized by masked tokens as a shape's first call sizes
+them (``backend_s_sized_by_tokens``); Triton's stages
 (``triton.profile``) and its time by first table-size guess; the CUDA backend's static-bound call
 (with and without its final flag read) beside the path that reads sizes first, and its time by launch shape (threads a block, slot layout, blocks per SM); the
 achieved bandwidth of the unavoidable I/O against a measured
@@ -427,6 +429,9 @@ def timings(bench_batch, backends: list[str], repeats: int, device: torch.device
         row = {"api_s": api_s, "backend_s": backend_s,
                "achieved_gb_s": io_bytes(positions) / backend_s / 1e9,
                "share_of_copy": io_bytes(positions) / backend_s / 1e9 / copy}
+        if name in ("cuda", "triton"):
+            row["backend_s_sized_by_tokens"] = cuda_time(
+                sized_by_tokens(name, batch, lambda: impl.token_advantage(batch, config, None, out)), repeats)
         if name == "triton":
             if device.type == "cuda":
                 with contextlib.suppress(Exception):
@@ -439,6 +444,19 @@ def timings(bench_batch, backends: list[str], repeats: int, device: torch.device
         save()
         print(f"  {name:<7} api {1e3 * api_s:8.3f} ms, backend {1e3 * backend_s:8.3f} ms, "
               f"{row['achieved_gb_s']:.0f} GB/s ({100 * row['share_of_copy']:.1f}% of copy)", flush=True)
+
+
+def sized_by_tokens(backend: str, batch, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` with no distinct-id count remembered for ``batch``'s shape, so that each call sizes its
+    tables by masked tokens, as a shape's first call does (``device.expected_keys``)."""
+    from ktae_kernels.backends import device as device_helpers
+
+    key = device_helpers.distinct_key(backend, batch.device, batch.responses.shape[0], batch.n_groups)
+
+    def run() -> Any:
+        device_helpers.forget_keys(key)
+        return fn()
+    return run
 
 
 def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
@@ -463,6 +481,7 @@ def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
             "sized_advantage_passes": cuda_time(lambda: cuda._advantage(plan, batch, config, None, out), repeats),
         }
     stages["static_shared_bytes"] = static.shared_bytes
+    stages["static_max_capacity"] = static.max_capacity
     stages["static_fallback_blocks"] = static.fallback_blocks
     stages["static_fallback_bytes"] = static.fallback_bytes
     stages["threads"] = static.threads

@@ -192,7 +192,8 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
 
 // The whole token_advantage with static-bound sizing (ktae::launch_advantage): the bookkeeping, a
 // shared-table pass and, with fallback_blocks > 0, a global-memory pass, nothing read back. The
-// workspace (int64, ktae::advantage_layout) is written; its first two entries are the id flags.
+// workspace (int64, ktae::advantage_layout) is written; its first three entries are the flags (the
+// id range, the most distinct ids a group held).
 void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group, const Tensor& members,
                const Tensor& rewards, const OptTensor& correct, const OptTensor& given,
                const OptTensor& table_values, int64_t grid_bound, const OptTensor& log_factorial,
@@ -309,6 +310,7 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
   args.extent = prep.extent;
   args.shared_bytes = shared_bytes;
   args.max_capacity = max_capacity;
+  args.largest_keys = prep.bad_ids + 2;
   args.allow_packed = allow_packed;
   args.ws_bytes = reinterpret_cast<unsigned char*>(ws + layout.tables);
   args.ws_slice_bytes = fallback_blocks ? fallback_bytes / fallback_blocks / 8 * 8 : 0;

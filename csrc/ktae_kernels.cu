@@ -591,7 +591,8 @@ __device__ __forceinline__ int64_t table_capacity_for(int64_t n_keys) {
 
 // One group of the static-bound advantage pipeline (launch_advantage), every choice made here: the
 // group's own presence words and slot layout, a table sized by its masked tokens (so only that much
-// is cleared), up to what the block's shared memory (or global slice) holds. The shared pass gives
+// is cleared), in the shared pass at most max_capacity slots (the host's size for the distinct ids
+// it has seen), up to what the block's shared memory (or global slice) holds. The shared pass gives
 // up on a group that overflows (status -1, nothing written); the global pass redoes it, splitting
 // its ids into 2, 4, ... hash partitions until each fits its slice, a partition's positions written
 // after its table is complete. Nothing at all is written when the scan pass found a bad id.
@@ -625,7 +626,7 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
     room = args.ws_slice_bytes - mask_bytes;
   }
   int64_t capacity = table_capacity_for(tokens);
-  if (kSharedTable && capacity > args.max_capacity) capacity = args.max_capacity;  // Tuning.table_slots
+  if (kSharedTable && capacity > args.max_capacity) capacity = args.max_capacity;  // distinct ids seen
   while (capacity > 2 && capacity * slot_bytes > room) capacity /= 2;
   const int64_t least = kSharedTable && args.max_capacity > kMinCapacity ? kMinCapacity : 2;
   if (capacity < least || capacity * slot_bytes > room) {  // no room: the global pass takes it
@@ -673,7 +674,10 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
       __syncthreads();  // the table is cleared for the next partition
     }
     if (!overflowed || parts >= most_parts) {
-      if (threadIdx.x == 0) args.status[g] = overflowed ? -1 : n_keys;
+      if (threadIdx.x == 0) {
+        args.status[g] = overflowed ? -1 : n_keys;
+        if (!overflowed) atomicMax(args.largest_keys, static_cast<long long>(n_keys));
+      }
       return;
     }
   }
@@ -900,7 +904,7 @@ int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, in
 int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
                      void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = cudaMemsetAsync(prepare.bad_ids, 0, 2 * sizeof(long long), s);
+  cudaError_t err = cudaMemsetAsync(prepare.bad_ids, 0, kAdvantageFlags * sizeof(long long), s);
   if (err != cudaSuccess) return static_cast<int>(err);
   if (prepare.B > 0) {
     const int64_t blocks = prepare.B < kMaxGridBlocks ? prepare.B : kMaxGridBlocks;

@@ -106,7 +106,9 @@ struct KernelArgs {
                                // bad_ids is set (the scan pass found an id out of range)
   const int64_t* extent;       // [B] last masked position + 1: rollouts are read up to it only
   int64_t shared_bytes;        // dynamic shared memory of a shared-table pass
-  int64_t max_capacity;        // most slots of a table (a power of two)
+  int64_t max_capacity;        // most slots of a shared table (a power of two): the host sizes it
+                               // by the distinct ids it has seen (cuda.static_plan)
+  long long* largest_keys;     // [1] zeroed before: the most distinct ids a completed group held
   bool allow_packed;           // the packed slot where a group has one presence word and < 2^16 tokens
   unsigned char* ws_bytes;     // global-memory pass: block b owns [b * ws_slice_bytes, (b + 1) * ws_slice_bytes)
   int64_t ws_slice_bytes;      //   and takes the hash partitions of an overflowing group one after another
@@ -152,7 +154,11 @@ enum Baseline : int { kBaselineGrpo = 0, kBaselineMean = 1, kBaselineNone = 2, k
 // Threads a block of the groups passes.
 constexpr int kGroupsThreads = 128;
 
-// The int64 workspace of launch_advantage, in this order: bad_ids [2], status [n], starts [n + 1],
+// The flags at the head of launch_advantage's workspace, zeroed by it and read back by the host after
+// the last launch: bad_ids [2], then the most distinct ids a completed group held.
+constexpr int64_t kAdvantageFlags = 3;
+
+// The int64 workspace of launch_advantage, in this order: the flags [3], status [n], starts [n + 1],
 // group_counts [4 n], lengths [B], extent [B], base [B] (float64), correct [B] (bool, rounded up
 // to 8 bytes), the global-memory tables (fallback_bytes, a multiple of 8), then, with a slot index,
 // B * L uint16 (rounded up to 8 bytes).
@@ -162,7 +168,7 @@ struct AdvantageLayout {
 inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, int64_t fallback_bytes,
                                                   int64_t index_positions = 0) {
   AdvantageLayout l{};
-  l.status = 2;
+  l.status = kAdvantageFlags;
   l.starts = l.status + n_groups;
   l.group_counts = l.starts + n_groups + 1;
   l.lengths = l.group_counts + 4 * n_groups;
@@ -175,7 +181,7 @@ inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, i
   return l;
 }
 
-// The whole token_advantage on `stream`, nothing read back: zero bad_ids, the scan and groups
+// The whole token_advantage on `stream`, nothing read back: zero the flags, the scan and groups
 // passes, a shared-table pass over every group (n_groups blocks, `shared_bytes`, skipped where a
 // group's table does not fit), then, when fallback_blocks > 0, a global-memory pass of that many
 // blocks over the groups that did not complete. `kernel` carries the pointers and choices of the

@@ -114,6 +114,34 @@ def test_groups_too_diverse_for_shared_memory_spill_by_themselves():
 
 
 @needs_gpu
+def test_tables_follow_the_distinct_ids_seen_and_overflow_exactly():
+    """Issue #21: 8 groups of 16 x 1024 tokens holding 100 ids each: the first call sizes by masked tokens,
+    the next by the 100 ids read back (256 slots); then groups of ~4k distinct ids overflow those tables,
+    the global pass takes them, and the advantages still equal torch's; the count grows to theirs."""
+    from ktae_kernels.backends import device as device_helpers
+
+    rng = np.random.default_rng(6)
+    B, L = 128, 1024
+    index = torch.arange(B) // 16
+    repeated = torch.as_tensor(rng.integers(0, 100, size=(B, L))) + 1000 * index[:, None]
+    diverse = torch.as_tensor(rng.integers(0, 5000, size=(B, L)))
+    mask = torch.ones(B, L, dtype=torch.bool)
+    rewards = torch.as_tensor(rng.random(B) < 0.5, dtype=torch.float32)
+    ext = cuda.load_extension()
+    key = device_helpers.distinct_key("cuda", torch.device("cuda", torch.cuda.current_device()), B, 8)
+    for responses in (repeated, repeated, diverse, diverse):
+        batch = normalise_batch(*_on_gpu(responses, mask, rewards, index))
+        got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
+        want = token_advantage(responses, mask, rewards, index, backend="torch")
+        torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
+        if responses is repeated:
+            assert device_helpers.expected_keys(key) == 100
+            assert cuda.static_plan(ext, batch, KTAEConfig()).max_capacity == 256
+    most = max(int(torch.unique(diverse[index == g]).numel()) for g in range(8))
+    assert device_helpers.expected_keys(key) == most > 4000
+
+
+@needs_gpu
 @pytest.mark.slow
 def test_positions_beyond_2_to_the_31():
     # B * L = 2^31 + 2^17: only the last group (its rows end past flat index 2^31) holds tokens

@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from ktae_kernels import KTAEConfig, method, reference
-from ktae_kernels.backends import cuda
+from ktae_kernels.backends import cuda, device as device_helpers
 from ktae_kernels.validation import normalise_batch
 from build_cache import cache_root
-from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
+from cases import adversarial_cases, assert_scores_match, distinct_and_repeated_groups, make_batch, random_cases
 
 pytestmark = pytest.mark.slow
 
@@ -555,3 +555,67 @@ def test_gather_from_the_slot_index_or_the_ids(emulator, name, slot_index):
             rows = (batch.group == g)[:, None] & batch.mask
             pairs = torch.unique(torch.stack([batch.responses[rows], slots[rows]]), dim=1)
             assert pairs.shape[1] == torch.unique(batch.responses[rows]).numel() == torch.unique(slots[rows]).numel()
+
+
+def _distinct_per_group(batch) -> list[int]:
+    """Distinct masked ids of each group (torch.unique on the host)."""
+    return [int(torch.unique(batch.responses[(batch.group == g)[:, None] & batch.mask]).numel())
+            for g in range(batch.n_groups)]
+
+
+def test_shared_tables_follow_the_distinct_ids_seen(emulator):
+    """Two groups of 4 x 40 tokens, each holding ids 0-2 only: the first call sizes the tables by masked
+    tokens (the largest possible group, 7 x 40, 512 slots; no global pass), and its flags carry the most
+    distinct ids a group held (3). The next call of this (B, n_groups) caps the shared tables at the
+    slots for 3 ids (32, the least) and adds the global pass for groups that hold more; then a group of
+    160 distinct ids overflows the 32 slots, the global pass takes it, the result is exact, and the
+    count read back (160) sizes the call after (256 slots)."""
+    responses, mask, rewards, index = distinct_and_repeated_groups()
+    distinct = normalise_batch(responses, mask, rewards, index)
+    responses = responses.clone()
+    responses[:4] = responses[4:]
+    repeated = normalise_batch(responses, mask, rewards, index)
+    key = device_helpers.distinct_key("cuda", repeated.device, 8, 2)
+    first = cuda.static_plan(emulator, repeated, KTAEConfig())
+    assert (first.max_capacity, first.fallback_blocks, first.key) == (2**30, 0, key)
+    assert first.shared_bytes == cuda.shared_table_bytes(512, 1)
+    out = torch.empty(responses.shape, dtype=torch.float32)
+    views = cuda.workspace_views(cuda._enqueue(first, repeated, KTAEConfig(), None, out), 8, 2)
+    assert views["status"].tolist() == _distinct_per_group(repeated) == [3, 3]
+    assert views["largest_keys"].tolist() == [3]
+    torch.testing.assert_close(out, reference.token_advantage(repeated, KTAEConfig(), None), rtol=0.0, atol=1e-6)
+
+    cuda.token_advantage(repeated, KTAEConfig(), None, extension=emulator)  # reads the flags back
+    assert device_helpers.expected_keys(key) == 3
+    sized = cuda.static_plan(emulator, repeated, KTAEConfig())
+    assert (sized.max_capacity, sized.fallback_blocks) == (32, 2)
+    assert sized.shared_bytes == cuda.shared_table_bytes(32, 1)
+    out = torch.empty(responses.shape, dtype=torch.float32)
+    views = cuda.workspace_views(cuda._enqueue(sized, distinct, KTAEConfig(), None, out), 8, 2)
+    assert views["status"].tolist() == _distinct_per_group(distinct) == [160, 3]
+    assert views["largest_keys"].tolist() == [160]
+    torch.testing.assert_close(out, reference.token_advantage(distinct, KTAEConfig(), None), rtol=0.0, atol=1e-6)
+
+    recorder = Recorder(emulator)
+    got = cuda.token_advantage(distinct, KTAEConfig(), None, extension=recorder)
+    assert recorder.launches == [("advantage", True, 2)]
+    torch.testing.assert_close(got, reference.token_advantage(distinct, KTAEConfig(), None), rtol=0.0, atol=1e-6)
+    assert device_helpers.expected_keys(key) == 160
+    after = cuda.static_plan(emulator, distinct, KTAEConfig())
+    assert (after.max_capacity, after.fallback_blocks) == (256, 2)
+
+
+@pytest.mark.parametrize("name", ["G16-zipf", "G40-two-words", "token-ids-near-2^31", "all-masked-rollouts",
+                                  "one-rollout-groups"])
+def test_second_call_sized_by_the_distinct_ids_of_the_first(emulator, name):
+    """A case's second call sizes its shared tables by the first call's largest distinct count: the same
+    advantages as the reference; the count read back is the largest group's distinct ids."""
+    _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
+    batch = normalise_batch(responses, mask, rewards, index)
+    want = expected(name, batch, KTAEConfig())[1]
+    key = device_helpers.distinct_key("cuda", batch.device, *responses.shape[:1], batch.n_groups)
+    for _ in range(2):
+        got = cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator)
+        torch.testing.assert_close(got, want, rtol=0.0, atol=1e-6)
+    most = max(_distinct_per_group(batch), default=0)
+    assert device_helpers.expected_keys(key) == (None if most == 0 else most)

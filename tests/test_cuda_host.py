@@ -151,7 +151,37 @@ def test_static_plan_small_batches_and_the_paths_that_read_sizes():
 
 def test_workspace_size_mirrors_the_layout():
     B, n, fallback = 10, 3, 800
-    assert cuda.advantage_workspace_size(B, n, fallback) == 2 + n + (n + 1) + 4 * n + 3 * B + 2 + 100
+    assert cuda.advantage_workspace_size(B, n, fallback) == 3 + n + (n + 1) + 4 * n + 3 * B + 2 + 100
     views = cuda.workspace_views(torch.arange(cuda.advantage_workspace_size(B, n, fallback)), B, n)
-    assert views["bad_ids"].tolist() == [0, 1] and views["status"].tolist() == [2, 3, 4]
+    assert views["bad_ids"].tolist() == [0, 1] and views["largest_keys"].tolist() == [2]
+    assert views["status"].tolist() == [3, 4, 5]
     assert views["group_counts"].shape == (4, n) and views["base"].dtype == torch.float64 and views["correct"].shape == (B,)
+
+
+def test_static_plan_sizes_the_paper_tables_by_the_distinct_ids_seen():
+    """After a call of the paper batch whose largest group held 4,617 distinct ids (bench/data.py), the
+    next caps every shared table at 8,192 slots (6,144 ids at 3/4 load) instead of the 16,384 its
+    ~20k masked tokens give; the counts kept are the largest seen (0: nothing learnt), per (B, n_groups)."""
+    from ktae_kernels import KTAEConfig
+    from ktae_kernels.backends import device
+
+    batch = _shape_only_batch(16384, 1024, 3072)
+    key = device.distinct_key("cuda", batch.device, 16384, 1024)
+    assert cuda.static_plan(_SharedOnly(), batch, KTAEConfig()).key == key and device.expected_keys(key) is None
+    for seen in (4617, 3000, 0):
+        device.remember_keys(key, seen)
+    assert device.expected_keys(key) == 4617
+    assert device.expected_keys(device.distinct_key("cuda", batch.device, 16384, 512)) is None
+    plan = cuda.static_plan(_SharedOnly(), batch, KTAEConfig())
+    assert plan.max_capacity == 8192 == cuda.table_capacity(4617) and cuda.max_keys(8192) == 6144
+    assert plan.shared_bytes == H200_SHARED and plan.fallback_blocks == cuda.FALLBACK_BLOCKS
+    forced = cuda.static_plan(_SharedOnly(), batch, KTAEConfig(), cuda.Tuning(table_slots=1024))
+    assert forced.max_capacity == 1024  # Tuning.table_slots wins
+    small = cuda.static_plan(_SharedOnly(), _shape_only_batch(8, 4, 16), KTAEConfig())
+    device.remember_keys(device.distinct_key("cuda", batch.device, 8, 4), 5)
+    sized = cuda.static_plan(_SharedOnly(), _shape_only_batch(8, 4, 16), KTAEConfig())
+    assert (small.max_capacity, small.fallback_blocks) == (2**30, 0)
+    assert (sized.max_capacity, sized.fallback_blocks) == (32, 4)
+    assert sized.shared_bytes == cuda.shared_table_bytes(32, 1) < small.shared_bytes
+    device.forget_keys(key)
+    assert device.expected_keys(key) is None

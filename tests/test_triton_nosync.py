@@ -14,6 +14,7 @@ DEVICES = triton_devices()
 if not DEVICES:
     pytest.skip("the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
+from ktae_kernels.backends import device as device_helpers  # noqa: E402
 from ktae_kernels.backends.triton import nosync, tables  # noqa: E402
 from ktae_kernels.validation import normalise_batch  # noqa: E402
 
@@ -35,10 +36,12 @@ def on(device, *tensors):
 
 
 def run(responses, mask, rewards, index, device, config=KTAEConfig(), given=None):
-    """The sync-free run on the device, its flags and result (None where it flagged a retry)."""
+    """The sync-free run on the device, its flags and result (None where it flagged a retry), its first
+    tables sized as the API's call would (the remembered bound and distinct ids)."""
     batch = normalise_batch(*on(device, responses, mask, rewards, index), check_ids=False)
     B, L = responses.shape
-    plan = nosync.sizes(B, L, batch.n_groups, nosync._BOUNDS.get((B, L, batch.n_groups, batch.device), 16))
+    keys = device_helpers.expected_keys(device_helpers.distinct_key("triton", batch.device, B, batch.n_groups))
+    plan = nosync.sizes(B, L, batch.n_groups, nosync._BOUNDS.get((B, L, batch.n_groups, batch.device), 16), keys)
     done = nosync.run(batch, config, given, None, plan)
     return done, done.flags.tolist()
 
@@ -186,3 +189,68 @@ def test_sizes_are_static_bounds_of_the_shape():
     assert small.slots >= 3 * 16 + 3 * 16  # first slices of at least 16 and their rebuilds
     assert nosync.sizes(100, 10, 1, bound=128).bound == 128
     assert nosync.sizes(10**4, 10, 1, bound=8192) is None  # past INLINE_MAX_GROUP
+
+
+def _repeated_and_distinct():
+    """Two batches of one shape (2 groups of 4 rollouts x 40): both groups holding ids 0-2 only, and
+    ``distinct_and_repeated_groups`` (group 0: 160 distinct ids)."""
+    responses, mask, rewards, index = distinct_and_repeated_groups()
+    repeated = responses.clone()
+    repeated[:4] = responses[4:]
+    return (repeated, mask, rewards, index), (responses, mask, rewards, index)
+
+
+def test_first_tables_follow_the_distinct_ids_seen(device):
+    """160 masked tokens a group: the first call's slices hold 2**7 slots each (a share of the tokens),
+    and its flags carry the most distinct ids a group held (3). The next call of this (B, n_groups)
+    sizes them for 3 ids (2**4, the least): 32 slots cleared, not 256. Then a group of 160 distinct
+    ids overflows its 16 slots and is rebuilt on the device (a slice of 2**9 after the first ones),
+    exactly; the count read back (160) would size a slice of 2**8, more than the token share (2**7)."""
+    repeated, distinct = _repeated_and_distinct()
+    key = device_helpers.distinct_key("triton", torch.device(device), 8, 2)
+    assert nosync.sizes(8, 40, 2).max_log_cap == tables._MAX_FIRST_LOG_CAP
+    done, flags = run(*repeated, device)
+    assert (flags[nosync._SLOTS.value], flags[nosync._DISTINCT.value], flags[nosync._RETRY.value]) == (2 * 2**7, 3, 0)
+    assert_nosync_matches(*repeated, device)
+    assert device_helpers.expected_keys(key) == 3 and nosync.first_table_log_cap(3) == 4
+    done, flags = run(*repeated, device)
+    # (nothing rebuilt: the slots in use start where the rebuilt ones would)
+    assert (flags[nosync._SLOTS.value], flags[nosync._SLOTS_FROM.value], flags[nosync._DISTINCT.value]) == (32, 32, 3)
+    assert_nosync_matches(*repeated, device)
+    done, flags = run(*distinct, device)
+    over = done.grp[nosync._OVER.value * 2: nosync._OVER.value * 2 + 2].tolist()
+    assert over == [1, 0] and flags[nosync._RETRY.value] == 0
+    assert (flags[nosync._SLOTS_FROM.value], flags[nosync._SLOTS.value]) == (2 * 2**4, 2 * 2**4 + 2**9)
+    assert flags[nosync._DISTINCT.value] == 160
+    assert_nosync_matches(*distinct, device)
+    assert device_helpers.expected_keys(key) == 160 and nosync.first_table_log_cap(160) == 8
+    assert nosync.sizes(8, 40, 2, keys=160).max_log_cap == 8
+
+
+def test_a_remembered_count_far_too_small_is_forgotten(device, monkeypatch):
+    """When the groups that overflow a remembered size need more rebuilt slices than the budget holds, the
+    call is redone by the synchronising path (exact), the shape stays sync-free and the count is
+    forgotten: the next call sizes by masked tokens again."""
+    _, distinct = _repeated_and_distinct()
+    key = device_helpers.distinct_key("triton", torch.device(device), 8, 2)
+    device_helpers.remember_keys(key, 3)
+    monkeypatch.setattr(nosync, "TABLE_BUDGET_BYTES", 100 * 20)  # 100 slots: the 2 x 16 first ones, no rebuild
+    done, flags = run(*distinct, device)
+    assert flags[nosync._RETRY.value] == nosync.RETRY_REBUILD
+    got = token_advantage(*on(device, *distinct), backend="triton")
+    torch.testing.assert_close(got.cpu(), reference(*distinct), rtol=0, atol=1e-6)
+    assert not nosync._SYNC_SHAPES and device_helpers.expected_keys(key) is None
+
+
+@pytest.mark.parametrize("case", CASES[1:3], ids=[c[0] for c in CASES[1:3]])
+def test_second_call_sized_by_the_distinct_ids_of_the_first(case, device):
+    """A case's second call sizes its first tables by the first call's largest distinct count: still the
+    reference's advantages, on the sync-free path."""
+    _, responses, mask, rewards, index = case
+    for _ in range(2):
+        assert_nosync_matches(responses, mask, rewards, index, device)
+    batch = normalise_batch(responses, mask, rewards, index)
+    most = max(int(torch.unique(batch.responses[(batch.group == g)[:, None] & batch.mask]).numel())
+               for g in range(batch.n_groups))
+    key = device_helpers.distinct_key("triton", torch.device(device), responses.shape[0], batch.n_groups)
+    assert device_helpers.expected_keys(key) == most

@@ -44,7 +44,7 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
       kernel.shared_bytes > kEmulatedSharedBytes || fallback_blocks < 0) {
     return kBadLaunch;
   }
-  prepare.bad_ids[0] = prepare.bad_ids[1] = 0;
+  for (int64_t i = 0; i < kAdvantageFlags; ++i) prepare.bad_ids[i] = 0;
   if (prepare.B > 0) ktae_emu::run([&] { scan_kernel(prepare); }, prepare.B, threads, 32);
   ktae_emu::run([&] { groups_kernel(prepare); }, groups_blocks(prepare.B + 1), kGroupsThreads, 0);
   if (prepare.n_groups > 0) {

@@ -441,8 +441,10 @@ class StaticPlan:
 
     bound: the statistics grid's bound (None: none; groups past it compute their tables' statistics
     per slot from ``log_factorial``). shared_bytes: dynamic shared memory of the shared-table pass.
-    max_capacity: most slots of a table. fallback_blocks / fallback_bytes: the global-memory pass (0:
-    every group surely completes in shared memory).
+    max_capacity: most slots of a shared table (``Tuning.table_slots``, and the table for the distinct
+    ids this shape's groups held before, ``device.expected_keys``). fallback_blocks / fallback_bytes:
+    the global-memory pass (0: every group surely completes in shared memory). key: where the call's
+    largest distinct count is remembered (``device.distinct_key``).
     """
 
     ext: ModuleType
@@ -455,13 +457,18 @@ class StaticPlan:
     fallback_bytes: int
     threads: int
     slot_index: bool = False
+    key: tuple = ()
 
 
 def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
                 tuning: Tuning = DEFAULT_TUNING) -> StaticPlan | None:
     """The static-bound plan of ``token_advantage`` (host arithmetic only), or None where the call takes
     the path that reads the group sizes first: ``fisher="upstream"`` (scores from the rows), or a
-    batch whose largest possible group could pass ``MAX_GROUP_TOKENS`` masked tokens."""
+    batch whose largest possible group could pass ``MAX_GROUP_TOKENS`` masked tokens.
+
+    Once a call of this ``(B, n_groups)`` has completed, the shared tables are sized for the most
+    distinct ids a group held then (``device.expected_keys``), not for the masked tokens; a group
+    holding more overflows into the global-memory pass, which is then launched."""
     B, L = batch.responses.shape
     n = batch.n_groups
     largest = B - n + 1 if n else 0
@@ -472,9 +479,10 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
     opt_in = ext.max_shared_bytes(_device_index(batch.device))
     limit = shared_limit(opt_in, tuning.blocks_per_sm)
     widest = table_capacity(largest * L)  # the table of the largest possible group
+    key = device_helpers.distinct_key("cuda", batch.device, B, n)
     if tuning.table_slots is None:
-        max_capacity = 2**30
-        shared_bytes = min(limit, shared_table_bytes(widest, words))
+        max_capacity = _distinct_capacity(device_helpers.expected_keys(key))
+        shared_bytes = min(limit, shared_table_bytes(min(widest, max_capacity), words))
     else:  # forces the shared tables only
         max_capacity = _check_table_slots(tuning.table_slots, 1, opt_in, True)
         shared_bytes = min(opt_in, shared_table_bytes(min(widest, max_capacity), words))
@@ -490,7 +498,13 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
         fallback_bytes = fallback_blocks * (-(-slice_bytes // 8) * 8)
     max_threads = min(tuning.max_threads, MAX_THREADS if tuning.blocks_per_sm <= 1 else 512)
     return StaticPlan(ext, largest, bound, shared_bytes, max_capacity, tuning.packed, fallback_blocks,
-                      fallback_bytes, block_threads(L, max_threads), tuning.slot_index and shared_bytes > 0)
+                      fallback_bytes, block_threads(L, max_threads), tuning.slot_index and shared_bytes > 0, key)
+
+
+def _distinct_capacity(keys: int | None) -> int:
+    """Most slots of a shared table: one for ``keys`` distinct ids (``table_capacity``), or no limit
+    (2**30: each group's table sized by its masked tokens) when none is known."""
+    return 2**30 if keys is None else table_capacity(keys)
 
 
 def _static_advantage(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None,
@@ -498,7 +512,8 @@ def _static_advantage(plan: StaticPlan, batch: Batch, config: KTAEConfig, given:
     """One binding call enqueues everything (csrc ``launch_advantage``): the scan pass (masked tokens,
     extents, the id check), the groups pass (correct flags, offsets, counts, ``A_i``), the shared-table
     pass and the global-memory one. Before it: the stable argsort of the group ids and two
-    allocations; after it, the one read of the id flags (skipped while a CUDA graph is capturing).
+    allocations; after it, the one read of the flags (skipped while a CUDA graph is capturing): the id
+    range, and the most distinct ids a group held, which sizes the next call's tables.
     A bad id leaves ``out`` untouched: the table passes write nothing when the scan flagged one."""
     B, L = batch.responses.shape
     if out is None:
@@ -507,24 +522,26 @@ def _static_advantage(plan: StaticPlan, batch: Batch, config: KTAEConfig, given:
         return out
     workspace = _enqueue(plan, batch, config, given, out)
     if not capturing(batch.device):
-        low, excess = workspace[:2].tolist()  # the one device -> host read, after every launch
+        low, excess, largest = workspace[:3].tolist()  # the one device -> host read, after every launch
+        device_helpers.remember_keys(plan.key, largest)
         check_id_range(low, MAX_TOKEN_ID + excess)
     return out
 
 
 def advantage_workspace_size(B: int, n_groups: int, fallback_bytes: int, index_positions: int = 0) -> int:
     """int64 entries of ``launch_advantage``'s workspace (csrc/ktae_kernels.h, ``advantage_layout``)."""
-    return (2 + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8 + (fallback_bytes + 7) // 8
+    return (3 + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8 + (fallback_bytes + 7) // 8
             + (2 * index_positions + 7) // 8)
 
 
 def workspace_views(workspace: Tensor, B: int, n_groups: int) -> dict[str, Tensor]:
-    """The named parts of an ``_enqueue`` workspace (for tests): ``bad_ids, status, starts,
-    group_counts, lengths, extent, base, correct``."""
+    """The named parts of an ``_enqueue`` workspace (for tests): ``bad_ids, largest_keys, status,
+    starts, group_counts, lengths, extent, base, correct``."""
     n = n_groups
-    at = [0, 2, 2 + n, 3 + 2 * n, 3 + 6 * n, 3 + 6 * n + B, 3 + 6 * n + 2 * B, 3 + 6 * n + 3 * B]
+    at = [0, 3, 3 + n, 4 + 2 * n, 4 + 6 * n, 4 + 6 * n + B, 4 + 6 * n + 2 * B, 4 + 6 * n + 3 * B]
     part = lambda i, size: workspace[at[i]:at[i] + size]
-    return dict(bad_ids=part(0, 2), status=part(1, n), starts=part(2, n + 1), group_counts=part(3, 4 * n).view(4, n),
+    return dict(bad_ids=part(0, 2), largest_keys=workspace[2:3], status=part(1, n), starts=part(2, n + 1),
+                group_counts=part(3, 4 * n).view(4, n),
                 lengths=part(4, B), extent=part(5, B), base=part(6, B).view(torch.float64),
                 correct=workspace[at[7]:at[7] + (B + 7) // 8].view(torch.bool)[:B])
 

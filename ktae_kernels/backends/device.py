@@ -210,3 +210,40 @@ def grid_statistics(n_c: Tensor, n_w: Tensor, largest: int, config: KTAEConfig, 
     if config.fisher != "exact" or bound is None:
         return None
     return grid_index(n_c, n_w), grid_values(bound, config, device, kernel)
+
+
+# ------------------------------------------------------------------ tables sized by distinct ids
+#: the largest number of distinct ids one group held, per (backend, device, B, n_groups): read back
+#: with the flags at the end of a sync-free ``token_advantage`` (never while a CUDA graph captures)
+_DISTINCT: "OrderedDict[tuple, int]" = OrderedDict()
+#: shapes remembered at most (the oldest is dropped)
+_DISTINCT_KEYS = 64
+
+
+def distinct_key(backend: str, device: torch.device, B: int, n_groups: int) -> tuple:
+    """The key a sync-free call's largest distinct count is remembered under: a trainer's batches
+    keep ``B`` and the number of groups while ``L`` changes from step to step."""
+    return backend, device, B, n_groups
+
+
+def expected_keys(key: tuple) -> int | None:
+    """Distinct ids the first table of a group is sized for: the largest count remembered under
+    ``key`` (None before any call completed: tables are then sized by masked tokens). The table's
+    power of two at 3/4 load leaves room above it (a 8192-slot table for 4,617 ids holds 6,144); a
+    group holding more overflows and the backend's fallback takes it: time, never exactness."""
+    return _DISTINCT.get(key)
+
+
+def remember_keys(key: tuple, largest: int) -> None:
+    """Keep ``largest`` (the most distinct ids a group of the call held) if it is the most seen; a
+    call that held none (every id masked out, or a bad id: nothing was built) teaches nothing."""
+    if largest <= 0:
+        return
+    _DISTINCT[key] = max(largest, _DISTINCT.pop(key, 0))
+    while len(_DISTINCT) > _DISTINCT_KEYS:
+        _DISTINCT.popitem(last=False)
+
+
+def forget_keys(key: tuple) -> None:
+    """Size the next call at ``key`` by masked tokens again (its remembered count was far too small)."""
+    _DISTINCT.pop(key, None)

@@ -9,7 +9,9 @@ flags at the end (skipped while a CUDA graph is being captured):
 ``lengths``  per rollout: masked tokens (-> ``T_c`` / ``T_w``) and ``last``, one past its last masked
              position (every later kernel stops there)
 ``plan``     one program over the groups: first table slice (``tables.first_log_cap``'s rule, exact
-             integer log2), slice and presence-word offsets (prefix sums), statistics-grid offset
+             integer log2, at most the slice for the distinct ids a group held in the earlier calls
+             of this ``(B, n_groups)``, ``device.expected_keys``), slice and presence-word offsets
+             (prefix sums), statistics-grid offset
              and stride (``device.grid_index``'s closed form), the rewards' mean; flags what this
              path cannot take (below)
 ``clear``    clears only the slots and presence words the plan uses (and sums the GRPO variance)
@@ -36,7 +38,12 @@ its shape assumes that size from then on.
 A group whose first table overflows is rebuilt on the device, without the host: a rebuild plan
 (one program) gives every marked group a slice of ``2**ceil(log2(2 * tokens))`` slots after the
 slices in use, a second clear and a second insert pass (only the marked groups' rollouts) fill
-them; with no overflow these three launches find nothing to do.
+them; with no overflow these three launches find nothing to do. The score kernel puts the most
+distinct ids a group held in the flags, and the host remembers it for the next call of this
+``(B, n_groups)`` (``device.remember_keys``): its first slices are then sized for that many ids
+(at most 3/4 full) where that is less than the share of the masked tokens. When that was so far
+off that the rebuilds pass the budget (``RETRY_REBUILD``), the call is redone by the synchronising
+path and the count is forgotten (the next call sizes by tokens again).
 
 What this path does not take sets a flag instead, and the call is redone by the synchronising path
 (``tables.build_hash_tables`` ...) whose result is returned: a group of more than ``bound``
@@ -74,16 +81,17 @@ _ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, _WEIGHT, _THRESH, _EPS, _IGNORE =
  _VAR, _OVER) = (tl.constexpr(i) for i in range(15))
 _ROWS_PER_GROUP = tl.constexpr(15)
 # the flags after the rows: out-of-range ids (least negative, largest past MAX_TOKEN_ID; 0: none), why
-# the path cannot complete (a bit set), slots and presence words the tables use, and where the
-# slices still to clear start (0, then the rebuilt groups' slices)
-_BAD_LOW, _BAD_HIGH, _RETRY, _SLOTS, _WORDS_USED, _SLOTS_FROM, _WORDS_FROM, _LARGEST = (tl.constexpr(i)
-                                                                                      for i in range(8))
-_N_FLAGS = 8
+# the path cannot complete (a bit set), slots and presence words the tables use, where the slices
+# still to clear start (0, then the rebuilt groups' slices), the largest group, and the most
+# distinct ids a group held (which sizes the next call's first tables)
+(_BAD_LOW, _BAD_HIGH, _RETRY, _SLOTS, _WORDS_USED, _SLOTS_FROM, _WORDS_FROM, _LARGEST,
+ _DISTINCT) = (tl.constexpr(i) for i in range(9))
+_N_FLAGS = 9
 #: the largest group whose rows' statistics the score kernel computes itself (past the device grid's
 #: ``GRID_MAX_GROUP``); its log-factorial and angle tables take 8 (bound + 1)(bound + 4) / 2 bytes
 INLINE_MAX_GROUP = 4096
-#: retry reasons (bits of the flag)
-RETRY_BIG_GROUP, RETRY_BUDGET, RETRY_OVERFLOW, RETRY_TOKENS = 1, 2, 4, 8
+#: retry reasons (bits of the flag); RETRY_REBUILD: the rebuilt groups' slices pass the budget
+RETRY_BIG_GROUP, RETRY_BUDGET, RETRY_OVERFLOW, RETRY_TOKENS, RETRY_REBUILD = 1, 2, 4, 8, 16
 _EMPTY = tl.constexpr(tables.EMPTY)
 _MAX_ID = tl.constexpr(MAX_TOKEN_ID)
 #: the most bytes the tables (keys, claim order, counters, presence words) may take; a batch whose
@@ -149,9 +157,10 @@ def _lengths_kernel(mask_ptr, B, L, group_ptr, n, grp_ptr, tab_ptr, roll_at, ROW
 
 
 @triton.jit
-def _plan_kernel(grp_ptr, n, slot_limit, word_limit, group_limit, token_limit, guess,
+def _plan_kernel(grp_ptr, n, slot_limit, word_limit, group_limit, token_limit, guess, distinct_log_cap,
                  MIN_LOG_CAP: tl.constexpr, MAX_LOG_CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: every group's table slice, presence words, grid offset and mean; the flags."""
+    """One program: every group's table slice (by its masked tokens, at most ``2**distinct_log_cap``
+    slots), presence words, grid offset and mean; the flags."""
     slot_carry = tl.zeros([1], tl.int64)
     word_carry = tl.zeros([1], tl.int64)
     retry = tl.zeros([1], tl.int64)
@@ -167,6 +176,7 @@ def _plan_kernel(grp_ptr, n, slot_limit, word_limit, group_limit, token_limit, g
         log_cap = tl.zeros([BLOCK], tl.int64) + MIN_LOG_CAP
         for e in tl.static_range(MIN_LOG_CAP, MAX_LOG_CAP):
             log_cap += (need > (1 << e)).to(tl.int64)
+        log_cap = tl.minimum(log_cap, distinct_log_cap)
         slots = tl.where(v, 1 << log_cap, 0)
         words = (size + 31) // 32
         wslots = slots * words
@@ -221,7 +231,7 @@ def _rebuild_plan_kernel(grp_ptr, n, slot_limit, word_limit, BLOCK: tl.constexpr
         tl.store(grp_ptr + _FILL * n + gi, tl.zeros([BLOCK], tl.int64), mask=over)
         slot_carry += tl.sum(slots, 0)
         word_carry += tl.sum(wslots, 0)
-    retry = tl.where((slot_carry > slot_limit) | (word_carry > word_limit), 2, 0).to(tl.int64)
+    retry = tl.where((slot_carry > slot_limit) | (word_carry > word_limit), 16, 0).to(tl.int64)  # RETRY_REBUILD
     tl.atomic_or(flags + _RETRY, retry, sem="relaxed")
     tl.store(flags + _SLOTS_FROM, used)
     tl.store(flags + _WORDS_FROM, words_used)
@@ -343,10 +353,13 @@ def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, n, grp_ptr, tab_ptr, occ
 def _score_kernel(grp_ptr, n, tab_ptr, occ_ptr, order_at, bits_at, values_ptr, grid_size, const_ptr, n_ignore,
                   lf_ptr, angle_ptr, stat_const_ptr, USE_TF: tl.constexpr, INLINE: tl.constexpr, BLOCK: tl.constexpr):
     """Group ``program_id(0)``'s occupied slots, a share each of ``num_programs(1)``: the score of each
-    replaces its counters (float64 bits in ``occ``)."""
+    replaces its counters (float64 bits in ``occ``); the first of each group's programs adds its
+    distinct ids to the flags' largest."""
     g = tl.program_id(0)
     ok = tl.load(grp_ptr + _ROWS_PER_GROUP * n + _RETRY) == 0
     fill = tl.where(ok, tl.load(grp_ptr + _FILL * n + g), 0).to(tl.int32)
+    if tl.program_id(1) == 0:
+        tl.atomic_max(grp_ptr + _ROWS_PER_GROUP * n + _DISTINCT, fill.to(tl.int64), sem="relaxed")
     base = tl.load(grp_ptr + _OFFSET * n + g)
     words = tl.load(grp_ptr + _WORDS * n + g)
     bits_off = tl.load(grp_ptr + _BITS_OFF * n + g)
@@ -487,7 +500,8 @@ def _grid_values(config: KTAEConfig, bound: int, device: torch.device) -> Tensor
 @dataclass(frozen=True)
 class Sizes:
     """Static sizes of one call (host ints from ``B``, ``L``, ``n_groups``): the grid bound, slots and
-    presence words the tables may use, and where each int32 array starts in the one int32 buffer."""
+    presence words the tables may use, where each int32 array starts in the one int32 buffer, and
+    ``max_log_cap``, log2 of the most slots of a group's first table (``first_table_log_cap``)."""
 
     bound: int
     slots: int
@@ -497,12 +511,24 @@ class Sizes:
     roll_at: int
     index_at: int
     int32_total: int
+    max_log_cap: int = tables._MAX_FIRST_LOG_CAP
 
 
-def sizes(B: int, L: int, n: int, bound: int = 16) -> Sizes | None:
+def first_table_log_cap(keys: int | None) -> int:
+    """log2 of the most slots of a group's first table: the smallest power of two (at least
+    ``2**tables._MIN_LOG_CAP``) whose 3/4 hold ``keys`` distinct ids (``device.expected_keys``), at
+    most ``2**tables._MAX_FIRST_LOG_CAP``; that cap when ``keys`` is None (sized by masked tokens)."""
+    log_cap = tables._MIN_LOG_CAP if keys is not None else tables._MAX_FIRST_LOG_CAP
+    while log_cap < tables._MAX_FIRST_LOG_CAP and (3 << log_cap) >> 2 < keys:
+        log_cap += 1
+    return log_cap
+
+
+def sizes(B: int, L: int, n: int, bound: int = 16, keys: int | None = None) -> Sizes | None:
     """The allocations of a batch of ``B`` rollouts of ``L`` positions in ``n`` groups whose groups
     are assumed to hold at most ``bound`` rollouts (the statistics grid's bound; a bigger group sets
-    a retry flag); None when this path cannot take it (a bound past ``device.GRID_MAX_GROUP``)."""
+    a retry flag), first tables sized for ``keys`` distinct ids a group (None: by masked tokens);
+    None when this path cannot take it (a bound past ``device.GRID_MAX_GROUP``)."""
     largest = B - n + 1  # every group holds a rollout
     bound = _power_of_two(min(largest, bound))
     if bound > INLINE_MAX_GROUP:
@@ -524,7 +550,8 @@ def sizes(B: int, L: int, n: int, bound: int = 16) -> Sizes | None:
     bits_at = 2 * slots
     roll_at = bits_at + words
     index_at = roll_at + 3 * B
-    return Sizes(bound, slots, words, order_at, bits_at, roll_at, index_at, index_at + B * L)
+    return Sizes(bound, slots, words, order_at, bits_at, roll_at, index_at, index_at + B * L,
+                 first_table_log_cap(keys))
 
 
 def _power_of_two(largest: int) -> int:
@@ -557,8 +584,8 @@ def _inline_tables(config: KTAEConfig, bound: int, device: torch.device) -> tupl
 
 @dataclass(frozen=True)
 class Run:
-    """One call's device buffers: ``grp`` int64 (per-group rows, then the 5 flags), ``tab`` int32
-    (keys, claim order, presence words, per-rollout rank / correct / last, slot index per position),
+    """One call's device buffers: ``grp`` int64 (per-group rows, then the ``_N_FLAGS`` flags), ``tab``
+    int32 (keys, claim order, presence words, per-rollout rank / correct / last, slot index per position),
     ``occ`` int64 per slot (counters, then the score's float64 bits), ``out``."""
 
     grp: Tensor
@@ -599,7 +626,7 @@ def run(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | No
     rows, cols = tile_shape(L)
     _lengths_kernel[(triton.cdiv(B, rows),)](mask, B, L, batch.group, n, grp, tab, plan.roll_at, ROWS=rows, COLS=cols)
     _plan_kernel[(1,)](grp, n, plan.slots, plan.words, plan.bound, tables.MAX_GROUP_TOKENS,
-                       2 * tables._FIRST_GUESS, MIN_LOG_CAP=tables._MIN_LOG_CAP,
+                       2 * tables._FIRST_GUESS, plan.max_log_cap, MIN_LOG_CAP=tables._MIN_LOG_CAP,
                        MAX_LOG_CAP=tables._MAX_FIRST_LOG_CAP, BLOCK=_BLOCK)
     clear = min(triton.cdiv(max(plan.slots, B), _BLOCK), _CLEAR_PROGRAMS)
     baseline = GIVEN if given is not None else _BASELINES[config.baseline]
@@ -641,7 +668,9 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     key = (B, L, n, batch.device)
     if key in _SYNC_SHAPES:
         return None
-    plan = sizes(B, L, n, _BOUNDS.get(key, 16))
+    memory = device_helpers.distinct_key("triton", batch.device, B, n)
+    keys = device_helpers.expected_keys(memory)
+    plan = sizes(B, L, n, _BOUNDS.get(key, 16), keys)
     if plan is None:
         _SYNC_SHAPES.add(key)
         return None
@@ -650,6 +679,10 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
         return done.out
     flags = done.flags.tolist()  # the one device -> host copy, after the last launch
     low, high, retry, largest = flags[0], flags[1], flags[2], flags[_LARGEST.value]
+    if retry == RETRY_REBUILD and keys is not None:
+        # the remembered count was far too small (too many groups rebuilt): size by tokens again
+        device_helpers.forget_keys(memory)
+        return None
     if retry:
         # (a group past the bound also overruns the presence words sized for it: RETRY_BUDGET with it)
         if retry & RETRY_BIG_GROUP and _power_of_two(largest) <= INLINE_MAX_GROUP:
@@ -657,6 +690,7 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
         else:
             _SYNC_SHAPES.add(key)
         return None
+    device_helpers.remember_keys(memory, flags[_DISTINCT.value])
     if low or high:
         check_id_range(low, high if high else MAX_TOKEN_ID)
     return done.out
