@@ -155,6 +155,45 @@ def triton_devices() -> list[str]:
     return ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else []
 
 
+def ragged_batch(gen: torch.Generator, B: int, L: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uniform ids below ``vocab``, a prefix mask of random length, 0/1 float64 rewards (on the CPU)."""
+    responses = torch.randint(0, vocab, (B, L), generator=gen)
+    mask = torch.arange(L)[None, :] < torch.randint(1, L + 1, (B, 1), generator=gen)
+    rewards = (torch.rand(B, generator=gen) < 0.5).double()
+    return responses, mask, rewards
+
+
+def cuda_graph_of(call) -> "torch.cuda.CUDAGraph":
+    """``call()`` captured in a CUDA graph, after two warm-up calls on a side stream (they fill the
+    backends' caches and the allocator's pools, as every capture needs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph
+
+
+def assert_replays_match_torch(graph: "torch.cuda.CUDAGraph", inputs, out: torch.Tensor, draw, index,
+                               replays: int = 3) -> None:
+    """Each replay of ``graph`` on a new batch ``draw()`` (responses, mask, rewards on the CPU) copied into
+    its captured ``inputs`` leaves the torch backend's result for ``index`` in ``out``."""
+    from ktae_kernels import token_advantage
+
+    for _ in range(replays):
+        new = draw()
+        for captured, value in zip(inputs, new):
+            captured.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.cpu(), token_advantage(*new, index, backend="torch"), rtol=0.0, atol=1e-6)
+
+
 def scipy_pvalues(tables: np.ndarray) -> np.ndarray:
     """``scipy.stats.fisher_exact`` two-sided p-values of ``[T, 4]`` tables ``(a, b, c, d)``."""
     return np.array([fisher_exact([[a, b], [c, d]], alternative="two-sided").pvalue for a, b, c, d in tables])

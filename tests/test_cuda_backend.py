@@ -16,7 +16,8 @@ from ktae_kernels import BackendUnavailableError, KTAEConfig, key_token_scores, 
 from ktae_kernels.backends import cuda
 from ktae_kernels.validation import normalise_batch
 from ktae_kernels.registry import get_backend
-from cases import adversarial_cases, assert_scores_match, random_cases
+from cases import (adversarial_cases, assert_replays_match_torch, assert_scores_match, cuda_graph_of, ragged_batch,
+                   random_cases)
 
 
 def _extension_built() -> bool:
@@ -187,33 +188,13 @@ def test_a_call_with_out_is_captured_in_a_cuda_graph_and_replayed():
     and a replay with a bad id leaves ``out`` untouched (the flag is set on the device, unread)."""
     gen = torch.Generator().manual_seed(4)
     B, L = 64, 512
-    def batch():
-        responses = torch.randint(0, 5000, (B, L), generator=gen)
-        mask = torch.arange(L)[None, :] < torch.randint(1, L + 1, (B, 1), generator=gen)
-        rewards = (torch.rand(B, generator=gen) < 0.5).double()
-        return responses, mask, rewards
+    batch = lambda: ragged_batch(gen, B, L, 5000)  # noqa: E731
     index = torch.arange(B) // 16
     responses, mask, rewards = (t.cuda() for t in batch())
     data = normalise_batch(responses, mask, rewards, index.cuda())
     out = torch.empty(B, L, dtype=torch.float32, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: fills the statistics grid and the allocator's pools
-        for _ in range(2):
-            cuda.token_advantage(data, KTAEConfig(), None, out)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cuda.token_advantage(data, KTAEConfig(), None, out)
-    for _ in range(3):
-        new = batch()
-        for dst, src in zip((data.responses, data.mask, data.rewards), new):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = token_advantage(*new, index, backend="torch")
-        torch.testing.assert_close(out.cpu(), want, rtol=0.0, atol=1e-6)
+    graph = cuda_graph_of(lambda: cuda.token_advantage(data, KTAEConfig(), None, out))
+    assert_replays_match_torch(graph, (data.responses, data.mask, data.rewards), out, batch, index)
     out.fill_(float("nan"))
     data.responses[3, 0] = -1
     data.mask[3, 0] = True

@@ -143,6 +143,7 @@ def test_triton_call_with_out_is_captured_and_replayed_in_a_cuda_graph():
     while capturing; each replay recomputes from the captured input buffers (new ids, mask and
     rewards copied in), and a replay whose batch holds an out-of-range id leaves ``out`` untouched.
     Called at the backend (the API's validation reads values on the host, which capture forbids)."""
+    from cases import cuda_graph_of
     from ktae_kernels import KTAEConfig
     from ktae_kernels.backends import triton as backend
     from ktae_kernels.backends.triton import nosync
@@ -152,18 +153,9 @@ def test_triton_call_with_out_is_captured_and_replayed_in_a_cuda_graph():
     args = _batch("cuda", groups=8, G=16, L=512, seed=3)
     batch = normalise_batch(*args)
     out = torch.empty(batch.responses.shape, dtype=torch.float32, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compiles the kernels, caches the constants and the grid
-        for _ in range(2):
-            backend.token_advantage(batch, config, None, out)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+    graph = cuda_graph_of(lambda: backend.token_advantage(batch, config, None, out))
     key = (*batch.responses.shape, batch.n_groups, batch.device)
-    assert key not in nosync._SYNC_SHAPES and key not in nosync._BOUNDS
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.token_advantage(batch, config, None, out)
+    assert key not in nosync._SYNC_SHAPES and key not in nosync._BOUNDS  # the warm-up ran sync-free
     for seed in (3, 4):
         new = _batch("cuda", groups=8, G=16, L=512, seed=seed)
         batch.responses.copy_(new[0])

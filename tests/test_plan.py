@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from cases import random_cases
+from cases import assert_replays_match_torch, cuda_graph_of, ragged_batch, random_cases
 from ktae_kernels import KTAEConfig, TokenAdvantagePlan, plan_token_advantage, token_advantage
 from ktae_kernels import plan as plan_module
 from ktae_kernels.backends import base
@@ -175,34 +175,13 @@ def test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed(backend):
     leaves ``out`` untouched."""
     gen = torch.Generator().manual_seed(7)
     B, L = 64, 384
-
-    def batch():
-        responses = torch.randint(0, 151_936, (B, L), generator=gen)
-        mask = torch.arange(L)[None, :] < torch.randint(1, L + 1, (B, 1), generator=gen)
-        rewards = (torch.rand(B, generator=gen) < 0.5).double()
-        return responses, mask, rewards
-
+    batch = lambda: ragged_batch(gen, B, L, 151_936)  # noqa: E731
     index = [f"q{i // 16}" for i in range(B)]
     plan = plan_token_advantage(index, (B, L), device="cuda", backend=backend)
     static = [t.cuda() for t in batch()]
     out = torch.empty(B, L, device="cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: the backend's caches and the allocator's pools
-        for _ in range(2):
-            plan(*static, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        plan(*static, out=out)
-    for _ in range(3):
-        new = batch()
-        for dst, src in zip(static, new):
-            dst.copy_(src)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = token_advantage(*new, index, backend="torch")
-        torch.testing.assert_close(out.cpu(), want, rtol=0.0, atol=1e-6)
+    graph = cuda_graph_of(lambda: plan(*static, out=out))
+    assert_replays_match_torch(graph, static, out, batch, index)
     out.fill_(float("nan"))
     static[0][5, 0] = -1
     static[1][5, 0] = True
