@@ -481,6 +481,7 @@ def cuda_stages(batch, config: KTAEConfig, repeats: int) -> dict:
             "sized_advantage_passes": cuda_time(lambda: cuda._advantage(plan, batch, config, None, out), repeats),
         }
     stages["static_shared_bytes"] = static.shared_bytes
+    stages["static_blocks_per_sm"] = static.blocks_per_sm
     stages["static_max_capacity"] = static.max_capacity
     stages["static_fallback_blocks"] = static.fallback_blocks
     stages["static_fallback_bytes"] = static.fallback_bytes

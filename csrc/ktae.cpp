@@ -192,8 +192,8 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
 
 // The whole token_advantage with static-bound sizing (ktae::launch_advantage): the bookkeeping, a
 // shared-table pass and, with fallback_blocks > 0, a global-memory pass, nothing read back. The
-// workspace (int64, ktae::advantage_layout) is written; its first three entries are the flags (the
-// id range, the most distinct ids a group held).
+// workspace (int64, ktae::advantage_layout) is written; its first four entries are the flags (the
+// id range, the most distinct ids a group held, the most shared memory a group's table needed).
 void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group, const Tensor& members,
                const Tensor& rewards, const OptTensor& correct, const OptTensor& given,
                const OptTensor& table_values, int64_t grid_bound, const OptTensor& log_factorial,
@@ -311,6 +311,7 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
   args.shared_bytes = shared_bytes;
   args.max_capacity = max_capacity;
   args.largest_keys = prep.bad_ids + 2;
+  args.shared_need = prep.bad_ids + 3;
   args.allow_packed = allow_packed;
   args.ws_bytes = reinterpret_cast<unsigned char*>(ws + layout.tables);
   args.ws_slice_bytes = fallback_blocks ? fallback_bytes / fallback_blocks / 8 * 8 : 0;
@@ -393,7 +394,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("threads"), py::arg("stream"));
   m.def("advantage_workspace_size", &advantage_workspace_size, py::arg("B"), py::arg("n_groups"),
         py::arg("fallback_bytes"), py::arg("index_positions") = 0);
-  m.attr("MIN_CAPACITY") = 32;
+  m.attr("MIN_CAPACITY") = ktae::kMinCapacity;
   m.attr("GROUPS_THREADS") = ktae::kGroupsThreads;
   m.def("max_shared_bytes", &max_shared_bytes, "Opt-in dynamic shared memory per block of a device.",
         py::arg("device"));
@@ -401,6 +402,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed") = false);
   m.attr("PACKED_MAX_TOKENS") = ktae::kPackedMaxTokens;
   m.def("header_bytes", &ktae::header_bytes, py::arg("words"));
+  m.def("group_shared_need", &ktae::group_shared_need, py::arg("words"), py::arg("packed"), py::arg("n_keys"));
   m.def("max_keys", &ktae::max_keys, py::arg("capacity"));
   m.attr("MAX_THREADS") = ktae::kMaxThreads;
   m.attr("UNROLL") = ktae::kUnroll;

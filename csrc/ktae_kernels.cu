@@ -42,7 +42,6 @@ constexpr unsigned kFullWarp = 0xFFFFFFFFu;
 constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 constexpr double kTfEps = 1e-5;  // method.TF_EPS
 constexpr int64_t kMaxTokenId = 2147483647;  // api.MAX_TOKEN_ID
-constexpr int64_t kMinCapacity = 32;  // cuda.MIN_CAPACITY
 
 // Blocks of kGroupsThreads threads for `items` work items of the groups passes (grid-stride beyond).
 inline unsigned groups_blocks(int64_t items) {
@@ -582,13 +581,6 @@ __device__ void process_group(const KernelArgs& args, unsigned char* smem, int64
   }
 }
 
-// Smallest power-of-two table of at least kMinCapacity slots holding n_keys ids (cuda.table_capacity).
-__device__ __forceinline__ int64_t table_capacity_for(int64_t n_keys) {
-  int64_t capacity = kMinCapacity;
-  while (max_keys(capacity) < n_keys) capacity *= 2;
-  return capacity;
-}
-
 // One group of the static-bound advantage pipeline (launch_advantage), every choice made here: the
 // group's own presence words and slot layout, a table sized by its masked tokens (so only that much
 // is cleared), in the shared pass at most max_capacity slots (the host's size for the distinct ids
@@ -625,7 +617,7 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
     table = slice + mask_bytes;
     room = args.ws_slice_bytes - mask_bytes;
   }
-  int64_t capacity = table_capacity_for(tokens);
+  int64_t capacity = table_capacity(tokens);
   if (kSharedTable && capacity > args.max_capacity) capacity = args.max_capacity;  // distinct ids seen
   while (capacity > 2 && capacity * slot_bytes > room) capacity /= 2;
   const int64_t least = kSharedTable && args.max_capacity > kMinCapacity ? kMinCapacity : 2;
@@ -676,7 +668,10 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
     if (!overflowed || parts >= most_parts) {
       if (threadIdx.x == 0) {
         args.status[g] = overflowed ? -1 : n_keys;
-        if (!overflowed) atomicMax(args.largest_keys, static_cast<long long>(n_keys));
+        if (!overflowed) {
+          atomicMax(args.largest_keys, static_cast<long long>(n_keys));
+          atomicMax(args.shared_need, static_cast<long long>(group_shared_need(words, packed, n_keys)));
+        }
       }
       return;
     }

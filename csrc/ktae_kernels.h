@@ -31,6 +31,16 @@ constexpr int kUnroll = 4;
 // Most distinct ids a table of `capacity` slots takes before it counts as overflowed (3/4 load).
 KTAE_HOST_DEVICE inline constexpr int64_t max_keys(int64_t capacity) { return capacity - capacity / 4; }
 
+// Fewest slots of a table sized by its ids (cuda.MIN_CAPACITY).
+constexpr int64_t kMinCapacity = 32;
+
+// Smallest power-of-two table of at least kMinCapacity slots holding n_keys ids (cuda.table_capacity).
+KTAE_HOST_DEVICE inline constexpr int64_t table_capacity(int64_t n_keys) {
+  int64_t capacity = kMinCapacity;
+  while (max_keys(capacity) < n_keys) capacity *= 2;
+  return capacity;
+}
+
 // Bytes of the per-block header in dynamic shared memory: used + overflow counters, then one
 // bitmask word per 32 rollouts of the group's correct rollouts; rounded up to 8 bytes.
 KTAE_HOST_DEVICE inline constexpr int64_t header_bytes(int64_t words) { return (8 + 4 * words + 7) / 8 * 8; }
@@ -109,6 +119,8 @@ struct KernelArgs {
   int64_t max_capacity;        // most slots of a shared table (a power of two): the host sizes it
                                // by the distinct ids it has seen (cuda.static_plan)
   long long* largest_keys;     // [1] zeroed before: the most distinct ids a completed group held
+  long long* shared_need;      // [1] zeroed before: the most dynamic shared memory a completed group's
+                               // table takes in its own layout, sized for its distinct ids (group_shared_need)
   bool allow_packed;           // the packed slot where a group has one presence word and < 2^16 tokens
   unsigned char* ws_bytes;     // global-memory pass: block b owns [b * ws_slice_bytes, (b + 1) * ws_slice_bytes)
   int64_t ws_slice_bytes;      //   and takes the hash partitions of an overflowing group one after another
@@ -155,10 +167,19 @@ enum Baseline : int { kBaselineGrpo = 0, kBaselineMean = 1, kBaselineNone = 2, k
 constexpr int kGroupsThreads = 128;
 
 // The flags at the head of launch_advantage's workspace, zeroed by it and read back by the host after
-// the last launch: bad_ids [2], then the most distinct ids a completed group held.
-constexpr int64_t kAdvantageFlags = 3;
+// the last launch: bad_ids [2], the most distinct ids a completed group held, and the most dynamic
+// shared memory a completed group's table needed (group_shared_need).
+constexpr int64_t kAdvantageFlags = 4;
 
-// The int64 workspace of launch_advantage, in this order: the flags [3], status [n], starts [n + 1],
+// Dynamic shared memory a shared-table block needs for a group of `words` presence words, the
+// `packed` slot or not, holding `n_keys` distinct ids: the header and the table for them
+// (table_capacity). The host sizes the next call's shared pass by the largest of a call's groups
+// (cuda.static_plan: two blocks per SM when it fits half an SM).
+KTAE_HOST_DEVICE inline constexpr int64_t group_shared_need(int64_t words, bool packed, int64_t n_keys) {
+  return shared_table_bytes(table_capacity(n_keys), words, packed);
+}
+
+// The int64 workspace of launch_advantage, in this order: the flags [4], status [n], starts [n + 1],
 // group_counts [4 n], lengths [B], extent [B], base [B] (float64), correct [B] (bool, rounded up
 // to 8 bytes), the global-memory tables (fallback_bytes, a multiple of 8), then, with a slot index,
 // B * L uint16 (rounded up to 8 bytes).

@@ -11,6 +11,7 @@ Python, so a fresh clone on the same machine reuses it. Marked slow (``-m "not s
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import os
@@ -96,10 +97,11 @@ def emulator() -> ModuleType:
 
 
 class Recorder:
-    """The extension, with every launch's (mode, shared_table, groups) recorded."""
+    """The extension, with every launch's (mode, shared_table, groups) recorded, and each static-bound
+    call's (shared bytes, threads) in ``shapes``."""
 
     def __init__(self, ext: ModuleType) -> None:
-        self.ext, self.launches = ext, []
+        self.ext, self.launches, self.shapes = ext, [], []
 
     def __getattr__(self, name: str):
         return getattr(self.ext, name)
@@ -111,6 +113,7 @@ class Recorder:
     def advantage(self, **kwargs) -> None:
         """The static-bound token_advantage: one call, recorded as ("advantage", shared pass, fallback blocks)."""
         self.launches.append(("advantage", kwargs["shared_bytes"] > 0, kwargs["fallback_blocks"]))
+        self.shapes.append((kwargs["shared_bytes"], kwargs["threads"]))
         self.ext.advantage(**kwargs)
 
 
@@ -147,7 +150,9 @@ def test_emulator_agrees_with_the_host_mirror_of_the_kernel_constants(emulator):
         for capacity in (2, 32, 1024, 8192):
             assert emulator.shared_table_bytes(capacity, words) == cuda.shared_table_bytes(capacity, words)
             assert emulator.shared_table_bytes(capacity, words, True) == cuda.shared_table_bytes(capacity, words, True)
-    assert emulator.PACKED_MAX_TOKENS == cuda.PACKED_MAX_TOKENS
+    assert emulator.PACKED_MAX_TOKENS == cuda.PACKED_MAX_TOKENS and emulator.MIN_CAPACITY == cuda.MIN_CAPACITY
+    for words, packed, n_keys in [(1, True, 0), (1, True, 25), (1, False, 4617), (2, False, 100), (481, False, 3)]:
+        assert emulator.group_shared_need(words, packed, n_keys) == _shared_need(words, packed, n_keys)
     assert [emulator.max_keys(c) for c in (2, 4, 32, 8192)] == [cuda.max_keys(c) for c in (2, 4, 32, 8192)]
 
 
@@ -557,6 +562,11 @@ def test_gather_from_the_slot_index_or_the_ids(emulator, name, slot_index):
             assert pairs.shape[1] == torch.unique(batch.responses[rows]).numel() == torch.unique(slots[rows]).numel()
 
 
+def _shared_need(words: int, packed: bool, n_keys: int) -> int:
+    """Shared bytes of a group's table in its layout, sized for ``n_keys`` ids (``group_shared_need``)."""
+    return cuda.shared_table_bytes(cuda.table_capacity(n_keys), words, packed)
+
+
 def _distinct_per_group(batch) -> list[int]:
     """Distinct masked ids of each group (torch.unique on the host)."""
     return [int(torch.unique(batch.responses[(batch.group == g)[:, None] & batch.mask]).numel())
@@ -567,9 +577,10 @@ def test_shared_tables_follow_the_distinct_ids_seen(emulator):
     """Two groups of 4 x 40 tokens, each holding ids 0-2 only: the first call sizes the tables by masked
     tokens (the largest possible group, 7 x 40, 512 slots; no global pass), and its flags carry the most
     distinct ids a group held (3). The next call of this (B, n_groups) caps the shared tables at the
-    slots for 3 ids (32, the least) and adds the global pass for groups that hold more; then a group of
-    160 distinct ids overflows the 32 slots, the global pass takes it, the result is exact, and the
-    count read back (160) sizes the call after (256 slots)."""
+    slots for 3 ids (32, the least) and adds the global pass for groups that hold more; its 400 bytes of
+    shared memory (the need read back: 32 packed slots) fit half an SM, so two blocks share one. Then a
+    group of 160 distinct ids overflows the 32 slots, the global pass takes it, the result is exact,
+    and the count read back (160) sizes the call after (256 slots)."""
     responses, mask, rewards, index = distinct_and_repeated_groups()
     distinct = normalise_batch(responses, mask, rewards, index)
     responses = responses.clone()
@@ -582,18 +593,18 @@ def test_shared_tables_follow_the_distinct_ids_seen(emulator):
     out = torch.empty(responses.shape, dtype=torch.float32)
     views = cuda.workspace_views(cuda._enqueue(first, repeated, KTAEConfig(), None, out), 8, 2)
     assert views["status"].tolist() == _distinct_per_group(repeated) == [3, 3]
-    assert views["largest_keys"].tolist() == [3]
+    assert views["largest_keys"].tolist() == [3] and views["shared_need"].tolist() == [_shared_need(1, True, 3)]
     torch.testing.assert_close(out, reference.token_advantage(repeated, KTAEConfig(), None), rtol=0.0, atol=1e-6)
 
     cuda.token_advantage(repeated, KTAEConfig(), None, extension=emulator)  # reads the flags back
     assert device_helpers.expected_keys(key) == 3
     sized = cuda.static_plan(emulator, repeated, KTAEConfig())
-    assert (sized.max_capacity, sized.fallback_blocks) == (32, 2)
-    assert sized.shared_bytes == cuda.shared_table_bytes(32, 1)
+    assert (sized.max_capacity, sized.fallback_blocks, sized.blocks_per_sm) == (32, 2, 2)
+    assert sized.shared_bytes == cuda.shared_table_bytes(32, 1, packed=True) == 400
     out = torch.empty(responses.shape, dtype=torch.float32)
     views = cuda.workspace_views(cuda._enqueue(sized, distinct, KTAEConfig(), None, out), 8, 2)
     assert views["status"].tolist() == _distinct_per_group(distinct) == [160, 3]
-    assert views["largest_keys"].tolist() == [160]
+    assert views["largest_keys"].tolist() == [160] and views["shared_need"].tolist() == [_shared_need(1, True, 160)]
     torch.testing.assert_close(out, reference.token_advantage(distinct, KTAEConfig(), None), rtol=0.0, atol=1e-6)
 
     recorder = Recorder(emulator)
@@ -619,3 +630,85 @@ def test_second_call_sized_by_the_distinct_ids_of_the_first(emulator, name):
         torch.testing.assert_close(got, want, rtol=0.0, atol=1e-6)
     most = max(_distinct_per_group(batch), default=0)
     assert device_helpers.expected_keys(key) == (None if most == 0 else most)
+
+
+def _most_shared_need(batch) -> int:
+    """The shared-need flag a call of ``batch`` should read back: the largest group's table in its own
+    layout (presence words, packed when one word and < 2^16 masked tokens), sized for its distinct ids."""
+    sizes = torch.bincount(batch.group, minlength=batch.n_groups).tolist()
+    tokens = torch.zeros(batch.n_groups, dtype=torch.int64).index_add_(0, batch.group, batch.mask.sum(1)).tolist()
+    return max(_shared_need(cuda.presence_words(g), cuda.presence_words(g) == 1 and t <= cuda.PACKED_MAX_TOKENS, d)
+               for g, t, d in zip(sizes, tokens, _distinct_per_group(batch)))
+
+
+@pytest.mark.parametrize("name", ["G16-zipf", "G40-two-words", "G4-mixed-shuffled"])
+def test_second_call_runs_two_blocks_per_sm_and_matches(emulator, name):
+    """The flags of a case's first call carry the most shared memory a group's table needed; the next
+    call of the shape reserves that (below half an SM) with at most 512 threads, and still equals the
+    reference."""
+    _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
+    batch = normalise_batch(responses, mask, rewards, index)
+    want = expected(name, batch, KTAEConfig())[1]
+    B, L = responses.shape
+    first = cuda.static_plan(emulator, batch, KTAEConfig())
+    assert first.blocks_per_sm == 1
+    out = torch.empty(B, L, dtype=torch.float32)
+    views = cuda.workspace_views(cuda._enqueue(first, batch, KTAEConfig(), None, out), B, batch.n_groups)
+    need = _most_shared_need(batch)
+    assert views["shared_need"].tolist() == [need] and need <= cuda.shared_limit(emulator.max_shared_bytes(0), 2)
+    torch.testing.assert_close(out, want, rtol=0.0, atol=1e-6)
+
+    cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator)  # reads the flags back
+    key = device_helpers.distinct_key("cuda", batch.device, B, batch.n_groups)
+    assert device_helpers.expected_shared_bytes(key) == need
+    second = cuda.static_plan(emulator, batch, KTAEConfig())
+    assert second.blocks_per_sm == 2 and second.shared_bytes == min(need, first.shared_bytes)
+    recorder = Recorder(emulator)
+    torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, extension=recorder), want,
+                               rtol=0.0, atol=1e-6)
+    assert recorder.shapes == [(second.shared_bytes, second.threads)] and second.threads <= 512
+
+
+def _grown_group_batches(big_vocab: int):
+    """Two batches of 64 rollouts x 24 in 4 groups, ids below 20 unless said: groups of 16, then groups
+    of 48, 6, 5, 5 whose group of 48 (two presence words, 20-byte slots) draws its ids from
+    ``big_vocab`` ids."""
+    rng = np.random.default_rng(21)
+    mask = torch.as_tensor(rng.random((64, 24)) >= 0.1)
+    rewards = torch.as_tensor((rng.random(64) < 0.5).astype(np.float32))
+    responses = torch.as_tensor(rng.integers(0, 20, size=(64, 24)))
+    even = normalise_batch(responses, mask, rewards, torch.arange(64) // 16)
+    grown = responses.clone()
+    grown[:48] = torch.as_tensor(rng.permutation(big_vocab)[rng.integers(0, min(big_vocab, 2000), size=(48, 24))])
+    index = torch.repeat_interleave(torch.arange(4), torch.tensor([48, 6, 5, 5]))
+    return even, normalise_batch(grown, mask, rewards, index)
+
+
+@pytest.mark.parametrize("big_vocab", [20, 10**5])
+def test_a_group_needing_more_than_the_two_block_tables_takes_the_global_pass(emulator, big_vocab):
+    """After groups of 16 (at most 20 ids: 32 packed slots, 400 bytes), the same (B, n_groups) with a
+    group of 48 rollouts: its 20-byte slots leave 16 slots in the 400 bytes (12 ids), fewer than its
+    ids (20, or hundreds drawn from a large vocabulary), so it leaves the shared pass (status -1 without
+    the global pass), the global pass redoes it and the result equals the reference; the need read
+    back then sizes the next call (still two blocks per SM)."""
+    even, grown = _grown_group_batches(big_vocab)
+    key = device_helpers.distinct_key("cuda", even.device, 64, 4)
+    torch.testing.assert_close(cuda.token_advantage(even, KTAEConfig(), None, extension=emulator),
+                               reference.token_advantage(even, KTAEConfig(), None), rtol=0.0, atol=1e-6)
+    assert device_helpers.expected_shared_bytes(key) == _most_shared_need(even) == 400
+
+    plan = cuda.static_plan(emulator, grown, KTAEConfig())
+    assert (plan.blocks_per_sm, plan.shared_bytes, plan.max_capacity) == (2, 400, 32) and plan.fallback_blocks > 0
+    out = torch.zeros(64, 24, dtype=torch.float32)
+    alone = dataclasses.replace(plan, fallback_blocks=0, fallback_bytes=0)
+    status = cuda.workspace_views(cuda._enqueue(alone, grown, KTAEConfig(), None, out), 64, 4)["status"]
+    assert status.tolist() == [-1] + _distinct_per_group(grown)[1:]
+    want = reference.token_advantage(grown, KTAEConfig(), None)
+    torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, extension=emulator), want,
+                               rtol=0.0, atol=1e-6)
+    need = _most_shared_need(grown)
+    assert device_helpers.expected_shared_bytes(key) == need > 400 and _distinct_per_group(grown)[0] > 12
+    after = cuda.static_plan(emulator, grown, KTAEConfig())
+    assert (after.blocks_per_sm, after.shared_bytes) == (2, need)
+    torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, extension=emulator), want,
+                               rtol=0.0, atol=1e-6)

@@ -151,10 +151,11 @@ def test_static_plan_small_batches_and_the_paths_that_read_sizes():
 
 def test_workspace_size_mirrors_the_layout():
     B, n, fallback = 10, 3, 800
-    assert cuda.advantage_workspace_size(B, n, fallback) == 3 + n + (n + 1) + 4 * n + 3 * B + 2 + 100
+    assert cuda.advantage_workspace_size(B, n, fallback) == 4 + n + (n + 1) + 4 * n + 3 * B + 2 + 100
     views = cuda.workspace_views(torch.arange(cuda.advantage_workspace_size(B, n, fallback)), B, n)
     assert views["bad_ids"].tolist() == [0, 1] and views["largest_keys"].tolist() == [2]
-    assert views["status"].tolist() == [3, 4, 5]
+    assert views["shared_need"].tolist() == [3] and views["status"].tolist() == [4, 5, 6]
+    assert views["starts"].tolist() == [7, 8, 9, 10] and views["group_counts"][0].tolist() == [11, 12, 13]
     assert views["group_counts"].shape == (4, n) and views["base"].dtype == torch.float64 and views["correct"].shape == (B,)
 
 
@@ -185,3 +186,46 @@ def test_static_plan_sizes_the_paper_tables_by_the_distinct_ids_seen():
     assert sized.shared_bytes == cuda.shared_table_bytes(32, 1) < small.shared_bytes
     device.forget_keys(key)
     assert device.expected_keys(key) is None
+
+
+def test_two_blocks_per_sm_once_the_paper_tables_are_known_to_fit_half_an_sm():
+    """The paper batch (B = 16384, 1024 groups of 16, L = 3072) on an H200: its first call reserves the
+    whole opt-in shared memory (one block per SM, 768 threads), as the largest possible group's table
+    needs it. Once a call has reported its groups' need (4,617 distinct ids: 8,192 packed 12-byte slots
+    and a 16-byte header, 98,320 bytes), that fits half an SM (115,712 bytes), so the shared pass
+    reserves just that with at most 512 threads (two passes of 384 x 4), two blocks per SM; the
+    global pass stays for a group that needs more. A need past half an SM (G = 64: two presence words,
+    20-byte slots, 163,856 bytes) keeps one block; an explicit ``Tuning.blocks_per_sm`` is unchanged."""
+    from ktae_kernels import KTAEConfig
+    from ktae_kernels.backends import device
+
+    batch = _shape_only_batch(16384, 1024, 3072)
+    key = device.distinct_key("cuda", batch.device, 16384, 1024)
+    half = cuda.shared_limit(H200_SHARED, 2)
+    plan = lambda tuning=cuda.DEFAULT_TUNING: cuda.static_plan(_SharedOnly(), batch, KTAEConfig(), tuning)
+    first = plan()
+    assert (first.blocks_per_sm, first.shared_bytes, first.threads) == (1, H200_SHARED, 768)
+
+    need = cuda.shared_table_bytes(cuda.table_capacity(4617), 1, packed=True)
+    assert need == 98320 <= half == 115712 and cuda.occupancy(None, need, H200_SHARED) == 2
+    device.remember_keys(key, 4617, need)
+    assert device.expected_shared_bytes(key) == need
+    two = plan()
+    assert (two.blocks_per_sm, two.shared_bytes, two.threads, two.max_capacity) == (2, need, 384, 8192)
+    assert two.shared_bytes <= half and two.threads <= 512
+    assert (two.fallback_blocks, two.fallback_bytes) == (first.fallback_blocks, first.fallback_bytes) != (0, 0)
+    explicit = [plan(cuda.Tuning(blocks_per_sm=b)) for b in (1, 2)]
+    assert [(p.blocks_per_sm, p.shared_bytes, p.threads) for p in explicit] == [(1, H200_SHARED, 768), (2, half, 384)]
+
+    wide = cuda.shared_table_bytes(cuda.table_capacity(4617), 2)
+    device.remember_keys(key, 4617, wide)  # a later call held a group of 64 rollouts: the most is kept
+    assert wide == 163856 > half and cuda.occupancy(None, wide, H200_SHARED) == 1
+    one = plan()
+    assert (one.blocks_per_sm, one.shared_bytes, one.threads) == (1, H200_SHARED, 768)
+    assert [cuda.occupancy(b, wide, H200_SHARED) for b in (1, 2)] == [1, 2]
+    # triton remembers no shared need; the sized path and forced tables keep one block unless told
+    device.remember_keys(device.distinct_key("triton", batch.device, 16384, 1024), 4617)
+    assert device.expected_shared_bytes(device.distinct_key("triton", batch.device, 16384, 1024)) is None
+    device.forget_keys(key)
+    device.remember_keys(key, 4617, need)
+    assert plan(cuda.Tuning(table_slots=8192)).blocks_per_sm == 1

@@ -78,7 +78,9 @@ class Tuning:
     packed: the packed 12-byte slot (16-bit counters, the presence word beside them) when every group
     has one presence word and at most ``PACKED_MAX_TOKENS`` masked tokens.
     blocks_per_sm: shared tables sized so that this many blocks fit an SM (1 or 2); with 2, blocks
-    have at most 512 threads (registers) and tables at most half an SM's shared memory.
+    have at most 512 threads (registers) and tables at most half an SM's shared memory. None (the
+    default): ``token_advantage``'s sync-free path takes 2 once a call of the shape has shown that its
+    groups' tables fit half an SM (``occupancy``), else 1; the other paths take 1.
     max_threads: most threads per block (<= ``MAX_THREADS``).
     slot_index: ``token_advantage``'s shared pass records each position's slot (2 bytes, ``B * L`` of
     workspace) while building, and its gather reads that instead of the mask and the int64 ids.
@@ -86,7 +88,7 @@ class Tuning:
 
     table_slots: int | None = None
     packed: bool = True
-    blocks_per_sm: int = 1
+    blocks_per_sm: int | None = None
     max_threads: int = MAX_THREADS
     slot_index: bool = True
 
@@ -140,6 +142,22 @@ def shared_limit(opt_in_bytes: int, blocks_per_sm: int) -> int:
     if blocks_per_sm <= 1:
         return opt_in_bytes
     return (opt_in_bytes + 1024) // blocks_per_sm - 1024
+
+
+def occupancy(blocks_per_sm: int | None, need: int | None, opt_in_bytes: int) -> int:
+    """Blocks per SM of ``token_advantage``'s shared-table pass: ``blocks_per_sm`` when set
+    (``Tuning``), else 2 when ``need`` (the most shared memory one group's table took in the shape's
+    calls so far, ``device.expected_shared_bytes``) fits ``shared_limit(opt_in_bytes, 2)``, else 1
+    (nothing known yet, or too big)."""
+    if blocks_per_sm is not None:
+        return blocks_per_sm
+    return 2 if need is not None and need <= shared_limit(opt_in_bytes, 2) else 1
+
+
+def most_threads(max_threads: int, blocks_per_sm: int) -> int:
+    """Most threads a block may have: ``max_threads`` (``Tuning``), at most 512 when two blocks share
+    an SM (their registers must fit it too)."""
+    return min(max_threads, MAX_THREADS if blocks_per_sm <= 1 else 512)
 
 
 def fallback_blocks(n_items: int, widest: int, words: int, keys_only: bool) -> int:
@@ -238,11 +256,12 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
     words = presence_words(max_size)
     packed = tuning.packed and words == 1 and max_tokens <= PACKED_MAX_TOKENS
     opt_in = ext.max_shared_bytes(_device_index(device))
+    blocks_per_sm = tuning.blocks_per_sm or 1
     if tuning.table_slots is None:
-        capacity = choose_shared_capacity(max_tokens, words, shared_limit(opt_in, tuning.blocks_per_sm), packed)
+        capacity = choose_shared_capacity(max_tokens, words, shared_limit(opt_in, blocks_per_sm), packed)
     else:
         capacity = _check_table_slots(tuning.table_slots, words, opt_in, packed)
-    max_threads = min(tuning.max_threads, MAX_THREADS if tuning.blocks_per_sm <= 1 else 512)
+    max_threads = most_threads(tuning.max_threads, blocks_per_sm)
     common = dict(
         responses=batch.responses.contiguous(),
         mask=batch.mask.contiguous(),
@@ -444,7 +463,8 @@ class StaticPlan:
     max_capacity: most slots of a shared table (``Tuning.table_slots``, and the table for the distinct
     ids this shape's groups held before, ``device.expected_keys``). fallback_blocks / fallback_bytes:
     the global-memory pass (0: every group surely completes in shared memory). key: where the call's
-    largest distinct count is remembered (``device.distinct_key``).
+    largest distinct count and shared-memory need are remembered (``device.distinct_key``).
+    blocks_per_sm: the shared pass's blocks per SM that ``shared_bytes`` and ``threads`` allow.
     """
 
     ext: ModuleType
@@ -458,6 +478,7 @@ class StaticPlan:
     threads: int
     slot_index: bool = False
     key: tuple = ()
+    blocks_per_sm: int = 1
 
 
 def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
@@ -468,7 +489,12 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
 
     Once a call of this ``(B, n_groups)`` has completed, the shared tables are sized for the most
     distinct ids a group held then (``device.expected_keys``), not for the masked tokens; a group
-    holding more overflows into the global-memory pass, which is then launched."""
+    holding more overflows into the global-memory pass, which is then launched. With the default
+    ``Tuning.blocks_per_sm`` (None), once the most shared memory a group's table needed at this shape
+    (``device.expected_shared_bytes``) fits half an SM, the shared pass reserves just that, with at most
+    512 threads a block, so that two blocks share an SM (``occupancy``); a group that needs more (more
+    rollouts, a wider slot, more distinct ids) leaves the shared pass, and the global-memory pass,
+    launched whenever the shared bytes are below the largest possible group's table, redoes it."""
     B, L = batch.responses.shape
     n = batch.n_groups
     largest = B - n + 1 if n else 0
@@ -477,13 +503,17 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
     bound = grid_bound(min(largest, device_helpers.GRID_MAX_GROUP))
     words = presence_words(largest)
     opt_in = ext.max_shared_bytes(_device_index(batch.device))
-    limit = shared_limit(opt_in, tuning.blocks_per_sm)
     widest = table_capacity(largest * L)  # the table of the largest possible group
     key = device_helpers.distinct_key("cuda", batch.device, B, n)
     if tuning.table_slots is None:
+        seen_need = device_helpers.expected_shared_bytes(key)
+        blocks_per_sm = occupancy(tuning.blocks_per_sm, seen_need, opt_in)
         max_capacity = _distinct_capacity(device_helpers.expected_keys(key))
-        shared_bytes = min(limit, shared_table_bytes(min(widest, max_capacity), words))
+        shared_bytes = min(shared_limit(opt_in, blocks_per_sm), shared_table_bytes(min(widest, max_capacity), words))
+        if tuning.blocks_per_sm is None and blocks_per_sm == 2:
+            shared_bytes = min(shared_bytes, seen_need)  # what the tables took: the rest may stay L1 cache
     else:  # forces the shared tables only
+        blocks_per_sm = tuning.blocks_per_sm or 1
         max_capacity = _check_table_slots(tuning.table_slots, 1, opt_in, True)
         shared_bytes = min(opt_in, shared_table_bytes(min(widest, max_capacity), words))
     if shared_table_bytes(2, 1, True) > shared_bytes:
@@ -496,9 +526,9 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
         least = mask_bytes + 2 * (12 + 4 * words)
         slice_bytes = max(least, min(need, STATIC_FALLBACK_BYTES // fallback_blocks))
         fallback_bytes = fallback_blocks * (-(-slice_bytes // 8) * 8)
-    max_threads = min(tuning.max_threads, MAX_THREADS if tuning.blocks_per_sm <= 1 else 512)
+    threads = block_threads(L, most_threads(tuning.max_threads, blocks_per_sm))
     return StaticPlan(ext, largest, bound, shared_bytes, max_capacity, tuning.packed, fallback_blocks,
-                      fallback_bytes, block_threads(L, max_threads), tuning.slot_index and shared_bytes > 0, key)
+                      fallback_bytes, threads, tuning.slot_index and shared_bytes > 0, key, blocks_per_sm)
 
 
 def _distinct_capacity(keys: int | None) -> int:
@@ -513,7 +543,8 @@ def _static_advantage(plan: StaticPlan, batch: Batch, config: KTAEConfig, given:
     extents, the id check), the groups pass (correct flags, offsets, counts, ``A_i``), the shared-table
     pass and the global-memory one. Before it: the stable argsort of the group ids and two
     allocations; after it, the one read of the flags (skipped while a CUDA graph is capturing): the id
-    range, and the most distinct ids a group held, which sizes the next call's tables.
+    range, and the most distinct ids a group held and shared memory its table needed, which size the
+    next call's tables and its blocks per SM.
     A bad id leaves ``out`` untouched: the table passes write nothing when the scan flagged one."""
     B, L = batch.responses.shape
     if out is None:
@@ -522,25 +553,26 @@ def _static_advantage(plan: StaticPlan, batch: Batch, config: KTAEConfig, given:
         return out
     workspace = _enqueue(plan, batch, config, given, out)
     if not capturing(batch.device):
-        low, excess, largest = workspace[:3].tolist()  # the one device -> host read, after every launch
-        device_helpers.remember_keys(plan.key, largest)
+        low, excess, largest, need = workspace[:4].tolist()  # the one device -> host read, after every launch
+        device_helpers.remember_keys(plan.key, largest, need)
         check_id_range(low, MAX_TOKEN_ID + excess)
     return out
 
 
 def advantage_workspace_size(B: int, n_groups: int, fallback_bytes: int, index_positions: int = 0) -> int:
     """int64 entries of ``launch_advantage``'s workspace (csrc/ktae_kernels.h, ``advantage_layout``)."""
-    return (3 + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8 + (fallback_bytes + 7) // 8
+    return (4 + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8 + (fallback_bytes + 7) // 8
             + (2 * index_positions + 7) // 8)
 
 
 def workspace_views(workspace: Tensor, B: int, n_groups: int) -> dict[str, Tensor]:
-    """The named parts of an ``_enqueue`` workspace (for tests): ``bad_ids, largest_keys, status,
-    starts, group_counts, lengths, extent, base, correct``."""
+    """The named parts of an ``_enqueue`` workspace (for tests): ``bad_ids, largest_keys, shared_need,
+    status, starts, group_counts, lengths, extent, base, correct``."""
     n = n_groups
-    at = [0, 3, 3 + n, 4 + 2 * n, 4 + 6 * n, 4 + 6 * n + B, 4 + 6 * n + 2 * B, 4 + 6 * n + 3 * B]
+    at = [0, 4, 4 + n, 5 + 2 * n, 5 + 6 * n, 5 + 6 * n + B, 5 + 6 * n + 2 * B, 5 + 6 * n + 3 * B]
     part = lambda i, size: workspace[at[i]:at[i] + size]
-    return dict(bad_ids=part(0, 2), largest_keys=workspace[2:3], status=part(1, n), starts=part(2, n + 1),
+    return dict(bad_ids=part(0, 2), largest_keys=workspace[2:3], shared_need=workspace[3:4], status=part(1, n),
+                starts=part(2, n + 1),
                 group_counts=part(3, 4 * n).view(4, n),
                 lengths=part(4, B), extent=part(5, B), base=part(6, B).view(torch.float64),
                 correct=workspace[at[7]:at[7] + (B + 7) // 8].view(torch.bool)[:B])

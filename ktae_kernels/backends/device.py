@@ -213,9 +213,10 @@ def grid_statistics(n_c: Tensor, n_w: Tensor, largest: int, config: KTAEConfig, 
 
 
 # ------------------------------------------------------------------ tables sized by distinct ids
-#: the largest number of distinct ids one group held, per (backend, device, B, n_groups): read back
+#: per (backend, device, B, n_groups): the largest number of distinct ids one group held, and the most
+#: dynamic shared memory one group's table needed (a backend that reports none keeps 0); read back
 #: with the flags at the end of a sync-free ``token_advantage`` (never while a CUDA graph captures)
-_DISTINCT: "OrderedDict[tuple, int]" = OrderedDict()
+_DISTINCT: "OrderedDict[tuple, tuple[int, int]]" = OrderedDict()
 #: shapes remembered at most (the oldest is dropped)
 _DISTINCT_KEYS = 64
 
@@ -231,15 +232,25 @@ def expected_keys(key: tuple) -> int | None:
     ``key`` (None before any call completed: tables are then sized by masked tokens). The table's
     power of two at 3/4 load leaves room above it (a 8192-slot table for 4,617 ids holds 6,144); a
     group holding more overflows and the backend's fallback takes it: time, never exactness."""
-    return _DISTINCT.get(key)
+    seen = _DISTINCT.get(key)
+    return None if seen is None else seen[0]
 
 
-def remember_keys(key: tuple, largest: int) -> None:
-    """Keep ``largest`` (the most distinct ids a group of the call held) if it is the most seen; a
-    call that held none (every id masked out, or a bad id: nothing was built) teaches nothing."""
+def expected_shared_bytes(key: tuple) -> int | None:
+    """The most dynamic shared memory one group's table needed under ``key`` (the cuda backend's
+    ``group_shared_need``: its layout, sized for its distinct ids), or None before any call reported one."""
+    seen = _DISTINCT.get(key)
+    return None if seen is None or seen[1] <= 0 else seen[1]
+
+
+def remember_keys(key: tuple, largest: int, shared_bytes: int = 0) -> None:
+    """Keep ``largest`` (the most distinct ids a group of the call held) and ``shared_bytes`` (the most
+    shared memory a group's table needed, 0: not reported) where each is the most seen; a call that
+    held no id (every id masked out, or a bad id: nothing was built) teaches nothing."""
     if largest <= 0:
         return
-    _DISTINCT[key] = max(largest, _DISTINCT.pop(key, 0))
+    keys, need = _DISTINCT.pop(key, (0, 0))
+    _DISTINCT[key] = (max(largest, keys), max(shared_bytes, need))
     while len(_DISTINCT) > _DISTINCT_KEYS:
         _DISTINCT.popitem(last=False)
 
