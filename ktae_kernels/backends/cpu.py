@@ -132,8 +132,9 @@ def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
     counts = method.group_counts(batch, config)
+    threads = kernel_threads(batch, config)
     if out is None:
-        out = new_output(batch, config)
+        out = new_output(batch.responses.shape, threads)
     if batch.n_groups == 0 or batch.responses.shape[1] == 0:
         return out.zero_()
     inputs = _Inputs(batch, counts)
@@ -143,7 +144,7 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     ok = load_extension().advantage(
         *inputs.arrays(), base, ignore, out, **grid, k1=config.k1, b=config.b, alpha=config.alpha,
         beta=config.beta, top=config.top, bound=math.nextafter(config.top, 0.0), weight=config.weight,
-        use_tf=config.use_tf, threads=kernel_threads(batch, config))
+        use_tf=config.use_tf, threads=threads)
     if not ok:
         _raise_bad_ids(batch)
     return out
@@ -154,13 +155,14 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
 POOL_MIN_BYTES = 1 << 22
 
 
-def new_output(batch: Batch, config: KTAEConfig) -> Tensor:
-    """A float32 ``[B, L]`` tensor for a call without ``out=``: from ``csrc/cpu/output_pool.h`` (memory of
-    outputs torch has freed, kept mapped: no page faults) when it is large, else ``torch.empty``."""
-    B, L = batch.responses.shape
+def new_output(shape: tuple[int, int], threads: int) -> Tensor:
+    """A float32 ``shape`` (``[B, L]``) tensor for a call without ``out=``: from ``csrc/cpu/output_pool.h``
+    (memory of outputs torch has freed, kept mapped: no page faults; a new block is mapped on
+    ``threads`` threads) when it is large, else ``torch.empty``."""
+    B, L = shape
     if B * L * 4 < POOL_MIN_BYTES:
         return torch.empty((B, L), dtype=torch.float32)
-    return load_extension().new_output(B, L, threads=kernel_threads(batch, config))
+    return load_extension().new_output(B, L, threads=threads)
 
 
 def release_output_pool() -> int:
