@@ -53,13 +53,6 @@ def planned_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: Array
     already be on ``group``'s device, the mask (and ``correct``) bool; rewards are not checked for
     NaN / inf, and token ids are left to a backend that checks them on the device (``check_ids=False``).
     """
-    if not read:
-        for name, value in (("responses", responses), ("response_mask", response_mask), ("rewards", rewards),
-                            ("correct", correct)):
-            if value is not None and (not isinstance(value, Tensor) or value.device != group.device):
-                raise ValueError(f"`{name}` must be a tensor on {group.device} while a CUDA graph captures "
-                                 f"(nothing may be copied from the host then), got "
-                                 f"{value.device if isinstance(value, Tensor) else type(value).__name__}")
     responses, mask, reward = _checked_tensors(responses, response_mask, rewards, check_ids=check_ids, read=read)
     if responses.device != group.device or responses.shape[0] != group.shape[0]:
         raise ValueError(f"`responses` must have B = {group.shape[0]} rows on {group.device}, as planned, got "
@@ -71,7 +64,7 @@ def _checked_tensors(responses: ArrayLike, response_mask: ArrayLike, rewards: Ar
                      read: bool) -> tuple[Tensor, Tensor, Tensor]:
     """int64 responses ``[B, L]``, bool mask ``[B, L]`` and float64 rewards ``[B]``, checked (values
     too when ``read``) in the order the errors are reported."""
-    responses = _as_tensor("responses", responses)
+    responses = _as_tensor("responses", responses, read=read)
     if responses.dim() != 2:
         raise ValueError(f"`responses` must be 2-D [B, L], got shape {tuple(responses.shape)}")
     if responses.dtype == torch.bool or responses.dtype.is_floating_point or responses.dtype.is_complex:
@@ -79,17 +72,17 @@ def _checked_tensors(responses: ArrayLike, response_mask: ArrayLike, rewards: Ar
                          f"convert with `responses.long()`")
     device = responses.device
     shape = tuple(responses.shape)
-    mask = _check_mask(_as_tensor("response_mask", response_mask, device), shape, read)
+    mask = _check_mask(_as_tensor("response_mask", response_mask, device, read), shape, read)
     responses = responses.to(torch.int64)
     if check_ids:
         check_token_ids(responses, mask)
-    reward = _check_rewards(_as_tensor("rewards", rewards, device), shape, read)
+    reward = _check_rewards(_as_tensor("rewards", rewards, device, read), shape, read)
     return responses, mask, reward
 
 
 def _batch(responses: Tensor, mask: Tensor, rewards: Tensor, group: Tensor, labels: np.ndarray,
            correct: ArrayLike | None, *, read: bool) -> Batch:
-    flags = None if correct is None else _check_correct(_as_tensor("correct", correct, responses.device),
+    flags = None if correct is None else _check_correct(_as_tensor("correct", correct, responses.device, read),
                                                         responses.shape[0], read)
     return Batch(responses=responses, mask=mask, rewards=rewards, group=group, group_labels=labels, correct=flags)
 
@@ -138,9 +131,7 @@ def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = 
     """``[B]`` float64 on the batch device, or None (checked finite when ``read``)."""
     if value is None:
         return None
-    if not read and (not isinstance(value, Tensor) or value.device != batch.device):
-        raise ValueError(f"`rollout_advantage` must be a tensor on {batch.device} while a CUDA graph captures")
-    t = _as_tensor("rollout_advantage", value, batch.device)
+    t = _as_tensor("rollout_advantage", value, batch.device, read)
     if t.dtype.is_complex or tuple(t.shape) != (batch.responses.shape[0],):
         raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], "
                          f"got {t.dtype} {tuple(t.shape)}")
@@ -158,7 +149,14 @@ def _finite_float64(name: str, t: Tensor, read: bool = True) -> Tensor:
     return t
 
 
-def _as_tensor(name: str, value: Any, device: torch.device | None = None) -> Tensor:
+def _as_tensor(name: str, value: Any, device: torch.device | None = None, read: bool = True) -> Tensor:
+    """``value`` as a tensor on ``device`` (where it is, when None). Not ``read`` (a CUDA graph
+    capturing): only a tensor already there, nothing copied from the host or across devices."""
+    if not read and not (isinstance(value, Tensor) and (device is None or value.device == device)):
+        where = "" if device is None else f" on {device}"
+        got = f"a tensor on {value.device}" if isinstance(value, Tensor) else type(value).__name__
+        raise ValueError(f"`{name}` must be a tensor{where} while a CUDA graph captures (nothing may be "
+                         f"copied from the host then), got {got}")
     if isinstance(value, Tensor):
         t = value
     elif isinstance(value, (np.ndarray, list, tuple)):
