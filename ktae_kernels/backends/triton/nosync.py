@@ -92,6 +92,8 @@ _N_FLAGS = 9
 INLINE_MAX_GROUP = 4096
 #: retry reasons (bits of the flag); RETRY_REBUILD: the rebuilt groups' slices pass the budget
 RETRY_BIG_GROUP, RETRY_BUDGET, RETRY_OVERFLOW, RETRY_TOKENS, RETRY_REBUILD = 1, 2, 4, 8, 16
+_BIG_GROUP, _BUDGET, _OVERFLOW, _TOKENS, _REBUILD = (tl.constexpr(bit) for bit in (
+    RETRY_BIG_GROUP, RETRY_BUDGET, RETRY_OVERFLOW, RETRY_TOKENS, RETRY_REBUILD))  # the same bits, in the kernels
 _EMPTY = tl.constexpr(tables.EMPTY)
 _MAX_ID = tl.constexpr(MAX_TOKEN_ID)
 #: the most bytes the tables (keys, claim order, counters, presence words) may take; a batch whose
@@ -195,10 +197,10 @@ def _plan_kernel(grp_ptr, n, slot_limit, word_limit, group_limit, token_limit, g
         tl.store(_f64(grp_ptr) + _MEAN * n + gi, mean, mask=v)
         slot_carry += tl.sum(slots, 0)
         word_carry += tl.sum(wslots, 0)
-        retry |= tl.max(tl.where(v & (size > group_limit), 1, 0), 0)
+        retry |= tl.max(tl.where(v & (size > group_limit), _BIG_GROUP, 0), 0)
         largest = tl.maximum(largest, tl.max(tl.where(v, size, 0), 0))
-        retry |= tl.max(tl.where(v & (tokens > token_limit), 8, 0), 0)
-    retry |= tl.where((slot_carry > slot_limit) | (word_carry > word_limit), 2, 0)
+        retry |= tl.max(tl.where(v & (tokens > token_limit), _TOKENS, 0), 0)
+    retry |= tl.where((slot_carry > slot_limit) | (word_carry > word_limit), _BUDGET, 0)
     flags = grp_ptr + _ROWS_PER_GROUP * n + tl.arange(0, 1)
     tl.store(flags + _RETRY, retry)
     tl.store(flags + _SLOTS, slot_carry)
@@ -231,7 +233,7 @@ def _rebuild_plan_kernel(grp_ptr, n, slot_limit, word_limit, BLOCK: tl.constexpr
         tl.store(grp_ptr + _FILL * n + gi, tl.zeros([BLOCK], tl.int64), mask=over)
         slot_carry += tl.sum(slots, 0)
         word_carry += tl.sum(wslots, 0)
-    retry = tl.where((slot_carry > slot_limit) | (word_carry > word_limit), 16, 0).to(tl.int64)  # RETRY_REBUILD
+    retry = tl.where((slot_carry > slot_limit) | (word_carry > word_limit), _REBUILD, 0).to(tl.int64)
     tl.atomic_or(flags + _RETRY, retry, sem="relaxed")
     tl.store(flags + _SLOTS_FROM, used)
     tl.store(flags + _WORDS_FROM, words_used)
@@ -323,7 +325,7 @@ def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, n, grp_ptr, tab_ptr, occ
             place = tl.atomic_add(grp_ptr + _FILL * n + g_tile, 1, mask=new, sem="relaxed")
             tl.store(tab_ptr + order_at + base + place, slot, mask=new)
             if REBUILD:
-                tl.atomic_or(flags + _RETRY + tl.zeros_like(lane), 4, mask=new & (place >= full), sem="relaxed")
+                tl.atomic_or(flags + _RETRY + tl.zeros_like(lane), _OVERFLOW, mask=new & (place >= full), sem="relaxed")
             else:
                 tl.store(grp_ptr + _OVER * n + g_tile, 1, mask=new & (place >= full))
             done = done | new | (need & (old == tok))
@@ -335,7 +337,7 @@ def _insert_kernel(resp_ptr, mask_ptr, B, L, group_ptr, n, grp_ptr, tab_ptr, occ
         slot = tl.where(todo, (slot + 1) & cap_mask, slot)
         probes += 1
     if REBUILD:
-        tl.atomic_or(flags + _RETRY + tl.zeros_like(lane), 4, mask=todo, sem="relaxed")
+        tl.atomic_or(flags + _RETRY + tl.zeros_like(lane), _OVERFLOW, mask=todo, sem="relaxed")
     else:
         tl.store(grp_ptr + _OVER * n + g, 1, mask=real & (tl.max(todo.to(tl.int32), 1)[:, None] > 0))
     found = present & ~todo
