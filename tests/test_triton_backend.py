@@ -9,7 +9,7 @@ import torch
 
 from cases import (adversarial_cases, assert_scores_match, distinct_and_repeated_groups, make_batch, random_cases,
                    triton_devices)
-from ktae_kernels import KTAEConfig, key_token_scores, method, token_advantage
+from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
 
 pytest.importorskip("triton")
 DEVICES = triton_devices()
