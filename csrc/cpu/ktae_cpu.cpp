@@ -347,7 +347,7 @@ struct Cursor {
     const uint32_t key = id + 1;
     uint64_t h = table.home(key);
     SparseMap::Slot at = table.slots[h];
-    if (__builtin_expect(at.key != key && at.key != 0, 0)) {
+    if (__builtin_expect(SparseMap::other_key(at.key, key), 0)) {
       h = SparseMap::probe_index(table.slots, table.mask, key, h);
       at = table.slots[h];
     }
