@@ -176,9 +176,10 @@ def full_grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[
 
     The grid holds, for each group size ``n`` present, the blocks ``(c, n - c)`` of every split
     ``c = 0..n`` (a run sees the same sizes at every step, whatever the splits): it is computed once
-    per (sizes, config) and cached, and a call costs a few ``[n_groups]`` numpy ops. Block ``(c, n - c)``
-    starts ``block_offset(n, c)`` after its size's first block. None with ``fisher="upstream"`` (its
-    p-value depends on the rows present) or a grid of more than ``FULL_GRID_WORK``.
+    per (sizes, config) and cached with where each block starts (its size's first block plus
+    ``block_offset(n, c)``), so a call costs a few ``[n_groups]`` numpy ops. None with
+    ``fisher="upstream"`` (its p-value depends on the rows present) or a grid of more than
+    ``FULL_GRID_WORK``.
     """
     if config.fisher != "exact":
         return None
@@ -188,9 +189,8 @@ def full_grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[
     grid = _size_rows(sizes, config)
     if grid is None:
         return None
-    row_start, stats = grid
-    offset = row_start[n] + block_offset(n, c) if n.size else n
-    return torch.from_numpy(offset), torch.from_numpy(w + 1), stats
+    block_start, stats = grid
+    return torch.from_numpy(block_start[n, c]), torch.from_numpy(w + 1), stats
 
 
 def block_offset(n: np.ndarray | Tensor, c: np.ndarray | Tensor) -> np.ndarray | Tensor:
@@ -202,18 +202,18 @@ def block_offset(n: np.ndarray | Tensor, c: np.ndarray | Tensor) -> np.ndarray |
 @functools.lru_cache(maxsize=64)
 def _size_rows(sizes: tuple[int, ...], config: KTAEConfig) -> tuple[np.ndarray, TableStats] | None:
     """The blocks of every split of each group size in ``sizes``, one size after the other: where
-    each size's blocks start (int64 ``[max(sizes) + 1]``) and their statistics; None past
-    ``FULL_GRID_WORK``."""
+    block ``(c, n - c)`` starts (int64 ``[max(sizes) + 1, max(sizes) + 1]``, at ``[n, c]``) and their
+    statistics; None past ``FULL_GRID_WORK``."""
     blocks = [(c, n - c) for n in sizes for c in range(n + 1)]
     if sum((bc + 1) * (bw + 1) * (min(bc, bw) + 1) for bc, bw in blocks) > FULL_GRID_WORK:
         return None
-    row_start = np.zeros(max(sizes) + 1, dtype=np.int64)
-    start = 0
+    block_start = np.zeros((max(sizes) + 1, max(sizes) + 1), dtype=np.int64)
+    start, splits = 0, np.arange(max(sizes) + 1)
     for n in sizes:
-        row_start[n] = start
+        block_start[n, :n + 1] = start + block_offset(n, splits[:n + 1])
         start += (n + 1) * (n + 2) * (n + 3) // 6  # sum over c of (c + 1)(n - c + 1)
     values = torch.cat([_block_statistics(bc, bw, config) for bc, bw in blocks], dim=1)
-    return row_start, TableStats(*(v.contiguous() for v in values.unbind(0)))
+    return block_start, TableStats(*(v.contiguous() for v in values.unbind(0)))
 
 
 @functools.lru_cache(maxsize=4096)
