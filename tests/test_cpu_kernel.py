@@ -235,6 +235,28 @@ def test_counting_paths_match_torch_bitwise(mask, ids, length):
                         key_token_scores(responses, masks, rewards, index, config=config, backend="cpu"))
 
 
+@pytest.mark.parametrize("k1, b", [(2.0, 0.5), (1.2, 0.0), (0.5, 1.0)])
+def test_term_frequencies_on_both_sides_of_the_cached_range(k1, b):
+    """The kernel computes a group's BM25 frequencies of counts below 64 once (Bm25Side) and the others
+    per row: ids occurring 0 to 145 times in the correct rollouts (spread over three of four) and 145 to
+    0 times in one wrong rollout, bitwise as the torch path."""
+    rng = np.random.default_rng(int(k1 * 10 + b * 100))
+    G, L, filler = 8, 3072, 1000
+    counts = np.arange(0, 150, 5)
+    responses = np.full((G, L), filler, dtype=np.int64)
+    correct = rng.permutation(np.repeat(np.arange(len(counts)), counts))
+    spread = responses[:3].reshape(-1)  # a view: rollouts 0..2 of the correct 0..3
+    spread[rng.choice(spread.size, correct.size, replace=False)] = correct
+    wrong = rng.permutation(np.repeat(np.arange(len(counts)), counts[::-1]))
+    responses[4, : wrong.size] = wrong  # rollout 4 of the wrong 4..7
+    responses, mask = torch.as_tensor(responses), torch.ones(G, L, dtype=torch.bool)
+    rewards = torch.tensor([1.0] * 4 + [0.0] * 4)
+    config = KTAEConfig(k1=k1, b=b)
+    expected = token_advantage(responses, mask, rewards, [0] * G, config=config, backend="torch")
+    assert torch.equal(token_advantage(responses, mask, rewards, [0] * G, config=config, backend="cpu"), expected)
+    assert len(torch.unique(expected[:3])) > 20  # the ids' scores differ through their frequencies
+
+
 @pytest.mark.parametrize("where", ["all-in-block", "mixed-block", "tail", "spread-block"])
 @pytest.mark.parametrize("value", [-1, 2**31, -(2**63)])
 def test_out_of_range_ids_in_every_counting_path(where, value):

@@ -548,13 +548,38 @@ GroupTotals count_group(const Batch& in, int64_t g, Workspace& ws) {
   return count_group_as<Presence::kWide>(in, g, ws);
 }
 
-// BM25 saturated frequency, as method.bm25_tf / method.bm25_norm.
-inline double bm25_tf(uint64_t f, int64_t T, double avg, const Params& p) {
-  if (f == 0) return 0.0;
-  const double q = double(f) / double(std::max<int64_t>(T, 1));
-  const double K = p.k1 * ((1.0 - p.b) + (p.b * double(T)) / std::max(avg, 1e-300));
-  return (q * (p.k1 + 1.0)) / (q + K);
-}
+// BM25 saturated frequencies of one side (correct or wrong rollouts) of a group, as method.bm25_tf with
+// K = method.bm25_norm: the same operations on the same operands, so the same doubles. K is computed once
+// per group, and the frequencies of the small counts most rows hold once each (a score's divisions are
+// most of what a memo miss costs, besides its tanh).
+class Bm25Side {
+ public:
+  static constexpr uint64_t kCached = 64;
+
+  Bm25Side(int64_t T, double avg, const Params& p)
+      : T_(double(std::max<int64_t>(T, 1))),
+        K_(p.k1 * ((1.0 - p.b) + (p.b * double(T)) / std::max(avg, 1e-300))),
+        k1_plus_1_(p.k1 + 1.0) {
+    cached_[0] = 0.0;
+    for (uint64_t f = 1; f < kCached; ++f) cached_[f] = compute(f);
+  }
+
+  double operator()(uint64_t f) const { return f < kCached ? cached_[f] : compute(f); }
+
+ private:
+  double compute(uint64_t f) const {
+    const double q = double(f) / T_;
+    return (q * k1_plus_1_) / (q + K_);
+  }
+
+  double T_, K_, k1_plus_1_;
+  double cached_[kCached];
+};
+
+// A group's BM25 frequencies, correct and wrong side.
+struct Bm25 {
+  Bm25Side c, w;
+};
 
 // strength (alpha F + beta IG) and Cohen's h of one table.
 struct Strength {
@@ -562,10 +587,10 @@ struct Strength {
 };
 
 // The score of one (group, token) row, as method.score_rows.
-inline double score_of(Strength s, uint64_t occ, const GroupTotals& tot, double avg, const Params& p) {
+inline double score_of(Strength s, uint64_t occ, const Bm25& tf, const Params& p) {
   double x = s.h;
   if (p.use_tf) {
-    const double tf_c = bm25_tf(lo(occ), tot.T_c, avg, p), tf_w = bm25_tf(hi(occ), tot.T_w, avg, p);
+    const double tf_c = tf.c(lo(occ)), tf_w = tf.w(hi(occ));
     x = x + (tf_c / (tf_w + kTfEps) - tf_w / (tf_c + kTfEps));
   }
   const double key = (s.strength * x) / (p.alpha + p.beta);
@@ -605,6 +630,7 @@ inline int memo_bits(int64_t n_entries) {
 // weight * score of every distinct id of group g, into ws.scores, as method.score_rows.
 void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws) {
   const double avg = double(tot.T_c + tot.T_w) / 2.0;
+  const Bm25 tf{Bm25Side(tot.T_c, avg, p), Bm25Side(tot.T_w, avg, p)};
   const int64_t n = ws.n_entries;
   const int bits = memo_bits(n);
   MemoSlot* const memo = ws.memo.ensure(int64_t(1) << bits);
@@ -614,7 +640,7 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
   scores[0] = 0.0;
   const Entry* const entries = ws.entries();
   auto compute = [&](int64_t a, int64_t b, uint64_t occ) {
-    return informative(a, b, tot) ? score_of(strength_of(g, a, b, tot, p, ws), occ, tot, avg, p) : 0.0;
+    return informative(a, b, tot) ? score_of(strength_of(g, a, b, tot, p, ws), occ, tf, p) : 0.0;
   };
   for (int64_t j = 0; j < n; ++j) {
     const Entry e = entries[j];
