@@ -5,8 +5,8 @@
 // home()): ids chosen to collide under one table's hash do not collide under another's, so there is no
 // hash-flooding worst case. The load stays at most 1/4 (the counting loop calls grow() before a block of
 // ids could pass it), so a look-up almost always ends at the id's home slot: the counting loop reads that
-// slot inline (key match: found; empty: a new id; anything else, told by one test: probe_index()) and writes it back as
-// one 8-byte store, exactly as it reads and writes the dense map.
+// slot inline (key match: found; empty: a new id; anything else, told by one test: probe_index()) and
+// writes it back as one 8-byte store, exactly as it reads and writes the dense map.
 //
 // The table holds no list of its own: the group's entries (their ids, in first-seen order) are the
 // list. grow() re-inserts them, clear() removes them newest first (removing the newest key of a linear

@@ -150,10 +150,11 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     grid = _grid_for(inputs, counts, config)
     base = method.rollout_advantage(batch.rewards, batch.group, counts.size, config, given).contiguous()
     ignore = _ignored_ids(config.ignore_token_ids)
+    statistics = {name: _host(values) for name, values in grid.items()}
     ok = load_extension().advantage(
-        *inputs.arrays(), _host(base), ignore, _host(out), **{k: _host(v) for k, v in grid.items()}, k1=config.k1, b=config.b, alpha=config.alpha,
-        beta=config.beta, top=config.top, bound=math.nextafter(config.top, 0.0), weight=config.weight,
-        use_tf=config.use_tf, threads=threads)
+        *inputs.arrays(), _host(base), ignore, _host(out), **statistics, k1=config.k1, b=config.b,
+        alpha=config.alpha, beta=config.beta, top=config.top, bound=math.nextafter(config.top, 0.0),
+        weight=config.weight, use_tf=config.use_tf, threads=threads)
     if not ok:
         _raise_bad_ids(batch)
     return out
