@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one script a hardware run needs (one H200, a short loan): under 7 minutes of device time, each
+# The one script a hardware run needs (one H200, a short loan): under 8 minutes of device time, each
 # stage with its own cap (the caps add up to the budget), failures recorded and the script carrying on.
 #   nvidia-smi -> build the CUDA extension -> the GPU tests (those that need a GPU: the CUDA and
 #   Triton backends on CUDA, the device statistics kernels, tests/test_gpu_*.py; -ra names every
@@ -9,10 +9,12 @@
 #   device; the id check; every tuning variant it times; a repeat-and-compare pass for races; groups
 #   of 128 and 1024 rollouts) and the paper batch's timings (each stage; bandwidth against a measured
 #   device copy), written after each check and backend so a stage cut by its cap keeps them -> the
-#   scaling sweep (torch, triton, cuda) -> the torch profile.
+#   scaling sweep (torch, triton, cuda) -> the torch profile -> the native CPU kernel on the machine's
+#   16 cores (the shapes preset at 16 threads, the paper batch at 1, 2 and 16: a driver process's
+#   thread counts, which the 2-core CI machine cannot measure).
 # Nothing that needs no GPU runs here: the compile tests, the Triton interpreter, the CUDA emulator,
 # the host planning times (bench/host_plan.py) and the rest of the suite run on a CPU machine.
-# The whole run ends within KTAE_GPU_BUDGET_S seconds (default 420). Everything lands in
+# The whole run ends within KTAE_GPU_BUDGET_S seconds (default 465). Everything lands in
 # bench/results/ as <device>-<date>-*.{log,json,png}; when $OUT is set (the lending tool's output
 # folder) a tarball of them and the main log are copied there too.
 #
@@ -23,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 START=$(date +%s)
-BUDGET=${KTAE_GPU_BUDGET_S:-420}
+BUDGET=${KTAE_GPU_BUDGET_S:-465}
 DEADLINE=$((START + BUDGET))
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -65,6 +67,19 @@ GPU_TESTS="tests/test_cuda_backend.py tests/test_triton_backend.py tests/test_de
 GPU_TESTS_ARGS="-q -ra -p no:cacheprovider --deselect tests/test_gpu_backends.py::test_gpu_sh_parses
   --deselect tests/test_gpu_backends.py::test_gpu_check_dry_run"
 
+# the native CPU kernel at a driver's thread counts, on this machine's cores (results: cpu-<n>core-*.json)
+cpu_threads() {
+  local common="--device cpu --backends cpu,cpu+out --repeats 5 --no-progress --no-plot --out $RESULTS"
+  local counts=${CPU_THREADS:-1 2 16}
+  local most=${counts##* }
+  "$PY" -m bench $common ${CPU_SHAPES:---preset shapes} --threads "$most" --tag "threads-$most" || true
+  for threads in $counts; do
+    "$PY" -m bench $common ${CPU_PAPER:---shape 16x1024x3072} --threads "$threads" --tag paper-threads-$threads || true
+  done
+}
+export -f cpu_threads
+export PY RESULTS
+
 if [[ -n "${KTAE_GPU_DRY_RUN:-}" ]]; then
   say "dry run on $(hostname) at $(date -Is): every stage that runs on a CPU, on tiny shapes"
   run_stage gpu-tests 60 "$PY" -m pytest --collect-only $GPU_TESTS $GPU_TESTS_ARGS
@@ -73,6 +88,7 @@ if [[ -n "${KTAE_GPU_DRY_RUN:-}" ]]; then
     --repeats 1 --no-progress --no-plot --out "$RESULTS"
   run_stage profile 30 "$PY" -m bench.profile_torch --device cpu --prompts 2 --L 64 --repeats 1 --ops
   run_stage host-plan 60 env TRITON_INTERPRET=1 "$PY" -m bench.host_plan --repeats 5 --json "$PREFIX-host-plan.json"
+  CPU_SHAPES="--shape 16x2x64" CPU_PAPER="--shape 16x2x64" CPU_THREADS="1 2" run_stage cpu-threads 60 bash -c cpu_threads
   say "done in $(($(date +%s) - START))s; files in $RESULTS:"
   ls "$RESULTS" | tee -a "$LOG"
   grep -h "=== \[" "$LOG" | grep -v "rc=0" | grep -v "timeout" && { say "DRY RUN FAILED"; exit 1; }
@@ -109,10 +125,13 @@ run_stage sweep 50 "$PY" -m bench --device cuda --sweep --backends torch,triton,
 # 5. where the torch backend's GPU time goes on the paper batch
 run_stage profile 20 "$PY" -m bench.profile_torch --device cuda --prompts 1024 --L 3072 --repeats 5 --ops
 
+# 6. the native CPU kernel on this machine's cores: the shapes at 16 threads, the paper batch at 1, 2 and 16
+run_stage cpu-threads 45 bash -c cpu_threads
+
 say "done in $(($(date +%s) - START))s; files:"
-ls -l "$PREFIX"* | tee -a "$LOG"
+ls -l "$PREFIX"* "$RESULTS"/cpu-*-"$(date +%F)"-*threads* | tee -a "$LOG"
 if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then
-  tar czf "$OUT/gpu-results.tgz" "$PREFIX"* "$RESULTS"/*gpu-check* 2>/dev/null
+  tar czf "$OUT/gpu-results.tgz" "$PREFIX"* "$RESULTS"/*gpu-check* "$RESULTS"/cpu-*-"$(date +%F)"-*threads* 2>/dev/null
   cp "$LOG" "$OUT/" 2>/dev/null
 fi
 exit 0
