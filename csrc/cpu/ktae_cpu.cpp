@@ -550,8 +550,9 @@ GroupTotals count_group(const Batch& in, int64_t g, Workspace& ws) {
 
 // BM25 saturated frequencies of one side (correct or wrong rollouts) of a group, as method.bm25_tf with
 // K = method.bm25_norm: the same operations on the same operands, so the same doubles. K is computed once
-// per group, and the frequencies of the small counts most rows hold once each (a score's divisions are
-// most of what a memo miss costs, besides its tanh).
+// per group, and the frequency of each small count the first time a row needs it (a score's divisions
+// are most of what a memo miss costs, besides its tanh; computing all of them up front cost a batch of
+// many small groups more than it saved).
 class Bm25Side {
  public:
   static constexpr uint64_t kCached = 64;
@@ -561,16 +562,22 @@ class Bm25Side {
         K_(p.k1 * ((1.0 - p.b) + (p.b * double(T)) / std::max(avg, 1e-300))),
         k1_plus_1_(p.k1 + 1.0) {
     cached_[0] = 0.0;
-    for (uint64_t f = 1; f < kCached; ++f) cached_[f] = compute(f);
+    std::fill(cached_ + 1, cached_ + kCached, kNotYet);
   }
 
-  double operator()(uint64_t f) const { return f < kCached ? cached_[f] : compute(f); }
+  double operator()(uint64_t f) {
+    if (f >= kCached) return compute(f);
+    if (cached_[f] == kNotYet) cached_[f] = compute(f);
+    return cached_[f];
+  }
 
  private:
   double compute(uint64_t f) const {
     const double q = double(f) / T_;
     return (q * k1_plus_1_) / (q + K_);
   }
+
+  static constexpr double kNotYet = -1.0;  // a frequency is >= 0
 
   double T_, K_, k1_plus_1_;
   double cached_[kCached];
@@ -587,7 +594,7 @@ struct Strength {
 };
 
 // The score of one (group, token) row, as method.score_rows.
-inline double score_of(Strength s, uint64_t occ, const Bm25& tf, const Params& p) {
+inline double score_of(Strength s, uint64_t occ, Bm25& tf, const Params& p) {
   double x = s.h;
   if (p.use_tf) {
     const double tf_c = tf.c(lo(occ)), tf_w = tf.w(hi(occ));
@@ -630,7 +637,7 @@ inline int memo_bits(int64_t n_entries) {
 // weight * score of every distinct id of group g, into ws.scores, as method.score_rows.
 void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws) {
   const double avg = double(tot.T_c + tot.T_w) / 2.0;
-  const Bm25 tf{Bm25Side(tot.T_c, avg, p), Bm25Side(tot.T_w, avg, p)};
+  Bm25 tf{Bm25Side(tot.T_c, avg, p), Bm25Side(tot.T_w, avg, p)};
   const int64_t n = ws.n_entries;
   const int bits = memo_bits(n);
   MemoSlot* const memo = ws.memo.ensure(int64_t(1) << bits);
