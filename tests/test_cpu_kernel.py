@@ -235,6 +235,48 @@ def test_counting_paths_match_torch_bitwise(mask, ids, length):
                         key_token_scores(responses, masks, rewards, index, config=config, backend="cpu"))
 
 
+# A group of G <= 32 rollouts whose counts fit beside G presence bits (G * L < 2 ** ((64 - G) // 2))
+# counts into 8-byte entries (the compact path) unless a masked id is past the dense map; 32 x 2047 is
+# the largest such group of 32 rollouts, 32 x 2048 the smallest that is not.
+@pytest.mark.parametrize("G, L", [(32, 2047), (32, 2048), (17, 20), (2, 9)])
+def test_compact_entries_at_their_count_limit(G, L):
+    """One id at every position of all rollouts but the first: with most rollouts correct (then most
+    wrong) its occurrences on one side reach past half of G * L, the most a compact entry holds, and
+    its score is not saturated (every count shows). Bitwise as the torch path."""
+    responses = torch.full((G, L), 7, dtype=torch.int64)
+    responses[0] = 8
+    mask = torch.ones(G, L, dtype=torch.bool)
+    for n_c in {G - G // 3, max(1, G // 3)}:
+        rewards = torch.as_tensor(np.arange(G) < n_c, dtype=torch.float32)
+        for config in (KTAEConfig(), KTAEConfig(use_tf=False)):
+            expected = token_advantage(responses, mask, rewards, [0] * G, config=config, backend="torch")
+            got = token_advantage(responses, mask, rewards, [0] * G, config=config, backend="cpu")
+            assert torch.equal(got, expected)
+        scores = key_token_scores(responses, mask, rewards, [0] * G, backend="torch")
+        assert G == 2 or 0 < abs(float(scores.score[scores.token == 7])) < 0.9
+
+
+@pytest.mark.parametrize("weight", [1.0, -0.5])
+def test_ignored_ids_on_the_compact_path(weight):
+    """Ignored ids score 0 * weight (-0.0 for a negative weight) wherever they are counted, bitwise as
+    the torch path; ignored ids the group lacks, past the dense map or in no group change nothing."""
+    rng = np.random.default_rng(5)
+    sizes, L = [16, 8, 3], 37
+    B = sum(sizes)
+    responses = torch.as_tensor(rng.zipf(1.3, size=(B, L)) % 40, dtype=torch.int64)
+    mask = torch.as_tensor(MASKS["random-60%-out"](rng, B, L))
+    mask[:, 0] = True
+    responses[::2, 0] = 3  # an ignored id in half the rollouts of every group
+    rewards = torch.as_tensor(np.arange(B) % 3 == 0, dtype=torch.float32)
+    index = np.repeat(np.arange(len(sizes)), sizes)
+    config = KTAEConfig(ignore_token_ids=(0, 3, 5, 39, 1000, DENSE_IDS, MAX_ID), weight=weight)
+    expected = token_advantage(responses, mask, rewards, index, config=config, backend="torch")
+    got = token_advantage(responses, mask, rewards, index, config=config, backend="cpu")
+    assert torch.equal(got, expected)
+    scored = token_advantage(responses, mask, rewards, index, config=KTAEConfig(weight=weight), backend="cpu")
+    assert not torch.equal(got[::2, 0], scored[::2, 0])  # id 3 has a score where it is not ignored
+
+
 @pytest.mark.parametrize("k1, b", [(2.0, 0.5), (1.2, 0.0), (0.5, 1.0)])
 def test_term_frequencies_on_both_sides_of_the_cached_range(k1, b):
     """The kernel computes a group's BM25 frequencies of counts below 64 once (Bm25Side) and the others

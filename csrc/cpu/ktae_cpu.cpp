@@ -158,6 +158,17 @@ struct Workspace {
   std::vector<double> scores;  // by slot: [0] a zero sentinel, [1 + j] entry j's weighted score
   Buffer<MemoSlot> memo;       // score by (a, b, f_c, f_w) in the current group (direct-mapped)
   LocalStatistics stats;
+  Buffer<uint64_t> compact;    // the compact path's map, token id -> entry, then score (see count_compact)
+  uint32_t n_compact = 0;      // its ids, listed in `tokens`
+
+  uint64_t* compact_map() { return compact.ensure_zeroed(kDenseIds); }
+
+  // Empty the compact map for the next group.
+  void reset_compact() {
+    const uint32_t* ids = tokens.data.get();
+    for (uint32_t j = 0; j < n_compact; ++j) compact.data[ids[j]] = 0;
+    n_compact = 0;
+  }
 
   Workspace() : slot(kDenseIds, 0) {}
 
@@ -594,10 +605,10 @@ struct Strength {
 };
 
 // The score of one (group, token) row, as method.score_rows.
-inline double score_of(Strength s, uint64_t occ, Bm25& tf, const Params& p) {
+inline double score_of(Strength s, uint64_t f_c, uint64_t f_w, Bm25& tf, const Params& p) {
   double x = s.h;
   if (p.use_tf) {
-    const double tf_c = tf.c(lo(occ)), tf_w = tf.w(hi(occ));
+    const double tf_c = tf.c(f_c), tf_w = tf.w(f_w);
     x = x + (tf_c / (tf_w + kTfEps) - tf_w / (tf_c + kTfEps));
   }
   const double key = (s.strength * x) / (p.alpha + p.beta);
@@ -623,49 +634,64 @@ inline bool informative(int64_t a, int64_t b, const GroupTotals& tot) {
 
 // A row's score depends only on (a, b, f_c, f_w) within a group, and a group's rows share few of them
 // (most ids are rare): scores are memoised per group in a direct-mapped table of about one slot per
-// kMemoEntries entries (a collision only recomputes). Rows with a count past 16 bits are not memoised.
+// kMemoEntries rows (a collision only recomputes). Rows with a count past 16 bits are not memoised.
 constexpr uint64_t kNoKey = ~uint64_t(0);
 constexpr int64_t kMemoEntries = 4;
 constexpr int kMemoMinBits = 8, kMemoMaxBits = 13;
 
-inline int memo_bits(int64_t n_entries) {
+inline int memo_bits(int64_t n_rows) {
   int bits = kMemoMinBits;
-  while (bits < kMemoMaxBits && (int64_t(1) << bits) * kMemoEntries < n_entries) ++bits;
+  while (bits < kMemoMaxBits && (int64_t(1) << bits) * kMemoEntries < n_rows) ++bits;
   return bits;
 }
 
+// weight * score of group g's rows, as method.score_rows, memoised (see above).
+class GroupScorer {
+ public:
+  GroupScorer(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws, int64_t n_rows)
+      : g_(g), tot_(tot), p_(p), ws_(ws), tf_{side(tot.T_c), side(tot.T_w)}, bits_(memo_bits(n_rows)),
+        memo_(ws.memo.ensure(int64_t(1) << bits_)) {
+    std::fill(memo_, memo_ + (int64_t(1) << bits_), MemoSlot{kNoKey, 0.0});
+  }
+
+  double operator()(uint64_t a, uint64_t b, uint64_t f_c, uint64_t f_w) {
+    if ((a | b) >= 0x10000 || f_c >= 0xffff || f_w >= 0xffff) return compute(a, b, f_c, f_w);
+    const uint64_t key = a | b << 16 | f_c << 32 | f_w << 48;
+    MemoSlot& slot = memo_[(key * 0x9e3779b97f4a7c15ull) >> (64 - bits_)];
+    if (slot.key != key) slot = MemoSlot{key, compute(a, b, f_c, f_w)};
+    return slot.score;
+  }
+
+ private:
+  Bm25Side side(int64_t T) const { return Bm25Side(T, double(tot_.T_c + tot_.T_w) / 2.0, p_); }
+
+  double compute(uint64_t a, uint64_t b, uint64_t f_c, uint64_t f_w) {
+    const int64_t ia = int64_t(a), ib = int64_t(b);
+    const double score =
+        informative(ia, ib, tot_) ? score_of(strength_of(g_, ia, ib, tot_, p_, ws_), f_c, f_w, tf_, p_) : 0.0;
+    return score * p_.weight;
+  }
+
+  int64_t g_;
+  const GroupTotals& tot_;
+  const Params& p_;
+  Workspace& ws_;
+  Bm25 tf_;
+  int bits_;
+  MemoSlot* memo_;
+};
+
 // weight * score of every distinct id of group g, into ws.scores, as method.score_rows.
 void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws) {
-  const double avg = double(tot.T_c + tot.T_w) / 2.0;
-  Bm25 tf{Bm25Side(tot.T_c, avg, p), Bm25Side(tot.T_w, avg, p)};
   const int64_t n = ws.n_entries;
-  const int bits = memo_bits(n);
-  MemoSlot* const memo = ws.memo.ensure(int64_t(1) << bits);
-  std::fill(memo, memo + (int64_t(1) << bits), MemoSlot{kNoKey, 0.0});
+  GroupScorer score(g, tot, p, ws, n);
   ws.scores.resize(size_t(n) + 1);
   double* const scores = ws.scores.data();
   scores[0] = 0.0;
   const Entry* const entries = ws.entries();
-  auto compute = [&](int64_t a, int64_t b, uint64_t occ) {
-    return informative(a, b, tot) ? score_of(strength_of(g, a, b, tot, p, ws), occ, tf, p) : 0.0;
-  };
   for (int64_t j = 0; j < n; ++j) {
     const Entry e = entries[j];
-    const uint64_t a = lo(e.pres), b = hi(e.pres), f_c = lo(e.occ), f_w = hi(e.occ);
-    double score;
-    if ((a | b) < 0x10000 && f_c < 0xffff && f_w < 0xffff) {
-      const uint64_t key = a | b << 16 | f_c << 32 | f_w << 48;
-      MemoSlot& slot = memo[(key * 0x9e3779b97f4a7c15ull) >> (64 - bits)];
-      if (slot.key == key) {
-        score = slot.score;
-      } else {
-        score = compute(int64_t(a), int64_t(b), e.occ);
-        slot = MemoSlot{key, score};
-      }
-    } else {
-      score = compute(int64_t(a), int64_t(b), e.occ);
-    }
-    scores[j + 1] = score * p.weight;
+    scores[j + 1] = score(lo(e.pres), hi(e.pres), lo(e.occ), hi(e.occ));
   }
   // method.ignored_rows: an ignored id scores 0 (looked up once per ignored id, not per row)
   for (int64_t k = 0; k < p.n_ignore; ++k) {
@@ -674,10 +700,10 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
   }
 }
 
-// float32(scores[slot] + base) where keep is 1, +0.0f where it is 0, without a branch (a masked-out
-// position reads slot 0, the zero sentinel, and its value's bits are cleared).
-inline float select_value(const double* scores, uint32_t slot, double base, uint32_t keep) {
-  const float value = static_cast<float>(scores[slot] + base);
+// float32(score + base) where keep is 1, +0.0f where it is 0, without a branch (a masked-out position
+// reads a score that is then cleared: slot 0, the zero sentinel, or the compact map's entry of id 0).
+inline float masked_value(double score, double base, uint32_t keep) {
+  const float value = static_cast<float>(score + base);
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof bits);
   bits &= 0u - keep;
@@ -711,12 +737,203 @@ void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, flo
       if (w == kAllIn) {
         for (int64_t j = 0; j < kWord; ++j) o[t + j] = static_cast<float>(scores[pos[j]] + base);
       } else {
-        for (int64_t j = 0; j < kWord; ++j) o[t + j] = select_value(scores, pos[j], base, m[t + j] != 0);
+        for (int64_t j = 0; j < kWord; ++j) o[t + j] = masked_value(scores[pos[j]], base, m[t + j] != 0);
       }
       pos += kWord;
     }
-    for (; t < L; ++t) o[t] = select_value(scores, *pos++, base, m[t] != 0);
+    for (; t < L; ++t) o[t] = masked_value(scores[*pos++], base, m[t] != 0);
   }
+}
+
+// The compact path: a group of at most kCompactRollouts rollouts whose counts fit beside its presence
+// bits in 64 bits, all of whose masked ids are below kDenseIds (the usual GRPO batch), counts straight
+// into a map from token id to an 8-byte entry, presence bits | f_c << G | f_w << (G + width): a token
+// costs a load and two stores (its entry, and its id written ahead into the first-seen list) instead
+// of the general path's five (map slot, id, position slot and a 16-byte entry). Scoring then
+// overwrites each entry with its id's weighted score (a double's bits), and the write reads the ids
+// again to gather them. A masked id at or past kDenseIds (or out of range) sends the group back to the
+// general path, which counts it from the start.
+constexpr int64_t kCompactRollouts = 32;
+
+// Where an entry's fields lie for a group of G rollouts: presence bits [0, G), f_c [G, G + width),
+// f_w [G + width, 64).
+struct CompactLayout {
+  int shift_c, shift_w;
+  uint64_t count_mask;
+
+  // The layout of a group of G rollouts of L positions, if its counts (at most G * L) fit.
+  static std::optional<CompactLayout> of(int64_t G, int64_t L) {
+    if (G > kCompactRollouts) return std::nullopt;
+    const int width = int(64 - G) / 2;
+    if (G * L >= (int64_t(1) << width)) return std::nullopt;
+    return CompactLayout{int(G), int(G) + width, (uint64_t(1) << width) - 1};
+  }
+};
+
+inline double as_double(uint64_t bits) {
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
+inline uint64_t bits_of(double d) {
+  uint64_t bits;
+  std::memcpy(&bits, &d, sizeof bits);
+  return bits;
+}
+
+// A group's counting state on the compact path (a local copy in each loop, kept in registers).
+struct CompactCursor {
+  uint64_t* map;     // token id -> entry (Workspace::compact)
+  uint32_t* tokens;  // the group's ids in first-seen order (and one written ahead)
+  uint32_t n;        // ids so far
+  int64_t counted;   // masked tokens of the current rollout
+  uint64_t bit;      // the current rollout's presence bit
+  uint64_t inc;      // 1 << shift_c (correct rollout) or 1 << shift_w (wrong)
+
+  // An id below kDenseIds, in the mask.
+  void dense_id(uint32_t id) {
+    const uint64_t e = map[id];
+    tokens[n] = id;
+    n += e == 0;
+    map[id] = (e | bit) + inc;
+  }
+
+  // Any id, in the mask (keep = 1) or not, counted as id 0 with no presence or occurrence when out of
+  // it. False, with nothing counted, for a masked id the compact path does not take.
+  bool any_id(int64_t id, uint32_t keep) {
+    const uint64_t on = 0 - uint64_t(keep);
+    const uint64_t counted_id = static_cast<uint64_t>(id) & on;
+    if (counted_id >= static_cast<uint64_t>(kDenseIds)) return false;
+    const uint64_t e = map[counted_id];
+    tokens[n] = uint32_t(counted_id);
+    n += keep & uint32_t(e == 0);
+    map[counted_id] = (e | (bit & on)) + (inc & on);
+    counted += keep;
+    return true;
+  }
+};
+
+// Count group g on the compact path into ws.compact (ids in ws.tokens, their number in ws.n_compact);
+// false, with the map cleared, when a masked id is at or past kDenseIds or out of range.
+bool count_compact(const Batch& in, int64_t g, const CompactLayout& layout, Workspace& ws, GroupTotals& tot,
+                   uint64_t& correct_bits) {
+  const int64_t first = in.start[g], last = in.start[g + 1], L = in.L;
+  CompactCursor c{ws.compact_map(), ws.tokens.ensure((last - first) * L + 1), 0, 0, 0, 0};
+  correct_bits = 0;
+  bool ok = true;
+  for (int64_t k = first; ok && k < last; ++k) {
+    const int64_t i = in.order[k];
+    const int64_t* const ids = in.ids + i * in.ids_stride;
+    const uint8_t* const m = in.mask + i * in.mask_stride;
+    const bool is_c = in.correct[i] != 0;
+    c.bit = uint64_t(1) << (k - first);
+    c.inc = uint64_t(1) << (is_c ? layout.shift_c : layout.shift_w);
+    if (is_c) correct_bits |= c.bit;
+    c.counted = 0;
+    int64_t t = 0;
+    for (; ok && t + kWord <= L; t += kWord) {
+      const uint64_t w = mask_word(m + t);
+      if (w == 0) continue;
+      const int64_t* const block = ids + t;
+      if (w == kAllIn && block_or(block) < static_cast<uint64_t>(kDenseIds)) {
+        if (t + kPrefetch + kWord <= L)
+          for (int64_t j = 0; j < kWord; ++j)
+            __builtin_prefetch(c.map + (static_cast<uint64_t>(block[kPrefetch + j]) & (kDenseIds - 1)), 1);
+        for (int64_t j = 0; j < kWord; ++j) c.dense_id(uint32_t(block[j]));
+        c.counted += kWord;
+      } else {
+        for (int64_t j = 0; ok && j < kWord; ++j) ok = c.any_id(block[j], m[t + j] != 0);
+      }
+    }
+    for (; ok && t < L; ++t) ok = c.any_id(ids[t], m[t] != 0);
+    (is_c ? tot.T_c : tot.T_w) += c.counted;
+    (is_c ? tot.n_c : tot.n_w) += 1;
+  }
+  ws.n_compact = c.n;
+  if (!ok) ws.reset_compact();
+  return ok;
+}
+
+// Entries ahead of the current one whose map slots scoring prefetches (the first-seen order scatters them).
+constexpr int64_t kScorePrefetch = 16;
+
+// Each counted id's entry in ws.compact becomes its weighted score (as method.score_rows; an ignored id
+// scores 0). Cloned like bits_to_counts, for its popcounts.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+__attribute__((target_clones("popcnt", "default")))
+#endif
+void score_compact(int64_t g, const GroupTotals& tot, const CompactLayout& layout, uint64_t correct_bits,
+                   const Params& p, Workspace& ws) {
+  uint64_t* const map = ws.compact.data.get();
+  const uint32_t* const tokens = ws.tokens.data.get();
+  const int64_t n = int64_t(ws.n_compact);
+  const uint64_t presence = (uint64_t(1) << layout.shift_c) - 1;
+  // method.ignored_rows: a counted ignored id loses its presence bits, which no counted id lacks
+  for (int64_t k = 0; k < p.n_ignore; ++k) {
+    const int64_t id = p.ignore[k];
+    if (id >= 0 && id < kDenseIds) map[id] &= ~presence;
+  }
+  GroupScorer score(g, tot, p, ws, n);
+  for (int64_t j = 0; j < n; ++j) {
+    __builtin_prefetch(map + tokens[std::min(j + kScorePrefetch, n - 1)], 1);
+    const uint64_t e = map[tokens[j]];
+    const uint64_t pres = e & presence;
+    const double s = pres == 0 ? 0.0 * p.weight
+                               : score(uint64_t(__builtin_popcountll(pres & correct_bits)),
+                                       uint64_t(__builtin_popcountll(pres & ~correct_bits)),
+                                       (e >> layout.shift_c) & layout.count_mask, e >> layout.shift_w);
+    map[tokens[j]] = bits_of(s);
+  }
+}
+
+// out[i, t] for group g's rollouts as write_group writes them, gathering each position's score from
+// ws.compact by its id.
+void write_compact(const Batch& in, int64_t g, const Params& p, const Workspace& ws, float* out) {
+  const uint64_t* const map = ws.compact.data.get();
+  const int64_t L = in.L;
+  for (int64_t k = in.start[g]; k < in.start[g + 1]; ++k) {
+    const int64_t i = in.order[k];
+    const int64_t* const ids = in.ids + i * in.ids_stride;
+    const uint8_t* const m = in.mask + i * in.mask_stride;
+    const double base = p.base[i];
+    float* const o = out + i * L;
+    auto masked = [&](int64_t t) {
+      const uint32_t keep = m[t] != 0;
+      return masked_value(as_double(map[static_cast<uint64_t>(ids[t]) & (0 - uint64_t(keep))]), base, keep);
+    };
+    int64_t t = 0;
+    for (; t + kWord <= L; t += kWord) {
+      const uint64_t w = mask_word(m + t);
+      if (w == 0) {
+        std::memset(o + t, 0, kWord * sizeof(float));
+      } else if (w == kAllIn) {
+        for (int64_t j = 0; j < kWord; ++j) o[t + j] = static_cast<float>(as_double(map[ids[t + j]]) + base);
+      } else {
+        for (int64_t j = 0; j < kWord; ++j) o[t + j] = masked(t + j);
+      }
+    }
+    for (; t < L; ++t) o[t] = masked(t);
+  }
+}
+
+// Group g through the compact path: counted, scored and written; false (nothing written, the
+// workspace clean) when the group does not take it.
+bool advantage_compact(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
+  const std::optional<CompactLayout> layout = CompactLayout::of(in.start[g + 1] - in.start[g], in.L);
+  if (!layout) return false;
+  PROF_START();
+  GroupTotals tot;
+  uint64_t correct_bits;
+  if (!count_compact(in, g, *layout, ws, tot, correct_bits)) return false;
+  PROF_MARK(0);
+  score_compact(g, tot, *layout, correct_bits, p, ws);
+  PROF_MARK(1);
+  write_compact(in, g, p, ws, out);
+  PROF_MARK(2);
+  ws.reset_compact();
+  PROF_MARK(3);
+  return true;
 }
 
 // Rows of group g sorted by token id: token, a, b, f_c, f_w written from `row` into cols[5][capacity].
@@ -816,6 +1033,7 @@ bool advantage(const Array& ids, const Array& mask, const Array& order, const Ar
   {
     nb::gil_scoped_release release;
     bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
+      if (advantage_compact(in, g, p, ws, result)) return false;
       PROF_START();
       const GroupTotals tot = count_group(in, g, ws);
       PROF_MARK(0);
