@@ -18,11 +18,19 @@ MIN_FLOOR_POSITIONS = 1 << 16
 FLOOR_ROUNDS = 7
 
 
-def floor_samples(measure: Callable[[], float | None], positions: int, rounds: int = FLOOR_ROUNDS) -> list[float]:
-    """``rounds`` samples of ``measure()`` (one floor pass's seconds), or none for a batch under
-    ``MIN_FLOOR_POSITIONS`` positions or where ``measure`` returns None (no floor on this device)."""
+def floor_samples(measure: Callable[[], float | None], positions: int, rounds: int = FLOOR_ROUNDS,
+                  warm_up_s: float = 0.0) -> list[float]:
+    """``rounds`` samples of ``measure()`` (one floor pass's seconds), after untimed passes that take
+    ``warm_up_s`` in all; none for a batch under ``MIN_FLOOR_POSITIONS`` positions or where ``measure``
+    returns None (no floor on this device)."""
     if positions < MIN_FLOOR_POSITIONS:
         return []
+    spent = 0.0
+    while spent < warm_up_s:
+        seconds = measure()
+        if seconds is None:
+            return []
+        spent += seconds
     samples = []
     for _ in range(rounds):
         seconds = measure()

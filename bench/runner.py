@@ -20,7 +20,7 @@ from bench.data import BenchBatch, Shape, batch_tokens, make_batch
 from bench.floor import memory_floor_s, peak_extra_bytes
 from bench.floor_stats import floor_ratio, floor_samples, floor_seconds, is_measuring_error
 from bench.grid import Budget
-from bench.timing import MIN_GROUPS, Timing, measure_per_group, measure_vectorised
+from bench.timing import MIN_GROUPS, WARM_UP_S, Timing, measure_per_group, measure_vectorised
 
 #: the batch each contender runs once, untimed, before the grid.
 WARMUP_SHAPE = Shape(4, 2, 64)
@@ -121,8 +121,10 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
 
 
 def _floor_samples(batch: BenchBatch, device: torch.device) -> list[float]:
-    """Samples of the memory floor pass over ``batch``, one pass each (none for a small batch)."""
-    return floor_samples(lambda: memory_floor_s(batch, device, repeats=1), batch.responses.numel())
+    """Samples of the memory floor pass over ``batch``, one pass each, after the contenders' warm-up
+    (none for a small batch)."""
+    return floor_samples(lambda: memory_floor_s(batch, device, repeats=1), batch.responses.numel(),
+                         warm_up_s=WARM_UP_S)
 
 
 def _cached(loops: dict, name: str, shape: Shape) -> Timing | None:

@@ -1,8 +1,9 @@
 """Timing of one contender on one batch: wall clock around a synchronised call, median of runs.
 
-Vectorised contenders run on the whole batch: one untimed warm-up (first-call costs such as
-imports, lazy tables and first-touch of memory are not the steady state a trainer sees), then
-``MIN_SAMPLES`` to ``repeats`` timed runs, stopping early once ``sample_budget_s`` is spent.
+Vectorised contenders run on the whole batch: untimed warm-up runs for at least ``WARM_UP_S`` (first-call
+costs such as imports, lazy tables and first-touch of memory are not the steady state a trainer sees,
+nor is a core that sat idle: see ``WARM_UP_S``), then ``MIN_SAMPLES`` to ``repeats`` timed runs,
+stopping early once ``sample_budget_s`` is spent.
 Per-group contenders (Python loops over groups) run on the first ``k`` groups (at least 4, more
 while the runs fit ``loop_budget_s``); the caller scales their time by ``prompts / k`` and marks it
 extrapolated when ``k < prompts``.
@@ -23,6 +24,10 @@ from bench.data import BenchBatch
 MIN_SAMPLES = 3
 #: per-group contenders always run on at least this many groups (when the batch has them).
 MIN_GROUPS = 4
+#: seconds of untimed runs before a vectorised contender's samples (and the floor's, ``bench.runner``). On
+#: the 2-core VM, after 30 ms idle a 0.5 ms call took 1.6-1.9 ms and reached its steady time only after
+#: about 8 ms of calls (2026-12-03): one warm-up run of a sub-millisecond batch timed a cold core.
+WARM_UP_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -59,12 +64,19 @@ def _samples(fn: Callable[[], Tensor], device: torch.device, repeats: int, budge
     return samples, out
 
 
+def warm_up(fn: Callable[[], Tensor], device: torch.device, seconds: float = WARM_UP_S) -> None:
+    """Untimed calls of ``fn``, at least one, until they have taken ``seconds`` in all."""
+    spent = timed(fn, device)[0]
+    while spent < seconds:
+        spent += timed(fn, device)[0]
+
+
 def measure_vectorised(contender: Contender, batch: BenchBatch, device: torch.device, repeats: int,
                        sample_budget_s: float) -> Timing:
     """Whole-batch timing of a vectorised contender."""
     contender.prepare(batch)
     fn = lambda: contender.run(batch)  # noqa: E731
-    timed(fn, device)
+    warm_up(fn, device)
     samples, out = _samples(fn, device, repeats, sample_budget_s)
     return Timing(samples, batch.shape.prompts, out)
 

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from bench import runner
+from bench import runner, timing
 from bench.data import Shape
 from bench.floor_stats import (FLOOR_ROUNDS, MIN_FLOOR_POSITIONS, floor_ratio, floor_samples, floor_seconds,
                                is_measuring_error)
@@ -27,6 +27,23 @@ def test_floor_is_the_fastest_sample_so_one_disturbed_run_does_not_count():
     assert len(samples) == FLOOR_ROUNDS
     assert floor_seconds(samples) == 16e-6
     assert floor_seconds([]) is None
+
+
+def test_floor_samples_follow_untimed_passes_of_the_warm_up_time():
+    """A cold core's first passes (5 ms here) are run but not sampled, until they add up to warm_up_s."""
+    samples = floor_samples(fake_measure([5e-3] * 4 + [1e-3] * FLOOR_ROUNDS), MIN_FLOOR_POSITIONS, warm_up_s=0.02)
+    assert samples == [1e-3] * FLOOR_ROUNDS
+
+
+def test_contenders_warm_up_for_the_warm_up_time(monkeypatch):
+    """``timing.warm_up`` calls until the calls' own times add up to ``WARM_UP_S`` (at least once)."""
+    calls = []
+    monkeypatch.setattr(timing, "timed", lambda fn, device: (calls.append(fn) or 4e-3, None))
+    timing.warm_up(lambda: None, torch.device("cpu"))
+    assert len(calls) == round(timing.WARM_UP_S / 4e-3)
+    calls.clear()
+    timing.warm_up(lambda: None, torch.device("cpu"), seconds=0.0)
+    assert len(calls) == 1
 
 
 def test_small_batches_and_devices_without_a_floor_get_none():
