@@ -480,6 +480,22 @@ def _pooled_batch():
     return responses, mask, rewards, torch.arange(128) // 16
 
 
+def test_a_micro_batch_output_comes_from_the_pool(kernel):
+    """8 x 16 x 3072 float32 is 1.5 MB: pooled, so that holding the previous output costs no page faults."""
+    responses, mask = torch.zeros(128, 3072, dtype=torch.int64), torch.ones(128, 3072, dtype=torch.bool)
+    rewards, index = (torch.arange(128) % 2).float(), torch.arange(128) // 16
+    assert 128 * 3072 * 4 >= cpu.POOL_MIN_BYTES
+    cpu.release_output_pool()
+    held = token_advantage(responses, mask, rewards, index, backend="cpu")
+    assert kernel.output_pool_held()[0] == 0
+    nxt = token_advantage(responses, mask, rewards, index, backend="cpu")
+    del held
+    assert kernel.output_pool_held()[0] == 1
+    del nxt
+    assert kernel.output_pool_held()[0] == 2
+    cpu.release_output_pool()
+
+
 def test_the_output_pool_reuses_only_outputs_torch_has_freed(kernel):
     """A returned output's memory is reused only once nothing refers to its storage: not while the
     tensor, a view of it, a numpy array over it or a DLPack export of it is alive."""

@@ -160,9 +160,11 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     return out
 
 
-#: outputs of at least this many bytes come from the extension's output pool (smaller ones: glibc's
-#: heap already reuses their memory without page faults).
-POOL_MIN_BYTES = 1 << 22
+#: outputs of at least this many bytes come from the extension's output pool. glibc's heap gives a freed
+#: chunk of this size back to the OS when it tops the heap, so a caller that holds one output while the next
+#: is made paid 232 page faults a call for the 1.5 MB of an 8 x 16 x 3072 micro-batch (2026-12-03). A pool
+#: block is at least 2 MB and serves outputs of at least half its size: smaller ones are ``torch.empty``.
+POOL_MIN_BYTES = 1 << 20
 
 
 def new_output(shape: tuple[int, int], threads: int) -> Tensor:
