@@ -35,15 +35,30 @@ def test_floor_samples_follow_untimed_passes_of_the_warm_up_time():
     assert samples == [1e-3] * FLOOR_ROUNDS
 
 
-def test_contenders_warm_up_for_the_warm_up_time(monkeypatch):
-    """``timing.warm_up`` calls until the calls' own times add up to ``WARM_UP_S`` (at least once)."""
-    calls = []
-    monkeypatch.setattr(timing, "timed", lambda fn, device: (calls.append(fn) or 4e-3, None))
+def test_contenders_warm_up_for_the_warm_up_time_holding_the_previous_output(monkeypatch):
+    """``timing.warm_up`` calls until the calls' own times add up to ``WARM_UP_S`` (at least twice), and
+    each call runs while the previous call's output is alive, as in the timed runs."""
+    alive: list[int] = []
+    held_during_call: list[bool] = []
+
+    class Output:
+        def __init__(self):
+            alive.append(1)
+
+        def __del__(self):
+            alive.pop()
+
+    def fake_timed(fn, device):
+        held_during_call.append(len(alive) == 1)
+        return 4e-3, Output()
+
+    monkeypatch.setattr(timing, "timed", fake_timed)
     timing.warm_up(lambda: None, torch.device("cpu"))
-    assert len(calls) == round(timing.WARM_UP_S / 4e-3)
-    calls.clear()
+    assert len(held_during_call) == round(timing.WARM_UP_S / 4e-3)
+    assert held_during_call == [False] + [True] * (len(held_during_call) - 1)
+    held_during_call.clear()
     timing.warm_up(lambda: None, torch.device("cpu"), seconds=0.0)
-    assert len(calls) == 1
+    assert len(held_during_call) == 2
 
 
 def test_small_batches_and_devices_without_a_floor_get_none():
