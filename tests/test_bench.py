@@ -139,3 +139,19 @@ def test_host_plan_reaches_every_backends_first_launch():
         times = measure(1)
         assert times["first_launch_us"] > 0 and times["first_launch_torch_ops"] > 0
     assert list(device._GRID_CACHE.items()) == before  # its placeholder grids never reach real calls
+
+
+def test_peak_memory_is_measured_after_every_timing_of_the_shape(monkeypatch):
+    """A peak measurement trims the heap and empties the cpu output pool, which disturbed the next
+    contender's timing: each shape's peaks come after its contenders and its second floor samples."""
+    events: list[str] = []
+    monkeypatch.setattr(runner, "memory_floor_s", lambda batch, device, repeats=1: events.append("floor") or 1e-3)
+    monkeypatch.setattr(runner, "peak_extra_bytes", lambda fn, device: events.append("peak") or 123)
+    measure = runner._measure
+    monkeypatch.setattr(runner, "_measure", lambda *args: events.append("time") or measure(*args))
+    results = runner.run_grid([Shape(16, 4, 1024)], ["torch", "reference"], torch.device("cpu"),
+                              Budget(1e9, 1e9, 1.0, 0.1), repeats=3, progress=False)
+    assert [r.peak_extra_bytes for r in results] == [123, None]  # per-group loops get no peak
+    assert events.index("peak") > max(i for i, e in enumerate(events) if e in ("time", "floor"))
+    assert events.count("peak") == 1
+
