@@ -256,6 +256,36 @@ def test_compact_entries_at_their_count_limit(G, L):
         assert G == 2 or 0 < abs(float(scores.score[scores.token == 7])) < 0.9
 
 
+def test_random_batches_match_torch_bitwise_on_both_counting_paths():
+    """Seeded random batches: groups of 1-39 rollouts (compact up to 32), ids dense, spread, mostly
+    dense with a few past the map (a group falls back part-way) or at the edges, full / random /
+    prefix masks with garbage ids out of the mask, ignored ids, negative weights: bitwise the torch
+    path at 1 and 2 threads."""
+    rng = np.random.default_rng(2026)
+    id_kinds = [
+        lambda shape: rng.zipf(1.3, size=shape) % 50,
+        lambda shape: rng.integers(0, DENSE_IDS, size=shape),
+        lambda shape: np.where(rng.random(shape) < 0.02, rng.integers(DENSE_IDS, MAX_ID + 1, size=shape),
+                               rng.zipf(1.3, size=shape) % 30),
+        lambda shape: rng.choice([0, 1, 5, DENSE_IDS - 1, DENSE_IDS, MAX_ID], size=shape),
+    ]
+    for case in range(40):
+        sizes = rng.integers(1, 40, size=rng.integers(1, 5))
+        B, L = int(sizes.sum()), int(rng.integers(1, 70))
+        mask = [np.ones((B, L), dtype=bool), rng.random((B, L)) < 0.6,
+                np.arange(L)[None, :] < rng.integers(0, L + 1, size=(B, 1))][case % 3]
+        ids = np.where(mask, id_kinds[case % 4]((B, L)), rng.choice([-1, 2**40, 7], size=(B, L)))
+        batch = (torch.as_tensor(ids, dtype=torch.int64), torch.as_tensor(mask),
+                 torch.as_tensor(rng.random(B) < 0.5, dtype=torch.float32),
+                 torch.as_tensor(rng.permutation(np.repeat(np.arange(len(sizes)), sizes))))
+        settings = dict(ignore_token_ids=tuple(int(x) for x in rng.choice([0, 5, DENSE_IDS, MAX_ID], size=case % 3)),
+                        weight=[1.0, -0.7, 2.5][case % 3], use_tf=case % 5 != 0)
+        expected = token_advantage(*batch, config=KTAEConfig(**settings), backend="torch")
+        for threads in (1, 2):
+            got = token_advantage(*batch, config=KTAEConfig(threads=threads, **settings), backend="cpu")
+            assert torch.equal(got, expected), (case, threads)
+
+
 @pytest.mark.parametrize("weight", [1.0, -0.5])
 def test_ignored_ids_on_the_compact_path(weight):
     """Ignored ids score 0 * weight (-0.0 for a negative weight) wherever they are counted, bitwise as
