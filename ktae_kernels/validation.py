@@ -236,9 +236,25 @@ def dense_group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[
         if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
             raise ValueError("`index` must hold integer or string group ids, got non-integer floats")
         values = values.astype(np.int64)
+    strings = _unique_strings(values) if values.dtype == object else None
     try:
-        labels, inverse = np.unique(values, return_inverse=True)
+        labels, inverse = strings if strings is not None else np.unique(values, return_inverse=True)
     except TypeError as err:
         raise ValueError(f"`index` group ids must be mutually comparable (all ints or all strings): {err}") from None
     group = torch.as_tensor(inverse.reshape(-1).astype(np.int64), device=device)
     return group, labels
+
+
+def _unique_strings(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``np.unique(values, return_inverse=True)`` of a 1-D object array of ``str`` (verl's uids) through
+    a dict, or None when some value is not a ``str``. numpy sorts an object array one Python comparison
+    at a time: for 16,384 uuid strings (a paper-sized verl batch, whose adapter groups it twice a step)
+    3.8-4.8 ms against 0.9-1.2 ms here, for 128 about 20 us against 10.5 (2026-12-03). The labels are
+    the same: both order strings by Python's ``<``."""
+    items = values.tolist()
+    if set(map(type, items)) != {str}:
+        return None
+    labels = sorted(set(items))
+    rank = {label: i for i, label in enumerate(labels)}
+    inverse = np.fromiter(map(rank.__getitem__, items), dtype=np.int64, count=len(items))
+    return np.array(labels, dtype=object), inverse

@@ -26,6 +26,22 @@ def test_output_contract(batch):
     assert torch.isfinite(adv).all()
 
 
+def test_uid_strings_get_the_group_ids_and_labels_of_np_unique():
+    """String uids take a dict, not numpy's object sort: the same labels (Python's string order, empty
+    and non-ASCII strings included) and the same dense ids; a mix of types still fails as before."""
+    from ktae_kernels.validation import dense_group_ids
+
+    rng = np.random.default_rng(3)
+    pool = ["", "a", "B", "b", "ä", "z9", "10", "9", "uid-\u00e9", "uid-e", "\U0001f600"] + [f"u{k}" for k in range(40)]
+    uids = np.array(rng.choice(np.array(pool, dtype=object), size=500), dtype=object)
+    group, labels = dense_group_ids(uids, 500, torch.device("cpu"))
+    want_labels, want_inverse = np.unique(uids, return_inverse=True)
+    assert labels.dtype == object and labels.tolist() == want_labels.tolist()
+    assert group.dtype == torch.int64 and group.tolist() == want_inverse.tolist()
+    with pytest.raises(ValueError, match="mutually comparable"):
+        dense_group_ids(np.array(["a", 1, "b"], dtype=object), 3, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("form", ["tensor", "numpy-int", "uid-strings", "list", "int32"])
 def test_index_forms_agree(batch, form):
     responses, mask, rewards, index = batch
