@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from .types import KeyTokenScores
+from .validation import dense_group_ids
 
 __all__ = ["METRIC_NAMES", "ktae_metrics"]
 
@@ -107,16 +108,13 @@ def _from_advantages(advantages: Tensor, mask: Tensor | None, rollout_advantage:
 
 
 def _mixed_share(group: Any, correct: Tensor) -> float:
-    """Share of groups whose rollouts are neither all correct nor all wrong."""
-    import numpy as np
-
-    labels = group.detach().cpu().numpy() if isinstance(group, Tensor) else np.asarray(group)
-    if labels.shape[0] == 0:
-        return 0.0
-    _, dense = np.unique(labels, return_inverse=True)
-    dense = torch.as_tensor(dense.reshape(-1), dtype=torch.int64)
+    """Share of groups whose rollouts are neither all correct nor all wrong (``group``: the caller's
+    index, made dense as the API does)."""
     flags = torch.as_tensor(correct).detach().cpu().reshape(-1).bool().long()
-    n = int(dense.max()) + 1
+    if flags.shape[0] == 0:
+        return 0.0
+    dense, labels = dense_group_ids(group, flags.shape[0], torch.device("cpu"))
+    n = len(labels)
     size = torch.bincount(dense, minlength=n)
     n_c = torch.bincount(dense, weights=flags.double(), minlength=n).long()
     return _ratio(((n_c > 0) & (n_c < size)).sum(), torch.tensor(n))
