@@ -93,18 +93,40 @@ def _from_advantages(advantages: Tensor, mask: Tensor | None, rollout_advantage:
         raise ValueError("ktae_metrics from advantages needs mask, rollout_advantage, group and correct")
     base = torch.as_tensor(rollout_advantage, device=advantages.device).to(advantages.dtype)
     values: dict[str, float] = {}
-    tokens = mask.sum()
-    if weight != 0:  # |score| * |weight| = |advantage - A_i| on masked tokens; few passes over [B, L]
-        magnitude = advantages.sub(base[:, None]).abs_().mul_(mask)
-        values["score_abs_mean"] = _ratio(magnitude.sum() / abs(weight), tokens)
-        key = magnitude >= key_threshold * abs(weight)
-        if key_threshold <= 0:  # zeros off the mask would count
-            key = key.logical_and_(mask.bool())
-        values["key_token_share"] = _ratio(key.sum(), tokens)
+    if weight != 0:  # |score| * |weight| = |advantage - A_i| on masked tokens
+        tokens, total, keys = _magnitudes(advantages, mask, base, key_threshold * abs(weight), key_threshold <= 0)
+        values["score_abs_mean"] = _ratio(total / abs(weight), tokens)
+        values["key_token_share"] = _ratio(keys, tokens)
     else:  # no score reaches the advantages
         values["score_abs_mean"] = values["key_token_share"] = 0.0
     values["mixed_group_share"] = _mixed_share(group, correct)
     return values
+
+
+#: rows of ``[B, L]`` the metrics take at a time on the CPU, so that their temporaries stay in cache: on
+#: a paper-sized verl batch (16,384 x 3072, int64 mask) the whole-batch passes took about 1.1 s a step,
+#: with new pages for every temporary. On a GPU the batch is one chunk (no host sync per chunk).
+CPU_METRIC_ROWS = 64
+
+
+def _magnitudes(advantages: Tensor, mask: Tensor, base: Tensor, threshold: float,
+                key_needs_mask: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Masked tokens, the sum of ``|advantage - A_i|`` over them (float64 over blocks) and how many reach
+    ``threshold`` (only masked ones when ``key_needs_mask``: zeros off the mask would count)."""
+    rows = CPU_METRIC_ROWS if advantages.device.type == "cpu" else max(advantages.shape[0], 1)
+    tokens = torch.zeros((), dtype=torch.int64, device=advantages.device)
+    total = torch.zeros((), dtype=torch.float64, device=advantages.device)
+    keys = torch.zeros((), dtype=torch.int64, device=advantages.device)
+    for start in range(0, advantages.shape[0], rows):
+        on = mask[start:start + rows] != 0
+        magnitude = advantages[start:start + rows].sub(base[start:start + rows, None]).abs_().mul_(on)
+        key = magnitude >= threshold
+        if key_needs_mask:
+            key.logical_and_(on)
+        tokens += torch.count_nonzero(on)  # a bool sum widens every element: 10x slower here
+        total += magnitude.sum()
+        keys += torch.count_nonzero(key)
+    return tokens, total, keys
 
 
 def _mixed_share(group: Any, correct: Tensor) -> float:

@@ -188,9 +188,20 @@ def _zero_one_flags(name: str, t: Tensor, fix: str, read: bool = True) -> Tensor
     if not read:
         raise ValueError(f"`{name}` must be bool while a CUDA graph captures (its values cannot be checked "
                          f"then), got {t.dtype}; {fix}")
-    if t.dtype.is_complex or not bool(((t == 0) | (t == 1)).all()):
+    if t.dtype.is_complex or not _zeros_and_ones(t):
         raise ValueError(f"`{name}` must be bool or hold only 0 and 1, got {t.dtype}; {fix}")
     return t != 0
+
+
+def _zeros_and_ones(t: Tensor) -> bool:
+    """Whether a non-bool real tensor holds only 0 and 1: for integers one min / max pass (verl's int64
+    response mask: 3 passes and two [B, L] temporaries before), for floats an exact test."""
+    if t.numel() == 0:
+        return True
+    if t.dtype.is_floating_point:
+        return bool(((t == 0) | (t == 1)).all())
+    low, high = torch.aminmax(t)
+    return int(low) >= 0 and int(high) <= 1
 
 
 def _check_rewards(rewards: Tensor, shape: tuple[int, ...], read: bool = True) -> Tensor:
@@ -199,11 +210,28 @@ def _check_rewards(rewards: Tensor, shape: tuple[int, ...], read: bool = True) -
     if rewards.dim() == 2:
         if tuple(rewards.shape) != shape:
             raise ValueError(f"`rewards` as token-level rewards must have shape {shape}, got {tuple(rewards.shape)}")
-        rewards = rewards.detach().to(torch.float64).sum(dim=1)
+        rewards = float64_row_sums(rewards.detach())
     elif rewards.dim() != 1 or rewards.shape[0] != shape[0]:
         raise ValueError(f"`rewards` must have shape [B] = [{shape[0]}] or [B, L] = {list(shape)}, "
                          f"got {tuple(rewards.shape)}")
     return _finite_float64("rewards", rewards, read)
+
+
+#: rows a CPU ``float64_row_sums`` takes at a time.
+ROW_SUM_ROWS = 256
+
+
+def float64_row_sums(t: Tensor) -> Tensor:
+    """float64 ``[B]``: ``t.to(torch.float64).sum(-1)`` of a real ``[B, T]`` tensor, the same bits. On the
+    CPU it runs over blocks of ``ROW_SUM_ROWS`` rows (each row is summed the same way): for a
+    16,384 x 3072 float32 batch 10.6 ms against 153 ms whole (with or without a float64 copy; 2 threads,
+    2026-12-03)."""
+    if t.device.type != "cpu" or t.shape[0] <= ROW_SUM_ROWS:
+        return t.to(torch.float64).sum(-1)
+    out = torch.empty(t.shape[0], dtype=torch.float64)
+    for start in range(0, t.shape[0], ROW_SUM_ROWS):
+        out[start:start + ROW_SUM_ROWS] = t[start:start + ROW_SUM_ROWS].to(torch.float64).sum(-1)
+    return out
 
 
 def _check_correct(correct: Tensor, batch_size: int, read: bool = True) -> Tensor:

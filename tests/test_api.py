@@ -26,6 +26,31 @@ def test_output_contract(batch):
     assert torch.isfinite(adv).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.float32, torch.float64])
+def test_numeric_masks_must_hold_only_zeros_and_ones(batch, dtype):
+    """Integer masks take one min / max pass, float ones an exact test; any other value is refused."""
+    responses, mask, rewards, index = batch
+    want = token_advantage(responses, mask, rewards, index)
+    assert torch.equal(token_advantage(responses, mask.to(dtype), rewards, index), want)
+    for bad in ([2, -1] if dtype.is_signed else [2]) + ([0.5] if dtype.is_floating_point else []):
+        wrong = mask.to(dtype).clone()
+        wrong[3, 4] = bad
+        with pytest.raises(ValueError, match="`response_mask` must be bool or hold only 0 and 1"):
+            token_advantage(responses, wrong, rewards, index)
+
+
+def test_token_level_rewards_are_summed_per_row_in_float64_bit_for_bit():
+    """``float64_row_sums`` goes over blocks of rows on the CPU; each row's sum is the same bits as
+    ``t.to(torch.float64).sum(-1)``."""
+    from ktae_kernels.validation import ROW_SUM_ROWS, float64_row_sums
+
+    gen = torch.Generator().manual_seed(5)
+    for rows, cols in ((ROW_SUM_ROWS * 3 + 7, 97), (5, 3000), (ROW_SUM_ROWS, 1)):
+        values = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 3, cols)  # finite in half
+        for t in (values, values.half(), (values * 100).long()):
+            assert torch.equal(float64_row_sums(t), t.to(torch.float64).sum(-1))
+
+
 def test_uid_strings_get_the_group_ids_and_labels_of_np_unique():
     """String uids take a dict, not numpy's object sort: the same labels (Python's string order, empty
     and non-ASCII strings included) and the same dense ids; a mix of types still fails as before."""

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ...api import key_token_scores, token_advantage
+from ...validation import float64_row_sums
 from ..shared import AdapterSettings, column_values, correct_labels, rollout_baseline, step_metrics
 from .settings import ktae_settings
 
@@ -105,8 +106,8 @@ def ktae_step(responses: Tensor, response_mask: Tensor, token_level_rewards: Ten
     config, backend = settings.config, settings.backend
     mask = response_mask
     responses = fit_width(responses, mask.shape[1]).to(mask.device)
-    rewards = token_level_rewards.detach().to(torch.float64).sum(-1)
-    task = None if scores is None else scores.detach().to(torch.float64).sum(-1)
+    rewards = float64_row_sums(token_level_rewards.detach())
+    task = None if scores is None else float64_row_sums(scores.detach())
     labels = correct_labels(rewards, config.correct_threshold,
                             [(str(settings.correct_key), column_values(extra, settings.correct_key)), (TASK_SCORE, task)])
     final = final_outputs(keys, mask.shape[0])
