@@ -67,6 +67,24 @@ def test_uid_strings_get_the_group_ids_and_labels_of_np_unique():
         dense_group_ids(np.array(["a", 1, "b"], dtype=object), 3, torch.device("cpu"))
 
 
+
+def test_integer_index_gets_the_group_ids_and_labels_of_np_unique():
+    """Sorted integer ids (a trainer's usual index) take one pass, not numpy's sort: the same labels,
+    dtype included, and dense ids as ``np.unique``, for sorted, unsorted, repeated, extreme, unsigned
+    and single ids, from numpy arrays and tensors."""
+    from ktae_kernels.validation import dense_group_ids
+
+    rng = np.random.default_rng(4)
+    cases = [np.repeat(np.arange(9), 16), np.array([7]), np.array([3, 3, 3]), np.array([-2**63, -1, 0, 2**63 - 1]),
+             np.array([2, 1, 1, 0]), np.array([0, 1, 1, 0]), np.sort(rng.integers(0, 2**64 - 1, 50, dtype=np.uint64)),
+             np.repeat(np.arange(5), 3).astype(np.int8), np.sort(rng.integers(-9, 9, 200)), rng.integers(-9, 9, 200)]
+    for values in cases:
+        want_labels, want_inverse = np.unique(values, return_inverse=True)
+        for index in (values, torch.from_numpy(values) if values.dtype != np.uint64 else values):
+            group, labels = dense_group_ids(index, len(values), torch.device("cpu"))
+            assert labels.dtype == want_labels.dtype and labels.tolist() == want_labels.tolist()
+            assert group.dtype == torch.int64 and group.tolist() == want_inverse.tolist()
+
 @pytest.mark.parametrize("form", ["tensor", "numpy-int", "uid-strings", "list", "int32"])
 def test_index_forms_agree(batch, form):
     responses, mask, rewards, index = batch
