@@ -176,10 +176,22 @@ def table_statistics(grid: TableGrid, config: KTAEConfig, needed: Tensor | None 
 FULL_GRID_WORK = 1 << 20
 
 
-def full_grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[Tensor, Tensor, TableStats] | None:
+@dataclass(frozen=True)
+class FullGrid:
+    """The kernel-ready statistics of every table a batch's groups can have (numpy, for the CPU kernel):
+    per group its grid ``offset`` and ``stride`` (int64 ``[n_groups]``; table ``(a, b)`` of group ``g`` is
+    entry ``offset[g] + a * stride[g] + b``), and per entry ``strength = alpha F + beta IG`` and Cohen's
+    ``h`` (float64 ``[size]``)."""
+
+    offset: np.ndarray
+    stride: np.ndarray
+    strength: np.ndarray
+    h: np.ndarray
+
+
+def full_grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> FullGrid | None:
     """The statistics of every table groups of ``n_c`` correct and ``n_w`` wrong rollouts (int64 CPU
-    ``[n_groups]``) can have, before any counting: per group its grid offset and stride (int64 CPU
-    ``[n_groups]``) and the grid's ``TableStats`` (CPU).
+    ``[n_groups]``) can have, before any counting.
 
     The grid holds, for each group size ``n`` present, the blocks ``(c, n - c)`` of every split
     ``c = 0..n`` (a run sees the same sizes at every step, whatever the splits): it is computed once
@@ -192,12 +204,12 @@ def full_grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[
         return None
     c, w = n_c.numpy(), n_w.numpy()
     n = c + w
-    sizes = (int(n[0]),) if n.size and n.min() == n.max() else tuple(int(v) for v in np.unique(n))
+    sizes = (int(n[0]),) if n.size and (n == n[0]).all() else tuple(int(v) for v in np.unique(n))
     grid = _size_rows(sizes, config)
     if grid is None:
         return None
-    block_start, stats = grid
-    return torch.from_numpy(block_start[n, c]), torch.from_numpy(w + 1), stats
+    block_start, strength, h = grid
+    return FullGrid(block_start[n, c], w + 1, strength, h)
 
 
 def block_offset(n: np.ndarray | Tensor, c: np.ndarray | Tensor) -> np.ndarray | Tensor:
@@ -207,10 +219,10 @@ def block_offset(n: np.ndarray | Tensor, c: np.ndarray | Tensor) -> np.ndarray |
 
 
 @functools.lru_cache(maxsize=64)
-def _size_rows(sizes: tuple[int, ...], config: KTAEConfig) -> tuple[np.ndarray, TableStats] | None:
+def _size_rows(sizes: tuple[int, ...], config: KTAEConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The blocks of every split of each group size in ``sizes``, one size after the other: where
     block ``(c, n - c)`` starts (int64 ``[max(sizes) + 1, max(sizes) + 1]``, at ``[n, c]``) and their
-    statistics; None past ``FULL_GRID_WORK``."""
+    tables' ``strength`` and ``h`` (float64); None past ``FULL_GRID_WORK``."""
     blocks = [(c, n - c) for n in sizes for c in range(n + 1)]
     if sum((bc + 1) * (bw + 1) * (min(bc, bw) + 1) for bc, bw in blocks) > FULL_GRID_WORK:
         return None
@@ -220,7 +232,8 @@ def _size_rows(sizes: tuple[int, ...], config: KTAEConfig) -> tuple[np.ndarray, 
         block_start[n, :n + 1] = start + block_offset(n, splits[:n + 1])
         start += (n + 1) * (n + 2) * (n + 3) // 6  # sum over c of (c + 1)(n - c + 1)
     values = torch.cat([_block_statistics(bc, bw, config) for bc, bw in blocks], dim=1)
-    return block_start, TableStats(*(v.contiguous() for v in values.unbind(0)))
+    stats = TableStats(*values.unbind(0))
+    return block_start, stats.strength.contiguous().numpy(), stats.h.contiguous().numpy()
 
 
 @functools.lru_cache(maxsize=4096)

@@ -124,19 +124,19 @@ def _list_rows(inputs: _Inputs, config: KTAEConfig) -> tuple[method.Rows, Tensor
     return method.Rows(group=group, token=token, a=a, b=b, f_c=f_c, f_w=f_w), T_c, T_w
 
 
-def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -> dict[str, Tensor]:
+def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -> dict[str, np.ndarray]:
     """The kernel's statistics arguments: the whole grid of tables (``offset, stride, strength, h``) when
     it is small (``method.full_grid_statistics``); none (the kernel computes and memoises the tables
     it meets) for big groups in exact mode; in upstream mode the tables of the rows listed first."""
     full = method.full_grid_statistics(counts.n_c, counts.n_w, config)
     if full is not None:
-        offset, stride, stats = full
-        return {"offset": offset, "stride": stride, "strength": stats.strength, "h": stats.h}
+        return {"offset": full.offset, "stride": full.stride, "strength": full.strength, "h": full.h}
     if config.fisher == "exact":
         return {}
     rows, _, _ = _list_rows(inputs, config)
     grid, stats, _ = method.row_statistics(rows, counts.n_c, counts.n_w, config)
-    return {"offset": grid.offset, "stride": grid.stride, "strength": stats.strength, "h": stats.h}
+    return {name: _host(values) for name, values in
+            (("offset", grid.offset), ("stride", grid.stride), ("strength", stats.strength), ("h", stats.h))}
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
@@ -150,9 +150,8 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     grid = _grid_for(inputs, counts, config)
     base = method.rollout_advantage(batch.rewards, batch.group, counts.size, config, given).contiguous()
     ignore = _ignored_ids(config.ignore_token_ids)
-    statistics = {name: _host(values) for name, values in grid.items()}
     ok = load_extension().advantage(
-        *inputs.arrays(), _host(base), ignore, _host(out), **statistics, k1=config.k1, b=config.b,
+        *inputs.arrays(), _host(base), ignore, _host(out), **grid, k1=config.k1, b=config.b,
         alpha=config.alpha, beta=config.beta, top=config.top, bound=math.nextafter(config.top, 0.0),
         weight=config.weight, use_tf=config.use_tf, threads=threads)
     if not ok:
