@@ -66,7 +66,7 @@ def _samples(fn: Callable[[], Tensor], device: torch.device, repeats: int, budge
 
 
 def warm_up(fn: Callable[[], Tensor], device: torch.device, seconds: float = WARM_UP_S) -> None:
-    """Untimed calls of ``fn``: two, then more until those have taken ``seconds`` in all. Each is made
+    """Untimed calls of ``fn``: two, then more until these further calls have taken ``seconds``. Each is made
     while the previous call's output is still held, as in the timed runs: a backend that recycles freed
     outputs (the native CPU kernel's pool) then maps its second output here, not in a timed run (one
     such call took 10.6 ms against 0.6 ms, 2026-12-03). The first two calls, which may map memory, do

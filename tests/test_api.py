@@ -67,7 +67,6 @@ def test_uid_strings_get_the_group_ids_and_labels_of_np_unique():
         dense_group_ids(np.array(["a", 1, "b"], dtype=object), 3, torch.device("cpu"))
 
 
-
 def test_integer_index_gets_the_group_ids_and_labels_of_np_unique():
     """Sorted integer ids (a trainer's usual index) take one pass, not numpy's sort: the same labels,
     dtype included, and dense ids as ``np.unique``, for sorted, unsorted, repeated, extreme, unsigned
@@ -84,6 +83,7 @@ def test_integer_index_gets_the_group_ids_and_labels_of_np_unique():
             group, labels = dense_group_ids(index, len(values), torch.device("cpu"))
             assert labels.dtype == want_labels.dtype and labels.tolist() == want_labels.tolist()
             assert group.dtype == torch.int64 and group.tolist() == want_inverse.tolist()
+
 
 @pytest.mark.parametrize("form", ["tensor", "numpy-int", "uid-strings", "list", "int32"])
 def test_index_forms_agree(batch, form):
