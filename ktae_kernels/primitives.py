@@ -56,8 +56,12 @@ def group_sum(group: Tensor, n_groups: int, values: Tensor | None = None) -> Ten
     values, int64 otherwise."""
     floating = values is not None and values.dtype.is_floating_point
     if _on_cpu(group):
+        ids = group.numpy()
+        if values is not None and values.dtype == torch.bool:  # a count: no float weights to convert back
+            counts = np.bincount(ids[values.numpy()], minlength=n_groups)
+            return torch.from_numpy(counts.astype(np.int64, copy=False))
         weights = None if values is None else values.numpy()
-        sums = np.bincount(group.numpy(), weights=weights, minlength=n_groups)
+        sums = np.bincount(ids, weights=weights, minlength=n_groups)
         return torch.from_numpy(sums.astype(np.float64 if floating else np.int64, copy=False))
     dtype = torch.float64 if floating else torch.int64
     source = torch.ones_like(group) if values is None else values.to(dtype)

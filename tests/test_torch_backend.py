@@ -48,3 +48,22 @@ def test_rows_are_sparse_and_sorted():
     assert torch.all(key[1:] > key[:-1])
     assert len(res) == len({(int(g), int(t)) for g, t in zip(i[:, None].expand_as(r)[m], r[m])})
     assert torch.equal(res.a + res.c, res.n_c[res.group]) and torch.equal(res.b + res.d, res.n_w[res.group])
+
+
+def test_group_sums_on_the_cpu_match_index_add():
+    """``primitives.group_sum`` runs numpy on the CPU (bool values counted by selection, others as
+    bincount weights): the dtype and the bits of ``index_add_``, the GPU path, for every kind of value and
+    an empty group."""
+    from ktae_kernels.primitives import group_sum
+
+    gen = torch.Generator().manual_seed(3)
+    group = torch.randint(0, 6, (300,), generator=gen)
+    group[group == 4] = 5  # group 4 has no rollout
+    for values in (None, torch.rand(300, generator=gen) < 0.4, torch.randint(-9, 9, (300,), generator=gen),
+                   torch.randn(300, generator=gen), torch.randn(300, generator=gen).double()):
+        floating = values is not None and values.dtype.is_floating_point
+        dtype = torch.float64 if floating else torch.int64
+        source = torch.ones_like(group) if values is None else values.to(dtype)
+        expected = torch.zeros(7, dtype=dtype).index_add_(0, group, source)
+        got = group_sum(group, 7, values)
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
