@@ -156,4 +156,3 @@ def test_peak_memory_is_measured_after_every_timing_of_the_shape(monkeypatch):
     assert [r.peak_extra_bytes for r in results] == [123, None]  # per-group loops get no peak
     assert events.index("peak") > max(i for i, e in enumerate(events) if e in ("time", "floor"))
     assert events.count("peak") == 1
-
