@@ -9,9 +9,10 @@ from torch import Tensor
 
 from .backends.base import Backend
 from .config import KTAEConfig
+from .options import ExecutionOptions
 from .registry import resolve
 from .types import ArrayLike, KeyTokenScores
-from .validation import check_config, check_out, check_rollout_advantage, normalise_batch
+from .validation import check_config, check_options, check_out, check_rollout_advantage, normalise_batch
 
 
 def token_advantage(
@@ -26,6 +27,7 @@ def token_advantage(
     correct: ArrayLike | None = None,
     process_group: Any = None,
     out: Tensor | None = None,
+    options: ExecutionOptions | None = None,
 ) -> Tensor:
     """KTAE token-level advantages.
 
@@ -52,8 +54,9 @@ def token_advantage(
             ``responses``, overwritten with the result (a trainer can reuse it every step). After a
             ValueError for an out-of-range token id its contents are unspecified on the cpu
             backend, which checks ids while it counts and raises after; the cuda and triton backends
-            check every id on the device before they write and leave ``out`` untouched (in exact
-            mode; ``fisher="upstream"`` runs their older, synchronising path, which may write first).
+            check every id on the device before they write and leave ``out`` untouched.
+        options: how the call runs (``ExecutionOptions``: per-backend tuning that never changes the
+            result); ``ExecutionOptions()`` when None.
 
     Returns:
         float32 ``[B, L]`` on the device of ``responses`` (``out`` when given):
@@ -74,16 +77,16 @@ def token_advantage(
         >>> adv.shape, adv.dtype
         (torch.Size([2, 3]), torch.float32)
     """
-    config = check_config(config)
+    config, options = check_config(config), check_options(options)
     impl, checks_ids = _backend(backend, responses, process_group)
     batch = normalise_batch(responses, response_mask, rewards, index, correct=correct, check_ids=not checks_ids)
     base = check_rollout_advantage(rollout_advantage, batch)
-    return impl.token_advantage(batch, config, base, check_out(out, batch))
+    return impl.token_advantage(batch, config, base, check_out(out, batch), options)
 
 
 def key_token_scores(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, index: Any, *,
                      config: KTAEConfig | None = None, backend: str = "auto", correct: ArrayLike | None = None,
-                     process_group: Any = None) -> KeyTokenScores:
+                     process_group: Any = None, options: ExecutionOptions | None = None) -> KeyTokenScores:
     """Per (group, token id) KTAE statistics (tables, p-values, F, IG, direction, score).
 
     Same inputs, and the same errors, as ``token_advantage``. Returns a ``KeyTokenScores`` whose row
@@ -102,10 +105,10 @@ def key_token_scores(responses: ArrayLike, response_mask: ArrayLike, rewards: Ar
         >>> res.token.tolist(), res.a.tolist(), res.b.tolist()
         ([2, 5, 7, 8], [1, 1, 1, 0], [1, 1, 0, 1])
     """
-    config = check_config(config)
+    config, options = check_config(config), check_options(options)
     impl, checks_ids = _backend(backend, responses, process_group)
     batch = normalise_batch(responses, response_mask, rewards, index, correct=correct, check_ids=not checks_ids)
-    return impl.key_token_scores(batch, config)
+    return impl.key_token_scores(batch, config, options)
 
 
 def _backend(name: str, responses: Any, process_group: Any) -> tuple[Backend, bool]:

@@ -30,6 +30,7 @@ from torch import Tensor
 from . import method
 from .backends import torch as tb
 from .config import KTAEConfig
+from .options import DEFAULT_OPTIONS, ExecutionOptions
 from .types import Batch, KeyTokenScores
 
 #: token ids are < 2**31 (checked by the API), so (group, token) packs as ``group << 31 | token``.
@@ -58,14 +59,15 @@ class DataParallel:
         self.process_group = process_group
 
     def token_advantage(self, batch: Batch, config: KTAEConfig, given: Tensor | None,
-                        out: Tensor | None = None) -> Tensor:
+                        out: Tensor | None = None, options: ExecutionOptions = DEFAULT_OPTIONS) -> Tensor:
         """float32 ``[B, L]`` advantages of this rank's rows (see ``api.token_advantage``), in ``out`` when given."""
         merged = _merge(batch, config, self.process_group)
         scores = tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
         base = given if given is not None else _rollout_advantage(merged, config, self.process_group)
         return tb.combine(merged.batch, base, scores.score, merged.tables, config.weight, out)
 
-    def key_token_scores(self, batch: Batch, config: KTAEConfig) -> KeyTokenScores:
+    def key_token_scores(self, batch: Batch, config: KTAEConfig,
+                         options: ExecutionOptions = DEFAULT_OPTIONS) -> KeyTokenScores:
         """Rows of every group with at least one rollout on this rank, group ids dense over the union
         of all ranks' labels; group tensors ``n_c, n_w, T_c, T_w`` and ``group_labels`` cover all groups."""
         merged = _merge(batch, config, self.process_group)

@@ -74,11 +74,13 @@ def _as_count_tensor(name: str, value) -> Tensor:
     return t
 
 
-def exact_pvalue_flat(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor:
+def exact_pvalue_flat(a: Tensor, b: Tensor, c: Tensor, d: Tensor, log_factorial: Tensor | None = None) -> Tensor:
     """Exact two-sided p-values of flat int64 ``[T]`` cell tensors; float64 ``[T]``.
 
     Tables are processed in chunks of similar support width so the ``[rows, width]`` grid stays
-    within a fixed budget whatever the counts.
+    within a fixed budget whatever the counts. ``log_factorial``: the float64 ``log(k!)`` table to use,
+    on the cells' device, up to the largest ``a + b + c + d`` (default: ``log_factorial_table``'s; a
+    GPU's own table checks a GPU kernel against its inputs).
     """
     n1, n2, col = a + b, c + d, a + c  # row sums and first column sum (scipy's n1, n2, n)
     lo = torch.clamp(col - n2, min=0)
@@ -86,7 +88,7 @@ def exact_pvalue_flat(a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor:
     p = torch.ones(a.shape, dtype=torch.float64, device=a.device)
     if a.numel() == 0:
         return p
-    lf = log_factorial_table(int((n1 + n2).max()), a.device)
+    lf = log_factorial_table(int((n1 + n2).max()), a.device) if log_factorial is None else log_factorial
     order = torch.argsort(width)
     widths = width[order].tolist()
     start = 0

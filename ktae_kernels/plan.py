@@ -2,25 +2,28 @@
 
 A trainer whose batches keep one layout (the same ``index`` and ``[B, L]`` every step) plans once and
 calls the plan every step: the group ids are made dense once, not per call. On CUDA tensors with the
-``cuda`` or ``triton`` backend in exact mode, a plan's call reads nothing back to the host, so it can be
-captured in a CUDA graph (``torch.cuda.graph``) and replayed on new data copied into the captured tensors.
+``cuda`` or ``triton`` backend in exact mode, a plan's call can be captured in a CUDA graph
+(``torch.cuda.graph``) after a warm-up call, and replayed on new data copied into the captured tensors;
+``plan.check()`` after a replay raises if that replay found a bad input or could not complete.
 """
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .backends.base import BackendSpec, BackendUnavailableError
+from .backends.base import BackendSpec, BackendUnavailableError, CapturedCall
 from .backends.device import capturing
 from .config import KTAEConfig
+from .options import ExecutionOptions
 from .registry import resolve
 from .types import ArrayLike
-from .validation import check_config, check_out, check_rollout_advantage, dense_group_ids, planned_batch
+from .validation import (check_config, check_options, check_out, check_rollout_advantage, dense_group_ids,
+                         planned_batch)
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class TokenAdvantagePlan:
 
     shape: ``(B, L)``. device: where the batches live. group: int64 ``[B]`` dense group ids on ``device``.
     group_labels: numpy ``[n_groups]``, the caller's label of each dense id. spec: the backend.
+    captured: the call last recorded in a CUDA graph (what its replays read and how to check them).
     """
 
     shape: tuple[int, int]
@@ -37,6 +41,8 @@ class TokenAdvantagePlan:
     spec: BackendSpec
     group: Tensor
     group_labels: np.ndarray
+    options: ExecutionOptions = field(default_factory=ExecutionOptions)
+    captured: list[CapturedCall] = field(default_factory=list, compare=False, repr=False)
 
     def __call__(self, responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, *,
                  rollout_advantage: ArrayLike | None = None, correct: ArrayLike | None = None,
@@ -46,15 +52,16 @@ class TokenAdvantagePlan:
 
         While a CUDA graph captures (``torch.cuda.graph``): the backend must be ``cuda`` or ``triton``
         and ``config.fisher`` "exact"; every argument a tensor already on the plan's device, the mask
-        (and ``correct``) bool. Nothing is read back then, so rewards are not checked for NaN / inf,
-        and a replay with a token id out of range leaves ``out`` untouched (flagged on the device, not
-        raised). Run the plan once on the same shapes before capturing (a warm-up, as every CUDA
-        graph needs: it fills the backend's caches).
+        (and ``correct``) bool. Call the plan once outside the graph first (a warm-up, on a batch as
+        diverse as the replays: it fills the backend's caches and sizes its tables). Nothing is read
+        back while capturing or replaying, so rewards are not checked for NaN / inf; call ``check()``
+        after a replay to learn whether it found a bad input or could not complete.
 
         Raises:
             ValueError: an argument does not fit the plan (shape, device) or is invalid, as
                 ``token_advantage`` reports it.
             BackendUnavailableError: capturing with a backend that reads back.
+            GraphCaptureError: capturing a plan that has not been warmed up.
         """
         read = not capturing(self.device)
         if not read:
@@ -64,7 +71,24 @@ class TokenAdvantagePlan:
         if tuple(batch.responses.shape) != self.shape:
             raise ValueError(f"`responses` must have the planned shape {self.shape}, got {tuple(batch.responses.shape)}")
         base = check_rollout_advantage(rollout_advantage, batch, read)
-        return self.spec.load().token_advantage(batch, self.config, base, check_out(out, batch))
+        out = check_out(out, batch)
+        if read:
+            return self.spec.load().token_advantage(batch, self.config, base, out, self.options)
+        out, captured = self.spec.load().capture(batch, self.config, base, out, self.options)
+        self.captured[:] = [captured]
+        return out
+
+    def check(self) -> None:
+        """After a replay of a captured call: raise if that replay could not write its advantages.
+
+        Raises:
+            ValueError: the replayed batch held a token id out of range or a group past the backend's
+                size limit (as ``token_advantage`` reports it); ``out`` was left untouched.
+            GraphCaptureError: the replay's groups needed larger tables than the capture reserved
+                (triton); ``out`` holds NaN. The message says how to warm up.
+        """
+        for call in self.captured:
+            call.check()
 
     def _check_capturable(self) -> None:
         if not self.spec.capturable:
@@ -77,7 +101,8 @@ class TokenAdvantagePlan:
 
 
 def plan_token_advantage(index: Any, shape: tuple[int, int], *, device: torch.device | str = "cpu",
-                         config: KTAEConfig | None = None, backend: str = "auto") -> TokenAdvantagePlan:
+                         config: KTAEConfig | None = None, backend: str = "auto",
+                         options: ExecutionOptions | None = None) -> TokenAdvantagePlan:
     """A ``TokenAdvantagePlan`` for ``[B, L]`` batches on ``device`` whose rollouts are grouped by ``index``.
 
     Args:
@@ -86,6 +111,7 @@ def plan_token_advantage(index: Any, shape: tuple[int, int], *, device: torch.de
         device: where those batches' tensors live.
         config: hyper-parameters; ``KTAEConfig()`` when None.
         backend: as ``token_advantage`` (resolved once, here, for ``device``).
+        options: as ``token_advantage``.
 
     Raises:
         ValueError: a bad ``index``, ``shape``, ``config`` or backend name.
@@ -99,13 +125,13 @@ def plan_token_advantage(index: Any, shape: tuple[int, int], *, device: torch.de
         >>> plan(responses, responses != 0, torch.tensor([1.0, 0.0])).shape
         torch.Size([2, 3])
     """
-    config = check_config(config)
+    config, options = check_config(config), check_options(options)
     B, L = _check_shape(shape)
     device = torch.device(device)
     spec = resolve(backend, device)
     group, labels = dense_group_ids(index, B, device)
     return TokenAdvantagePlan(shape=(B, L), device=device, config=config, spec=spec, group=group,
-                              group_labels=labels)
+                              group_labels=labels, options=options)
 
 
 def _check_shape(shape: Any) -> tuple[int, int]:

@@ -17,13 +17,14 @@ from torch import Tensor
 
 from .config import KTAEConfig
 from .fisher import P_ONE, upstream_pvalue
+from .options import DEFAULT_OPTIONS, ExecutionOptions
 from .types import Batch, KeyTokenScores
 
 TF_EPS = 1e-5
 _COLUMNS = ("group", "token", "a", "b", "c", "d", "f_c", "f_w", "p_value", "F", "IG", "x", "score")
 
 
-def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
+def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions = DEFAULT_OPTIONS) -> KeyTokenScores:
     responses, mask, rewards, group = _numpy(batch)
     correct = batch.correct.cpu().numpy() if batch.correct is not None else rewards > config.correct_threshold
     rows: list[tuple] = []
@@ -43,7 +44,8 @@ def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
     return KeyTokenScores(**out, n_c=n_c, n_w=n_w, T_c=T_c, T_w=T_w, group_labels=batch.group_labels)
 
 
-def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
+def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None,
+                    options: ExecutionOptions = DEFAULT_OPTIONS) -> Tensor:
     responses, mask, rewards, group = _numpy(batch)
     scores = key_token_scores(batch, config)
     lookup = {(int(g), int(t)): s for g, t, s in zip(scores.group.tolist(), scores.token.tolist(), scores.score.tolist())}

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .config import KTAEConfig
+from .options import DEFAULT_OPTIONS, ExecutionOptions
 from .types import ArrayLike, Batch
 
 #: token ids must fit a signed 32-bit int (every vocabulary does; the GPU and CPU kernels rely on it).
@@ -29,6 +30,16 @@ def check_config(config: KTAEConfig | None) -> KTAEConfig:
         raise ValueError(f"`config` must be a KTAEConfig or None, got {type(config).__name__}; "
                          f"build one with KTAEConfig(...)")
     return config
+
+
+def check_options(options: ExecutionOptions | None) -> ExecutionOptions:
+    """``options``, or ``ExecutionOptions()`` when None; ValueError for anything else."""
+    if options is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(options, ExecutionOptions):
+        raise ValueError(f"`options` must be an ExecutionOptions or None, got {type(options).__name__}; "
+                         f"build one with ExecutionOptions(...)")
+    return options
 
 
 def normalise_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, index: Any, *,

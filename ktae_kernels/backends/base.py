@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Optional, Protocol, runtime_checkable
 from torch import Tensor
 
 from ..config import KTAEConfig
+from ..options import ExecutionOptions
 from ..types import Batch, KeyTokenScores
 
 
@@ -15,17 +16,42 @@ class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run here; the message says why and what to do."""
 
 
+class GraphCaptureError(RuntimeError):
+    """A CUDA graph cannot capture this call (it needs a warm-up first), or the last replay of a captured
+    call could not complete; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class CapturedCall:
+    """What a ``token_advantage`` call recorded in a CUDA graph leaves with its plan: ``keep``, the
+    backend's cached tensors the graph reads (held as long as the plan, so that no cache eviction frees
+    them), and ``check``, which reads the flags the last replay left on the device and raises
+    (``ValueError`` for a bad input, ``out`` untouched; ``GraphCaptureError`` when it could not complete)."""
+
+    keep: tuple
+    check: Callable[[], None]
+
+
 @runtime_checkable
 class Backend(Protocol):
     """The two operations every backend implements, over a validated ``Batch``."""
 
-    def key_token_scores(self, batch: Batch, config: KTAEConfig) -> KeyTokenScores:
+    def key_token_scores(self, batch: Batch, config: KTAEConfig, options: ExecutionOptions) -> KeyTokenScores:
         """One row per (group, token id) present under the mask, sorted by (group, token)."""
 
     def token_advantage(self, batch: Batch, config: KTAEConfig, rollout_advantage: Optional[Tensor],
-                        out: Optional[Tensor]) -> Tensor:
+                        out: Optional[Tensor], options: ExecutionOptions) -> Tensor:
         """float32 ``[B, L]`` advantages (written into ``out`` when it is not None); ``rollout_advantage``:
         float64 ``[B]`` caller-given ``A_i``, or None for ``config.baseline``."""
+
+
+@runtime_checkable
+class CapturableBackend(Backend, Protocol):
+    """A backend whose ``token_advantage`` (exact Fisher) can be recorded in a CUDA graph."""
+
+    def capture(self, batch: Batch, config: KTAEConfig, rollout_advantage: Optional[Tensor], out: Optional[Tensor],
+                options: ExecutionOptions) -> tuple[Tensor, CapturedCall]:
+        """``token_advantage`` enqueued with nothing read back, and what its graph's replays need."""
 
 
 @dataclass(frozen=True)
@@ -40,8 +66,8 @@ class BackendSpec:
     token-id range while counting (``validation.check_id_range``), so the API skips its own pass;
     the kernels report a bad id through a flag read once, after they ran (the API documents, per
     backend, whether a caller's ``out`` may have been written before that ValueError).
-    capturable: ``token_advantage`` in exact mode reads nothing back to the host on CUDA tensors once
-    a shape has run (a ``plan_token_advantage`` call may be captured in a CUDA graph).
+    capturable: the module is a ``CapturableBackend``: a ``plan_token_advantage`` call may be captured
+    in a CUDA graph (exact Fisher, CUDA tensors, after a warm-up call).
     """
 
     name: str
@@ -58,9 +84,10 @@ class BackendSpec:
         module = _LOADED.get(self.module)
         if module is None:
             module = importlib.import_module(self.module)
-            if not isinstance(module, Backend):
+            contract = CapturableBackend if self.capturable else Backend
+            if not isinstance(module, contract):
                 raise TypeError(f"backend {self.name!r}: module {self.module} must define key_token_scores "
-                                f"and token_advantage")
+                                f"and token_advantage{' and capture' if self.capturable else ''}")
             _LOADED[self.module] = module
         return module
 

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .. import method
 from ..config import KTAEConfig
+from ..options import DEFAULT_OPTIONS, ExecutionOptions
 from ..primitives import group_sum, repeat_counts, row_counts
 from ..types import Batch, KeyTokenScores
 from ..validation import check_token_ids
@@ -139,7 +140,8 @@ def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -
             (("offset", grid.offset), ("stride", grid.stride), ("strength", stats.strength), ("h", stats.h))}
 
 
-def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
+def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None,
+                    options: ExecutionOptions = DEFAULT_OPTIONS) -> Tensor:
     counts = method.group_counts(batch, config)
     threads = kernel_threads(batch, config)
     if out is None:
@@ -181,7 +183,7 @@ def release_output_pool() -> int:
     return load_extension().clear_output_pool()
 
 
-def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
+def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions = DEFAULT_OPTIONS) -> KeyTokenScores:
     counts = method.group_counts(batch, config)
     rows, T_c, T_w = _list_rows(_Inputs(batch, counts), config)
     return method.score_rows(rows, counts.n_c, counts.n_w, T_c, T_w, config, batch.group_labels)

@@ -1,12 +1,13 @@
-"""Host/device helpers the GPU backends share: a device guard, non-blocking uploads, and the grid of
-per-table statistics computed on the device by a backend's kernel and cached there (``grid_statistics``)."""
+"""What the GPU backends share on the host: the device guard, the rules of CUDA-graph capture, the one
+owner of their runtime state per device (``DeviceState``), the layout of the device grid of per-table
+statistics, and the constants both kernels' families read (``MAX_GROUP_TOKENS``, the baseline codes)."""
 from __future__ import annotations
 
 import contextlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterator
 
 import torch
 from torch import Tensor
@@ -14,6 +15,24 @@ from torch import Tensor
 from ..config import KTAEConfig
 from ..fisher import _LOG_ERR, P_ONE, SCIPY_RTOL, log_factorial_table
 from ..method import block_offset
+from .base import GraphCaptureError
+
+#: most masked tokens one group may hold (slot indices and counters stay in 32 bits).
+MAX_GROUP_TOKENS = 2**30
+#: the codes of the rollout baseline in both kernels' families (csrc/ktae_kernels.h, ``Baseline``):
+#: ``config.baseline``, or "given" for a caller's ``rollout_advantage``.
+BASELINE_CODES = {"grpo": 0, "mean": 1, "none": 2, "given": 3}
+#: what a capture refused for want of a warm-up says.
+WARM_UP = ("this call has not run outside a CUDA graph yet: make one call of the plan (on a batch as diverse as "
+           "the replays will be) before capturing it, as every CUDA graph needs a warm-up")
+#: what a replay that could not complete says.
+WARM_UP_MORE = ("Warm the plan up on a batch at least as diverse as the replays, then capture it again "
+                "(or use backend='cuda', whose tables cannot overflow).")
+
+
+def baseline_code(config: KTAEConfig, given: Tensor | None) -> int:
+    """``BASELINE_CODES`` of a call: "given" when a rollout advantage is given, else ``config.baseline``."""
+    return BASELINE_CODES["given" if given is not None else config.baseline]
 
 
 @contextlib.contextmanager
@@ -26,15 +45,143 @@ def on_device(device: torch.device) -> Iterator[None]:
         yield
 
 
-def upload(t: Tensor, device: torch.device) -> Tensor:
-    """``t`` (CPU) on ``device``, without waiting for the device's queue (a pinned, non-blocking copy)."""
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (nothing may be read back,
+    queried or uploaded then)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+# ------------------------------------------------------------------ the runtime state of one device
+@dataclass(frozen=True)
+class Learnt:
+    """What the calls of one ``(backend, B, n_groups)`` taught: the largest group (rollouts), the most
+    distinct ids a group held, and the most shared memory a group's table needed (cuda; 0: unknown)."""
+
+    largest: int = 0
+    distinct: int = 0
+    shared_need: int = 0
+
+
+class _Lru:
+    """A dict that keeps its ``size`` most recently used entries."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: "OrderedDict[Hashable, Any]" = OrderedDict()
+
+    def get(self, key: Hashable) -> Any:
+        hit = self.items.get(key)
+        if hit is not None:
+            self.items.move_to_end(key)
+        return hit
+
+    def put(self, key: Hashable, value: Any) -> None:
+        self.items[key] = value
+        self.items.move_to_end(key)
+        while len(self.items) > self.size:
+            self.items.popitem(last=False)
+
+
+class DeviceState:
+    """The GPU backends' runtime state on one device, bounded: tensors computed or uploaded once and
+    read by every later call (statistics grids, log-factorials, constant vectors; ``cached``), and what
+    earlier calls of a batch layout taught (``learnt``). ``clear`` forgets everything.
+
+    A tensor made by ``cached`` is complete before any stream reads it (the making stream is
+    synchronised once), and a call on another stream records its use, so that an eviction never
+    recycles memory a queued kernel still reads. While a CUDA graph captures, nothing is made: a miss
+    raises ``GraphCaptureError`` (make the call once before capturing). What a captured graph reads
+    must outlive this cache's evictions: the plan that captured it holds it (``CapturedCall``).
+    """
+
+    #: tensors kept (a run uses a few: a grid, a constant vector, a log-factorial table)
+    CACHED = 32
+    #: batch layouts whose lessons are kept
+    LEARNT = 64
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cached = _Lru(self.CACHED)
+        self._learnt = _Lru(self.LEARNT)
+
+    def clear(self) -> None:
+        """Forget every cached tensor and every lesson (the next calls size their tables from scratch)."""
+        self._cached = _Lru(self.CACHED)
+        self._learnt = _Lru(self.LEARNT)
+
+    def cached(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """The value ``make()`` (a tensor or a tuple of them, on this device) once made for ``key``."""
+        hit = self._cached.get(key)
+        if hit is None:
+            if capturing(self.device):
+                raise GraphCaptureError(WARM_UP)
+            value = make()
+            stream = None
+            if self.device.type == "cuda":
+                stream = torch.cuda.current_stream(self.device)
+                stream.synchronize()  # once: every stream may read it from now on
+            hit = (value, stream)
+            self._cached.put(key, hit)
+        value, made_on = hit
+        if made_on is not None and not capturing(self.device):
+            stream = torch.cuda.current_stream(self.device)
+            if stream != made_on:
+                for tensor in value if isinstance(value, tuple) else (value,):
+                    tensor.record_stream(stream)
+        return value
+
+    def constant(self, values: tuple, dtype: torch.dtype) -> Tensor:
+        """``values`` as a ``dtype`` tensor on this device (read-only: clone one a kernel writes)."""
+        return self.cached(("constant", dtype, values), lambda: torch.tensor(values, dtype=dtype).to(self.device))
+
+    def grid(self, kernel: "StatisticsKernel", alpha: float, beta: float, bound: int) -> Tensor:
+        """float64 ``[5, grid_size(bound)]``: ``p_value, F, IG, h, strength`` of every table of a group of at
+        most ``bound`` rollouts (``grid_tables`` order: the table ``(a, b)`` of a group is column
+        ``grid_index(n_c, n_w)[0] + a * (n_w + 1) + b``), computed here by ``kernel``."""
+        return self.cached(("grid", kernel, alpha, beta, bound),
+                           lambda: kernel(grid_tables(bound, self.device), alpha, beta))
+
+    def log_factorials(self, n_max: int) -> Tensor:
+        """float64 ``log(k!)`` for ``k = 0 .. >= n_max`` (``fisher.log_factorial_table``, the same values as
+        the CPU's), sized to a power of two >= 16."""
+        size = 1 << max(4, n_max.bit_length())
+        return self.cached(("log_factorial", size), lambda: log_factorial_table(size - 1, self.device))
+
+    def learnt(self, key: Hashable) -> Learnt | None:
+        """What the calls under ``key`` taught, or None before any completed."""
+        return self._learnt.get(key)
+
+    def learn(self, key: Hashable, largest: int = 0, distinct: int = 0, shared_need: int = 0) -> None:
+        """Keep the most of each seen under ``key``; a call that counted no id (every id masked out, or a
+        bad id) teaches nothing."""
+        if distinct <= 0:
+            return
+        seen = self._learnt.get(key) or Learnt()
+        self._learnt.put(key, Learnt(max(largest, seen.largest), max(distinct, seen.distinct),
+                                     max(shared_need, seen.shared_need)))
+
+
+_STATES: dict[torch.device, DeviceState] = {}
+
+
+def state(device: torch.device) -> DeviceState:
+    """The runtime state of the GPU backends on ``device``."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    found = _STATES.get(device)
+    if found is None:
+        found = _STATES[device] = DeviceState(device)
+    return found
+
+
+def states() -> tuple[DeviceState, ...]:
+    """Every device's state made so far (to clear them all)."""
+    return tuple(_STATES.values())
+
+
+# ------------------------------------------------------------------ the device grid of per-table statistics
 #: the largest group size whose every table the device grid holds: ``C(N + 4, 4)`` tables for bound
-#: ``N`` (814,385 at 64); past it only the tables the rows use are computed (``method.row_statistics``).
+#: ``N`` (814,385 at 64); past it the kernels compute each row's table.
 GRID_MAX_GROUP = 64
 #: the smallest grid bound (tables of every group of up to 16 rollouts: 4,845 entries).
 _MIN_BOUND = 16
@@ -48,7 +195,7 @@ class GridTables:
     ``cells``: int32 ``[4, size]`` rows ``a, b, n_c, n_w``; ``log_factorial``: float64 ``[bound + 1]``,
     ``log(k!)``; ``angle``: float64 ``[(bound + 1)(bound + 2) / 2]``, ``asin(sqrt(k / max(n, 1)))`` at
     ``n (n + 1) / 2 + k``. All on the grid's device, computed there by torch (the same ops, and so the
-    same values, as ``method.table_statistics``)."""
+    same values on the CPU, as ``method.table_statistics``)."""
 
     bound: int
     size: int
@@ -120,141 +267,3 @@ def tables_of(cells: Tensor, bound: int) -> GridTables:
     angle = torch.asin(torch.sqrt(k.double() / n_of.clamp(min=1)))  # as method.cohen_h
     return GridTables(bound, int(cells.shape[1]), cells.to(torch.int32).contiguous(),
                       log_factorial_table(bound, device), angle)
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current stream of ``device`` is capturing a CUDA graph (no host reads then)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-#: device statistics of recently used grids, per (kernel, alpha, beta, bound, device): a run sees one or two.
-_GRID_CACHE: "OrderedDict[tuple, tuple[Tensor, Optional[torch.cuda.Event]]]" = OrderedDict()
-_GRID_CACHE_SIZE = 16
-#: grids and log-factorial tables a CUDA graph captured: never evicted (the graph reads them on replay).
-_PINNED: dict[tuple, Tensor] = {}
-
-
-def _not_while_capturing(what: str) -> RuntimeError:
-    return RuntimeError(f"ktae_kernels: the {what} is computed on the first call and cached; make one call with "
-                        f"the same config and batch shape before capturing a CUDA graph (a warm-up)")
-
-
-def grid_values(bound: int, config: KTAEConfig, device: torch.device, kernel: StatisticsKernel) -> Tensor:
-    """float64 ``[5, grid_size(bound)]``: ``p_value, F, IG, h, strength`` of every table of a group of
-    at most ``bound`` rollouts (``grid_tables`` order: the table ``(a, b)`` of a group is column
-    ``grid_index(n_c, n_w)[0] + a * (n_w + 1) + b``), computed on ``device`` by ``kernel`` once per
-    (kernel, alpha, beta, bound, device) and cached there. A hit costs a dict lookup (and, on CUDA,
-    an event wait on the current stream); while a CUDA graph is capturing, a hit is pinned (never
-    evicted) and a miss raises (make a warm-up call first)."""
-    key = (kernel, config.alpha, config.beta, bound, device)
-    hit = _GRID_CACHE.get(key)
-    capture = capturing(device)
-    if hit is None:
-        if capture:
-            raise _not_while_capturing("table statistics grid")
-        values = kernel(grid_tables(bound, device), config.alpha, config.beta)
-        ready = None
-        if device.type == "cuda":  # later calls may come on other streams: they wait for the kernel
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
-        hit = (values, ready)
-        _GRID_CACHE[key] = hit
-        while len(_GRID_CACHE) > _GRID_CACHE_SIZE:
-            _GRID_CACHE.popitem(last=False)
-    else:
-        _GRID_CACHE.move_to_end(key)
-    values, ready = hit
-    if capture:
-        _PINNED[("grid",) + key] = values
-    elif ready is not None:
-        stream = torch.cuda.current_stream(device)
-        stream.wait_event(ready)
-        values.record_stream(stream)  # not reused while this stream may still read it
-    return values
-
-
-_LF_CACHE: dict[tuple, Tensor] = {}
-
-
-def log_factorials(n_max: int, device: torch.device) -> Tensor:
-    """float64 ``log(k!)`` for ``k = 0 .. >= n_max`` on ``device`` (``fisher.log_factorial_table``, the
-    same values as the CPU's), sized to a power of two and cached per device; pinned while capturing."""
-    size = 16
-    while size < n_max + 1:
-        size *= 2
-    key = (size, device)
-    table = _LF_CACHE.get(key)
-    if table is None:
-        if capturing(device):
-            raise _not_while_capturing("log-factorial table")
-        table = _LF_CACHE[key] = log_factorial_table(size - 1, device)
-        if device.type == "cuda":  # read on any stream later
-            torch.cuda.current_stream(device).synchronize()
-    elif capturing(device):
-        _PINNED[("lf",) + key] = table
-    return table
-
-
-def grid_statistics(n_c: Tensor, n_w: Tensor, largest: int, config: KTAEConfig, device: torch.device,
-                    kernel: StatisticsKernel) -> tuple[Tensor, Tensor] | None:
-    """The statistics of every table a group of at most ``largest`` rollouts can have, computed on
-    ``device`` by ``kernel`` and cached there: ``index`` int64 ``[2, n_groups]`` (``grid_index`` of the
-    int64 device counts ``n_c, n_w``) and ``values`` float64 ``[5, size]`` (``p_value, F, IG, h,
-    strength``); the table ``(a, b)`` of group ``g`` is column ``index[0, g] + a * index[1, g] + b``.
-
-    None where the statistics must come from the rows (``fisher="upstream"``, or ``largest`` past
-    ``GRID_MAX_GROUP``). A cache hit costs a dict lookup and the few device ops of ``grid_index``:
-    nothing is computed or copied on the host (``grid_values``).
-    """
-    bound = grid_bound(largest)
-    if config.fisher != "exact" or bound is None:
-        return None
-    return grid_index(n_c, n_w), grid_values(bound, config, device, kernel)
-
-
-# ------------------------------------------------------------------ tables sized by distinct ids
-#: per (backend, device, B, n_groups): the largest number of distinct ids one group held, and the most
-#: dynamic shared memory one group's table needed (a backend that reports none keeps 0); read back
-#: with the flags at the end of a sync-free ``token_advantage`` (never while a CUDA graph captures)
-_DISTINCT: "OrderedDict[tuple, tuple[int, int]]" = OrderedDict()
-#: shapes remembered at most (the oldest is dropped)
-_DISTINCT_KEYS = 64
-
-
-def distinct_key(backend: str, device: torch.device, B: int, n_groups: int) -> tuple:
-    """The key a sync-free call's largest distinct count is remembered under: a trainer's batches
-    keep ``B`` and the number of groups while ``L`` changes from step to step."""
-    return backend, device, B, n_groups
-
-
-def expected_keys(key: tuple) -> int | None:
-    """Distinct ids the first table of a group is sized for: the largest count remembered under
-    ``key`` (None before any call completed: tables are then sized by masked tokens). The table's
-    power of two at 3/4 load leaves room above it (a 8192-slot table for 4,617 ids holds 6,144); a
-    group holding more overflows and the backend's fallback takes it: time, never exactness."""
-    seen = _DISTINCT.get(key)
-    return None if seen is None else seen[0]
-
-
-def expected_shared_bytes(key: tuple) -> int | None:
-    """The most dynamic shared memory one group's table needed under ``key`` (the cuda backend's
-    ``group_shared_need``: its layout, sized for its distinct ids), or None before any call reported one."""
-    seen = _DISTINCT.get(key)
-    return None if seen is None or seen[1] <= 0 else seen[1]
-
-
-def remember_keys(key: tuple, largest: int, shared_bytes: int = 0) -> None:
-    """Keep ``largest`` (the most distinct ids a group of the call held) and ``shared_bytes`` (the most
-    shared memory a group's table needed, 0: not reported) where each is the most seen; a call that
-    held no id (every id masked out, or a bad id: nothing was built) teaches nothing."""
-    if largest <= 0:
-        return
-    keys, need = _DISTINCT.pop(key, (0, 0))
-    _DISTINCT[key] = (max(largest, keys), max(shared_bytes, need))
-    while len(_DISTINCT) > _DISTINCT_KEYS:
-        _DISTINCT.popitem(last=False)
-
-
-def forget_keys(key: tuple) -> None:
-    """Size the next call at ``key`` by masked tokens again (its remembered count was far too small)."""
-    _DISTINCT.pop(key, None)

@@ -14,6 +14,7 @@ from torch import Tensor
 from .. import method
 from ..config import KTAEConfig
 from ..method import GroupStats, group_stats
+from ..options import DEFAULT_OPTIONS, ExecutionOptions
 from ..primitives import flat_nonzero, gather, masked_values, prefix_sums, repeat_counts, scatter_masked
 from ..types import Batch, KeyTokenScores
 
@@ -99,12 +100,13 @@ def combine(batch: Batch, base: Tensor, row_score: Tensor, tables: Tables, weigh
     return scatter_masked(batch.mask, values, out)
 
 
-def key_token_scores(batch: Batch, config: KTAEConfig) -> KeyTokenScores:
+def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions = DEFAULT_OPTIONS) -> KeyTokenScores:
     stats = group_stats(batch, config)
     return score_tables(build_tables(batch, stats), stats, config, batch.group_labels)
 
 
-def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None) -> Tensor:
+def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None,
+                    options: ExecutionOptions = DEFAULT_OPTIONS) -> Tensor:
     stats = group_stats(batch, config)
     tables = build_tables(batch, stats)
     scores = score_tables(tables, stats, config, batch.group_labels)

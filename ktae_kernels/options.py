@@ -1,0 +1,108 @@
+"""ExecutionOptions: how a call runs, apart from the method's hyper-parameters (``KTAEConfig``).
+
+No option changes a result: every setting gives the same advantages, bit for bit. They tune speed,
+and the table-size knobs let tests and benchmarks force the backends' overflow paths.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+def _power_of_two(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}")
+
+
+def _positive_int(name: str, value: object, most: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
+        raise ValueError(f"{name} must be an int in [1, {most or 'inf'}], got {value!r}")
+
+
+@dataclass(frozen=True)
+class CudaTuning:
+    """Launch choices of the ``cuda`` backend.
+
+    table_slots: force each group's shared-memory table to this many slots (a power of two >= 2;
+        None: sized by the group's masked tokens and the distinct ids earlier calls saw); a group
+        with more distinct ids takes the global-memory pass.
+    packed: the 12-byte slot (16-bit counters beside one presence word) for groups of at most 32
+        rollouts and 65,535 masked tokens.
+    blocks_per_sm: size shared tables so that this many blocks share an SM (1 or 2; None: 2 once
+        the tables of this batch layout are known to fit half an SM).
+    max_threads: most threads per block (a multiple of 32 in [64, 1024]).
+    slot_index: the shared pass records each position's slot while building, and the gather reads
+        2 bytes a position instead of the mask and the int64 id.
+    """
+
+    table_slots: int | None = None
+    packed: bool = True
+    blocks_per_sm: int | None = None
+    max_threads: int = 1024
+    slot_index: bool = True
+
+    def __post_init__(self) -> None:
+        if self.table_slots is not None:
+            _power_of_two("CudaTuning.table_slots", self.table_slots, 2)
+        if self.blocks_per_sm not in (None, 1, 2):
+            raise ValueError(f"CudaTuning.blocks_per_sm must be None, 1 or 2, got {self.blocks_per_sm!r}")
+        _positive_int("CudaTuning.max_threads", self.max_threads, 1024)
+        if self.max_threads % 32 or self.max_threads < 64:
+            raise ValueError(f"CudaTuning.max_threads must be a multiple of 32 in [64, 1024], got {self.max_threads!r}")
+        for name in ("packed", "slot_index"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CudaTuning.{name} must be a bool, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class TritonTuning:
+    """Table sizes of the ``triton`` backend's first try (a group that overflows them is rebuilt on the
+    device; a batch whose rebuilds pass the budget is redone with exact sizes, or, in a replay of a
+    captured call, reported by ``TokenAdvantagePlan.check``).
+
+    first_guess: slots of a group's first table per masked token (0 < x <= 4; rounded up to a power of
+        two).
+    probe_limit: linear probes a lane makes in a first table before its group is rebuilt.
+    max_first_slots: most slots of a first table (a power of two >= 16).
+    budget_bytes: most bytes the first try's tables and rebuilds may take.
+    """
+
+    first_guess: float = 0.5
+    probe_limit: int = 256
+    max_first_slots: int = 2**16
+    budget_bytes: int = 512 * 2**20
+
+    def __post_init__(self) -> None:
+        guess = self.first_guess
+        if isinstance(guess, bool) or not isinstance(guess, (int, float)) or not math.isfinite(guess) \
+                or not 0 < guess <= 4:
+            raise ValueError(f"TritonTuning.first_guess must be in (0, 4], got {guess!r}")
+        _positive_int("TritonTuning.probe_limit", self.probe_limit)
+        _power_of_two("TritonTuning.max_first_slots", self.max_first_slots, 16)
+        _positive_int("TritonTuning.budget_bytes", self.budget_bytes)
+
+
+@dataclass(frozen=True)
+class ExecutionOptions:
+    """How ``token_advantage`` / ``key_token_scores`` / a plan run: per-backend knobs that never change
+    the result. ``ExecutionOptions()`` is every backend's default.
+
+    cuda: ``CudaTuning``. triton: ``TritonTuning``.
+
+    Example:
+        >>> from ktae_kernels import ExecutionOptions, TritonTuning
+        >>> ExecutionOptions(triton=TritonTuning(first_guess=0.01)).triton.probe_limit
+        256
+    """
+
+    cuda: CudaTuning = field(default_factory=CudaTuning)
+    triton: TritonTuning = field(default_factory=TritonTuning)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.cuda, CudaTuning):
+            raise ValueError(f"ExecutionOptions.cuda must be a CudaTuning, got {self.cuda!r}")
+        if not isinstance(self.triton, TritonTuning):
+            raise ValueError(f"ExecutionOptions.triton must be a TritonTuning, got {self.triton!r}")
+
+
+DEFAULT_OPTIONS = ExecutionOptions()
