@@ -7,18 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from cases import (adversarial_cases, assert_scores_match, distinct_and_repeated_groups, make_batch, random_cases,
-                   triton_devices)
-from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
+from cases import adversarial_cases, assert_scores_match, distinct_and_repeated_groups, make_batch, random_cases
+from ktae_kernels import ExecutionOptions, KTAEConfig, TritonTuning, key_token_scores, token_advantage
 
 pytest.importorskip("triton")
-DEVICES = triton_devices()
-if not DEVICES:
-    pytest.skip("the Triton backend needs a CUDA GPU or TRITON_INTERPRET=1", allow_module_level=True)
-
-from ktae_kernels.validation import normalise_batch  # noqa: E402
-from ktae_kernels.method import group_stats  # noqa: E402
-from ktae_kernels.backends.triton import tables  # noqa: E402
 
 CASES = random_cases(seed=0, small=True) + adversarial_cases(small=True)
 CONFIGS = {
@@ -30,24 +22,24 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(params=DEVICES)
-def device(request):
-    return request.param
+@pytest.fixture
+def device(triton_device):
+    return triton_device.type
 
 
 def on(device, *tensors):
     return [t.to(device) for t in tensors]
 
 
-def check_against_reference(responses, mask, rewards, index, config, device, given=None):
+def check_against_reference(responses, mask, rewards, index, config, device, given=None, options=None):
     expected = key_token_scores(responses, mask, rewards, index, config=config, backend="reference")
     adv_ref = token_advantage(responses, mask, rewards, index, config=config, backend="reference",
                               rollout_advantage=given)
     r, m, w, i = on(device, responses, mask, rewards, index)
-    actual = key_token_scores(r, m, w, i, config=config, backend="triton")
+    actual = key_token_scores(r, m, w, i, config=config, backend="triton", options=options)
     assert actual.score.device.type == device
     assert_scores_match(expected, actual)
-    adv = token_advantage(r, m, w, i, config=config, backend="triton",
+    adv = token_advantage(r, m, w, i, config=config, backend="triton", options=options,
                           rollout_advantage=None if given is None else given.to(device))
     assert adv.dtype == torch.float32 and adv.device.type == device
     torch.testing.assert_close(adv.cpu(), adv_ref, rtol=0, atol=1e-6)
@@ -74,41 +66,22 @@ def test_groups_wider_than_one_presence_word(device):
     check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
 
 
-def test_undersized_tables_are_rebuilt(device, monkeypatch):
-    """A first guess far too small (and a probe budget of one) must trigger the rebuild, not a wrong table."""
-    monkeypatch.setattr(tables, "_FIRST_GUESS", 0.01)
-    monkeypatch.setattr(tables, "_FIRST_PROBE_LIMIT", 1)
-    calls = []
-    regrow = tables._regrow
-    monkeypatch.setattr(tables, "_regrow", lambda *args: calls.append(args[2].cpu()) or regrow(*args))
-    _, responses, mask, rewards, index = random_cases(seed=2, small=True)[2]
-    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
-    assert calls and all(bool(c.any()) for c in calls)
+#: first tables far too small, a probe budget of one: every group is rebuilt on the device
+TINY_TABLES = ExecutionOptions(triton=TritonTuning(first_guess=0.02, probe_limit=1, max_first_slots=16))
 
 
-def test_only_the_groups_that_overflow_are_rebuilt(device, monkeypatch):
+@pytest.mark.parametrize("name", ["G4-mixed-shuffled", "G16-zipf"])
+@pytest.mark.parametrize("config", [KTAEConfig(), KTAEConfig(fisher="upstream")], ids=["exact", "upstream"])
+def test_undersized_tables_are_rebuilt(name, config, device):
+    """First tables far too small (``TritonTuning``) rebuild on the device: the same results."""
+    _, responses, mask, rewards, index = next(c for c in random_cases(seed=2, small=True) if c[0] == name)
+    check_against_reference(responses, mask, rewards, index, config, device, options=TINY_TABLES)
+
+
+def test_a_group_of_distinct_ids_beside_a_repeated_one(device):
     """Group 0 holds only distinct ids (more than its first slice takes), group 1 three ids."""
-    responses, mask, rewards, index = distinct_and_repeated_groups()
-    calls = []
-    regrow = tables._regrow
-    monkeypatch.setattr(tables, "_regrow", lambda *args: calls.append(args[2].cpu().tolist()) or regrow(*args))
-    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
-    assert calls and all(c == [1, 0] for c in calls)
-
-
-def test_tables_are_sparse(device):
-    """Slots scale with the masked tokens (Qwen-sized vocabulary, ids up to 151,935), not the vocabulary."""
-    _, responses, mask, rewards, index = random_cases(seed=3, small=True)[2]
-    batch = normalise_batch(*on(device, responses, mask, rewards, index))
-    stats = group_stats(batch, KTAEConfig())
-    built = tables.build_hash_tables(batch, stats)
-    masked = int(mask.sum())
-    assert built.keys.shape[0] <= 4 * masked + 16 * batch.n_groups < batch.n_groups * 151_936
-    assert built.n_rows == len({(int(g), int(t)) for g, t in zip(index[:, None].expand_as(responses)[mask],
-                                                                 responses[mask])})
-    # the groups' live slices (a rebuilt group abandons its first slice)
-    live = [built.keys[o:o + (1 << c)] for o, c in zip(built.offset.tolist(), built.log_cap.tolist())]
-    assert sum(int((k != tables.EMPTY).sum()) for k in live) == built.n_rows
+    check_against_reference(*distinct_and_repeated_groups(), KTAEConfig(), device)
+    check_against_reference(*distinct_and_repeated_groups(), KTAEConfig(), device, options=TINY_TABLES)
 
 
 @pytest.mark.parametrize("B, L", [(0, 5), (3, 0)])
@@ -118,16 +91,6 @@ def test_empty_batches(B, L, device):
     assert token_advantage(r, m, w, i, backend="triton").shape == (B, L)
     scores = key_token_scores(r, m, w, i, backend="triton")
     assert len(scores) == 0 and scores.n_c.shape == (min(B, 1),)
-
-
-def test_large_grids_take_the_per_row_table_statistics(device, monkeypatch):
-    """Past ``device.GRID_MAX_GROUP`` only the tables the rows use are computed, from the rows' counts."""
-    from ktae_kernels.backends import device as device_helpers
-
-    monkeypatch.setattr(device_helpers, "GRID_MAX_GROUP", 8)
-    monkeypatch.setattr(device_helpers, "_GRID_CACHE", type(device_helpers._GRID_CACHE)())
-    _, responses, mask, rewards, index = random_cases(seed=4, small=True)[1]
-    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
 
 
 def test_writes_into_out(device):
@@ -169,19 +132,9 @@ def test_big_groups(sizes, length, device):
     check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
 
 
-def test_first_tables_of_big_groups_are_capped():
-    """Groups of 1024 rollouts at the paper's token count (~1.1M masked tokens each) start from 2**16
-    slots, not 2**20: 16 such groups clear ~0.15 GB of first tables, not 2.4 GB."""
-    tokens = torch.tensor([16 * 1075, 1024 * 1075, 10])
-    assert tables.first_log_cap(tokens).tolist() == [14, 16, 4]
-
-
-def test_groups_past_the_capped_first_table_are_rebuilt(device, monkeypatch):
-    """With the cap at 16 slots, every group of 128 rollouts (more than 12 distinct ids) is rebuilt."""
-    monkeypatch.setattr(tables, "_MAX_FIRST_LOG_CAP", 4)
-    calls = []
-    regrow = tables._regrow
-    monkeypatch.setattr(tables, "_regrow", lambda *args: calls.append(int(args[2].ne(0).sum())) or regrow(*args))
+def test_groups_past_a_capped_first_table_are_rebuilt(device):
+    """With first tables of at most 16 slots, every group of 128 rollouts (more than 12 distinct ids) is
+    rebuilt on the device."""
     responses, mask, rewards, index = make_batch(np.random.default_rng(12), [128, 100], 6, 60, shuffle=True)
-    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device)
-    assert calls and calls[0] == 2
+    options = ExecutionOptions(triton=TritonTuning(max_first_slots=16))
+    check_against_reference(responses, mask, rewards, index, KTAEConfig(), device, options=options)

@@ -1,6 +1,7 @@
-"""The per-table statistics on the device: two-sided Fisher p-value, ``F``, information gain, Cohen's
-``h`` and ``strength = alpha F + beta IG`` of every table of a ``device.GridTables``, one program per
-``_BLOCK`` tables.
+"""The method's maths on the device: the per-table statistics (two-sided Fisher p-value, ``F``,
+information gain, Cohen's ``h`` and ``strength = alpha F + beta IG``) of every table of a
+``device.GridTables``, one program per ``_BLOCK`` tables; and the per-row score (BM25 direction and
+squash, ``method.tf_ratio`` / ``method.squash``) that the pipeline's score kernel applies.
 
 The same formulas, in the same order of operations, as ``ktae_kernels.method.table_statistics`` (its
 exact mode, ``fisher.exact_pvalue_flat``): each log-pmf is ``-(((lf[k] + lf[n1 - k]) + lf[col - k]) +
@@ -15,13 +16,12 @@ float64 tensor (a Python float argument would be float32).
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..device import GridTables, statistics_constants, upload
+from ..device import GridTables, statistics_constants
 
 _LOG_RTOL, _ERR, _ONE, _LN2, _ALPHA, _BETA = (tl.constexpr(i) for i in range(6))
 _BLOCK = 128
@@ -128,9 +128,46 @@ def grid_statistics_kernel(grid: GridTables, alpha: float, beta: float) -> Tenso
     device (a ``device.StatisticsKernel``)."""
     device = grid.cells.device
     out = torch.empty(5, grid.size, dtype=torch.float64, device=device)
-    consts = upload(torch.tensor(statistics_constants(alpha, beta), dtype=torch.float64), device)
+    consts = torch.tensor(statistics_constants(alpha, beta), dtype=torch.float64).to(device)
     if grid.size:
         _statistics_kernel[(triton.cdiv(grid.size, _BLOCK),)](
             grid.cells, grid.size, grid.log_factorial, grid.angle, consts, out, BLOCK=_BLOCK,
             enable_fp_fusion=False)
     return out
+
+
+# ----------------------------------------------------------------------------- the per-row score
+
+
+@triton.jit
+def _bm25_tf(f, T, avg, k1, b):
+    """BM25 saturated frequency of ``f`` occurrences (int64) in a pooled document of ``T`` tokens."""
+    q = f.to(tl.float64) / tl.maximum(T, 1).to(tl.float64)
+    K = k1 * (1.0 - b + b * T.to(tl.float64) / avg)
+    return tl.where(f > 0, q * (k1 + 1.0) / (q + K), 0.0)
+
+
+@triton.jit
+def direction(x, f_c, f_w, T_c, T_w, avg, k1, bm, eps):
+    """``x`` plus the BM25 term-frequency ratio of ``f_c, f_w`` (``method.tf_ratio``)."""
+    tf_c = _bm25_tf(f_c, T_c, avg, k1, bm)
+    tf_w = _bm25_tf(f_w, T_w, avg, k1, bm)
+    return x + (tf_c / (tf_w + eps) - tf_w / (tf_c + eps))
+
+
+@triton.jit
+def squash(strength, x, scorable, scale, top, bound):
+    """``method.squash``: ``top * tanh(strength * x / scale / 2)`` inside ``(-bound, bound)``, 0 where not
+    ``scorable``, never ``-0.0``."""
+    squashed = tl.minimum(tl.maximum(top * _tanh_half(strength * x / scale), -bound), bound)
+    return tl.where(scorable, squashed, 0.0) + 0.0
+
+
+@triton.jit
+def _tanh_half(key):
+    """``tanh(key / 2)`` in float64 to ~1e-14 relative: ``-expm1(-|key|) / (1 + exp(-|key|))``,
+    with a Taylor series for ``-expm1`` where ``1 - exp`` would cancel."""
+    t = tl.abs(key)
+    series = t * (1.0 - t / 2.0 * (1.0 - t / 3.0 * (1.0 - t / 4.0 * (1.0 - t / 5.0 * (1.0 - t / 6.0)))))
+    m = tl.where(t < 0.02, series, 1.0 - tl.exp(-t))
+    return tl.where(key < 0, -1.0, 1.0) * m / (2.0 - m)
