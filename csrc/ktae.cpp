@@ -59,21 +59,18 @@ void set_scoring(ktae::KernelArgs& args, const std::vector<double>& params, bool
   args.use_tf = use_tf;
 }
 
-// One pass of the group kernel over the groups in `block_group` (see ktae_kernels.h for each
-// argument). Optional tensors are needed only by some modes / table kinds.
+// One pass of the rows kernel over the groups in `block_group` (see ktae_kernels.h for each
+// argument): kCount, or kRows. Optional tensors are needed only by some modes / table kinds.
 void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tensor& mask,
             const Tensor& members, const Tensor& starts, const Tensor& correct,
-            const Tensor& group_counts, const OptTensor& table_index, const OptTensor& table_values,
-            const Tensor& ignore_ids, const Tensor& block_group, int64_t blocks, bool skip_done,
+            const Tensor& group_counts, const Tensor& block_group, int64_t blocks, bool skip_done,
             int64_t words, int64_t shared_capacity, bool packed,
             const OptTensor& ws_keys, const OptTensor& ws_counts, const OptTensor& ws_presence,
-            const OptTensor& ws_offset, const OptTensor& ws_capacity,
-            const std::vector<double>& params, bool use_tf, const Tensor& bad_ids, const Tensor& status,
-            const OptTensor& row_offset, const OptTensor& row_ints,
-            const OptTensor& base, const OptTensor& advantage, const OptTensor& given_token,
-            const OptTensor& given_score, int64_t threads, int64_t shared_bytes, int64_t stream) {
-  TORCH_CHECK(mode == ktae::kCount || mode == ktae::kRows || mode == ktae::kAdvantage,
-              "ktae_kernels._C: `mode` must be 0 (count), 1 (rows) or 2 (advantage), got ", mode);
+            const OptTensor& ws_offset, const OptTensor& ws_capacity, const Tensor& bad_ids, const Tensor& status,
+            const OptTensor& row_offset, const OptTensor& row_ints, int64_t threads, int64_t shared_bytes,
+            int64_t stream) {
+  TORCH_CHECK(mode == ktae::kCount || mode == ktae::kRows,
+              "ktae_kernels._C: `mode` must be 0 (count) or 1 (rows), got ", mode);
   check_responses(responses);
   const at::Device device = responses.device();
   const int64_t B = responses.size(0), L = responses.size(1);
@@ -86,7 +83,6 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   check(starts, "starts", at::kLong, {n_groups + 1}, device);
   check(correct, "correct", at::kBool, {B}, device);
   check(group_counts, "group_counts", at::kLong, {4, n_groups}, device);
-  check(ignore_ids, "ignore_ids", at::kLong, {ignore_ids.numel()}, device);
   check(block_group, "block_group", at::kLong, {n_items}, device);
   check(status, "status", at::kLong, {n_groups}, device);
   check(bad_ids, "bad_ids", at::kLong, {2}, device);
@@ -105,13 +101,10 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
   args.correct = ptr<bool>(correct);
   args.group_counts = ptr<int64_t>(group_counts);
   args.n_groups = n_groups;
-  args.ignore_ids = ptr<int64_t>(ignore_ids);
-  args.n_ignore = ignore_ids.numel();
   args.block_group = ptr<int64_t>(block_group);
   args.n_items = n_items;
   args.skip_done = skip_done;
   args.words = static_cast<int32_t>(words);
-  set_scoring(args, params, use_tf);
   args.status = ptr<int64_t>(status);
   args.bad_ids = reinterpret_cast<long long*>(ptr<int64_t>(bad_ids));
 
@@ -152,35 +145,6 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
     args.row_offset = ptr<int64_t>(*row_offset);
     args.row_ints = ptr<int64_t>(*row_ints);
     args.n_rows = n_rows;
-  } else if (mode == ktae::kAdvantage) {
-    const char* when = "in advantage mode";
-    check(required(base, "base", when), "base", at::kDouble, {B}, device);
-    check(required(advantage, "advantage", when), "advantage", at::kFloat, {B, L}, device);
-    args.base = ptr<double>(*base);
-    args.advantage = ptr<float>(*advantage);
-    TORCH_CHECK(given_token.has_value() == given_score.has_value(),
-                "ktae_kernels._C: `given_token` and `given_score` go together");
-    if (given_token.has_value()) {
-      const int64_t n_rows = given_token->numel();
-      check(*given_token, "given_token", at::kLong, {n_rows}, device);
-      check(*given_score, "given_score", at::kDouble, {n_rows}, device);
-      check(required(row_offset, "row_offset", "with given scores"), "row_offset", at::kLong, {n_groups + 1}, device);
-      args.row_offset = ptr<int64_t>(*row_offset);
-      args.use_given = true;
-      args.given_token = ptr<int64_t>(*given_token);
-      args.given_score = ptr<double>(*given_score);
-      args.n_rows = n_rows;
-    } else {
-      const char* how = "in advantage mode without given scores";
-      const Tensor& index = required(table_index, "table_index", how);
-      const Tensor& values = required(table_values, "table_values", how);
-      check(index, "table_index", at::kLong, {2, n_groups}, device);
-      TORCH_CHECK(values.dim() == 2, "ktae_kernels._C: `table_values` must be [2, table_size], got ", values.sizes());
-      check(values, "table_values", at::kDouble, {2, values.size(1)}, device);
-      args.table_index = ptr<int64_t>(index);
-      args.table_values = ptr<double>(values);
-      args.table_size = values.size(-1);
-    }
   }
 
   if (n_items == 0) return;
@@ -192,11 +156,13 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
 
 // The whole token_advantage with static-bound sizing (ktae::launch_advantage): the bookkeeping, a
 // shared-table pass and, with fallback_blocks > 0, a global-memory pass, nothing read back. The
-// workspace (int64, ktae::advantage_layout) is written; its first four entries are the flags (the
-// id range, the most distinct ids a group held, the most shared memory a group's table needed).
+// workspace (int64, ktae::advantage_layout) is written; its first entries are the flags
+// (ktae::kAdvantageFlags). The scores come from table_values (the device grid) and log_factorial
+// (groups past it), or from the given rows (row_offset, given_token, given_score: fisher="upstream").
 void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group, const Tensor& members,
                const Tensor& rewards, const OptTensor& correct, const OptTensor& given,
                const OptTensor& table_values, int64_t grid_bound, const OptTensor& log_factorial,
+               const OptTensor& row_offset, const OptTensor& given_token, const OptTensor& given_score,
                const Tensor& ignore_ids, const Tensor& workspace, const Tensor& out, int64_t n_groups,
                const std::vector<double>& params, bool use_tf, double threshold, int64_t baseline, double eps,
                const std::vector<double>& constants, int64_t shared_bytes, int64_t max_capacity,
@@ -251,7 +217,14 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
     TORCH_CHECK(b >= 0 && table_size >= (b + 4) * (b + 3) / 2 * (b + 2) / 3 * (b + 1) / 4,
                 "ktae_kernels._C: `table_values` is too small for `grid_bound` ", grid_bound);
   }
-  if (!table_values.has_value() || largest > grid_bound) {
+  TORCH_CHECK(given_token.has_value() == given_score.has_value() && given_token.has_value() == row_offset.has_value(),
+              "ktae_kernels._C: `row_offset`, `given_token` and `given_score` go together");
+  if (given_token.has_value()) {
+    const int64_t n_rows = given_token->numel();
+    check(*given_token, "given_token", at::kLong, {n_rows}, device);
+    check(*given_score, "given_score", at::kDouble, {n_rows}, device);
+    check(*row_offset, "row_offset", at::kLong, {n_groups + 1}, device);
+  } else if (!table_values.has_value() || largest > grid_bound) {
     TORCH_CHECK(lf_size > largest, "ktae_kernels._C: `log_factorial` must hold log(k!) up to B - n_groups + 1 = ",
                 largest, " (groups past the grid), got ", lf_size, " entries");
   }
@@ -271,6 +244,7 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
   prep.baseline = static_cast<int>(baseline);
   prep.eps = eps;
   prep.bad_ids = reinterpret_cast<long long*>(ws);
+  prep.most_tokens = prep.bad_ids + 5;
   prep.lengths = ws + layout.lengths;
   prep.extent = ws + layout.extent;
   prep.correct = reinterpret_cast<bool*>(ws + layout.correct);
@@ -306,12 +280,20 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
   args.status = ws + layout.status;
   args.base = given.has_value() ? ptr<double>(*given) : prep.base;
   args.advantage = ptr<float>(out);
-  args.dynamic = true;
+  if (given_token.has_value()) {
+    args.use_given = true;
+    args.row_offset = ptr<int64_t>(*row_offset);
+    args.given_token = ptr<int64_t>(*given_token);
+    args.given_score = ptr<double>(*given_score);
+    args.n_rows = given_token->numel();
+  }
   args.extent = prep.extent;
   args.shared_bytes = shared_bytes;
   args.max_capacity = max_capacity;
   args.largest_keys = prep.bad_ids + 2;
   args.shared_need = prep.bad_ids + 3;
+  args.left = prep.bad_ids + 4;
+  args.most_tokens = prep.most_tokens;
   args.allow_packed = allow_packed;
   args.ws_bytes = reinterpret_cast<unsigned char*>(ws + layout.tables);
   args.ws_slice_bytes = fallback_blocks ? fallback_bytes / fallback_blocks / 8 * 8 : 0;
@@ -369,25 +351,21 @@ int64_t max_shared_bytes(int64_t device) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "KTAE group kernels (csrc/): one thread block per group of rollouts.";
-  m.def("launch", &launch, "One pass of the group kernel (see csrc/ktae_kernels.h).", py::arg("mode"),
+  m.def("launch", &launch, "One pass of the rows kernel (see csrc/ktae_kernels.h).", py::arg("mode"),
         py::arg("shared_table"), py::arg("responses"), py::arg("mask"), py::arg("members"),
-        py::arg("starts"), py::arg("correct"), py::arg("group_counts"), py::arg("table_index"),
-        py::arg("table_values"), py::arg("ignore_ids"), py::arg("block_group"), py::arg("blocks"),
+        py::arg("starts"), py::arg("correct"), py::arg("group_counts"), py::arg("block_group"), py::arg("blocks"),
         py::arg("skip_done"), py::arg("words"), py::arg("shared_capacity"), py::arg("packed"),
-        py::arg("ws_keys"), py::arg("ws_counts"),
-        py::arg("ws_presence"), py::arg("ws_offset"),
-        py::arg("ws_capacity"), py::arg("params"), py::arg("use_tf"), py::arg("bad_ids"), py::arg("status"),
-        py::arg("row_offset"), py::arg("row_ints"), py::arg("base"),
-        py::arg("advantage"), py::arg("given_token"),
-        py::arg("given_score"), py::arg("threads"), py::arg("shared_bytes"),
-        py::arg("stream"));
+        py::arg("ws_keys"), py::arg("ws_counts"), py::arg("ws_presence"), py::arg("ws_offset"),
+        py::arg("ws_capacity"), py::arg("bad_ids"), py::arg("status"), py::arg("row_offset"), py::arg("row_ints"),
+        py::arg("threads"), py::arg("shared_bytes"), py::arg("stream"));
   m.def("table_statistics", &table_statistics, "Per-table statistics of a grid (see csrc/ktae_kernels.h).",
         py::arg("cells"), py::arg("log_factorial"), py::arg("angle"), py::arg("constants"), py::arg("out"),
         py::arg("stream"));
   m.def("advantage", &advantage, "token_advantage with static-bound sizing (see ktae::launch_advantage).",
         py::arg("responses"), py::arg("mask"), py::arg("group"), py::arg("members"), py::arg("rewards"),
         py::arg("correct"), py::arg("given"), py::arg("table_values"), py::arg("grid_bound"),
-        py::arg("log_factorial"), py::arg("ignore_ids"), py::arg("workspace"), py::arg("out"),
+        py::arg("log_factorial"), py::arg("row_offset"), py::arg("given_token"), py::arg("given_score"),
+        py::arg("ignore_ids"), py::arg("workspace"), py::arg("out"),
         py::arg("n_groups"), py::arg("params"), py::arg("use_tf"), py::arg("threshold"), py::arg("baseline"),
         py::arg("eps"), py::arg("constants"), py::arg("shared_bytes"), py::arg("max_capacity"),
         py::arg("allow_packed"), py::arg("fallback_blocks"), py::arg("fallback_bytes"), py::arg("slot_index"),

@@ -1,22 +1,26 @@
 // KTAE on the GPU: one thread block per group of rollouts.
 //
-// Phase 1 (build): the block reads its rollouts' tokens once (coalesced, kUnroll loads in flight per
-//   thread; a token id is loaded only where the mask is set) and inserts each masked id into an
-//   open-addressing hash table (linear probing): a key, an occurrence counter pair (f_c and f_w, each
-//   bumped by a 32-bit atomic on its own part of an 8-byte word) and one presence bit per rollout
-//   (in the same word for the packed 12-byte slot of small groups, see Table). Lanes of a warp holding the same id are merged with __match_any_sync, so a
-//   frequent token costs one atomic per warp, not one per lane. The table lives in shared memory
-//   when the host finds room; a group whose distinct ids exceed 3/4 of it sets an overflow flag and
-//   is redone by a global-memory pass sized to the group, which the host launches right after
-//   without waiting: its blocks skip the groups that did not overflow (status >= 0).
-// Phase 2 (scores, kAdvantage): per occupied slot, a = popc(presence & correct rollouts), b = the
-//   rest; the table's statistics (strength = alpha F + beta IG, Cohen's h) are looked up in the
-//   per-table arrays the host computed once per distinct (a, b, n_c, n_w) (ktae_kernels/method.py),
-//   then the per-row BM25 direction and tanh squash; or the given per-row scores.
-// Phase 3: kRows sorts the table by token (bitonic, in place) and writes the rows' integer columns
-//   at the group's row offset (the host derives their statistics); kAdvantage stores each slot's
-//   score in place of its counters and writes (A_i + weight * score) * mask for every position of
-//   the group's rollouts.
+// token_advantage (launch_advantage) enqueues, with nothing read back in between:
+//   scan         one block per rollout: masked tokens, extent, ids out of range (the flags);
+//   groups       correct flags and group offsets (a thread per rollout), then a warp per group:
+//                n_c, n_w, T_c, T_w and the rollout advantage A_i;
+//   shared pass  one block per group. Build: the block reads its rollouts' tokens once (coalesced,
+//                kUnroll loads in flight per thread, the next tile's loads issued before this one is
+//                inserted; a token id is loaded only where the mask is set) and inserts each masked
+//                id into an open-addressing hash table in shared memory (linear probing): a key, an
+//                occurrence counter pair (f_c, f_w) and one presence bit per rollout (in the same
+//                8-byte word for the packed slot of small groups, see Table). Lanes of a warp holding
+//                the same id are merged with __match_any_sync, so a frequent token costs one atomic
+//                per warp. Score: per occupied slot, a = popc(presence & correct rollouts), b = the
+//                rest; the table's statistics (strength = alpha F + beta IG, Cohen's h) from the
+//                device grid (or computed for groups past it; or the given per-row scores of
+//                fisher="upstream"), the per-row BM25 direction and tanh squash, stored in place of
+//                the counters. Gather: (A_i + weight * score) * mask for every position.
+//   global pass  a few blocks take the groups the shared pass left (a table too small for their
+//                distinct ids), in a global-memory slice each, splitting a group's ids into hash
+//                partitions until each fits; they exit at once when no group was left.
+// key_token_scores (launch_group_kernel) counts each group's distinct ids (kCount), then sorts each
+// table by token (bitonic, in place) and writes the rows' integer columns (kRows).
 //
 // The same source builds for the CPU emulator (KTAE_CPU_EMULATION, csrc/emulation/), which runs
 // every CUDA thread as a host thread so the tests exercise this code without a GPU.
@@ -71,6 +75,12 @@ struct Table {
 struct GroupCounts {
   int64_t n_c, n_w, T_c, T_w;
 };
+
+__device__ __forceinline__ GroupCounts group_counts(const KernelArgs& args, int64_t g) {
+  const int64_t n = args.n_groups;
+  return GroupCounts{args.group_counts[g], args.group_counts[n + g], args.group_counts[2 * n + g],
+                     args.group_counts[3 * n + g]};
+}
 
 struct SlotCounts {
   int a, b;
@@ -169,6 +179,32 @@ __device__ __forceinline__ bool in_part(uint32_t key, uint32_t parts, uint32_t p
   if (parts == 1u) return true;
   const unsigned long long h = static_cast<unsigned long long>(key) * 0xC2B2AE3D27D4EB4Full;
   return (static_cast<uint32_t>(h >> 40) & (parts - 1u)) == part;
+}
+
+// Asks L2 for the line that holds `p`, with no register waiting for it: the load-ahead of the next pass.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifdef KTAE_CPU_EMULATION
+  (void)p;
+#else
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
+// Loads ahead the pass after the one at `start` of a rollout of extent `end`: this rollout's next one
+// (`row`: the rollout's offset in [B, L]), or the first pass of the next rollout (`next_row`; -1: none),
+// whose extent is not known yet (up to L). Each thread asks for the lines of its kUnroll positions in
+// `array` (`size` bytes a position), so that they are in L2 when the pass loads them.
+__device__ __forceinline__ void load_ahead(const KernelArgs& args, const void* array, int size, int64_t row,
+                                           int64_t start, int64_t end, int64_t next_row) {
+  const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
+  const bool same = start + step < end;
+  if (!same && next_row < 0) return;
+  const int64_t at = same ? row + start + step : next_row, stop = same ? row + end : next_row + args.length;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t pos = at + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+    if (pos < stop) prefetch_l2(static_cast<const char*>(array) + pos * size);
+  }
 }
 
 // The rollout's positions a pass reads: up to its extent (last masked position + 1) when known.
@@ -355,17 +391,11 @@ __device__ bool is_ignored(const KernelArgs& args, uint32_t token) {
 // not informative) and Cohen's h from the per-table arrays, plus the per-row BM25 direction, squashed
 // to top * tanh(key / 2) strictly inside (-top, top); 0 where the table is not informative (a group
 // with one class, a token in every rollout) and for ignored ids.
-template <bool kDynamic>
-__device__ double row_score(const KernelArgs& args, int64_t g, uint32_t token, const SlotCounts& s,
-                            const GroupCounts& gc) {
+__device__ double row_score(const KernelArgs& args, uint32_t token, const SlotCounts& s, const GroupCounts& gc) {
   const bool informative = gc.n_c > 0 && gc.n_w > 0 && static_cast<int64_t>(s.a) + s.b < gc.n_c + gc.n_w;
   if (!informative || is_ignored(args, token)) return 0.0;
   double x, strength;  // Cohen's h, then the direction
-  if (!kDynamic) {
-    const int64_t entry = args.table_index[g] + s.a * args.table_index[args.n_groups + g] + s.b;
-    x = args.table_values[entry];
-    strength = args.table_values[args.table_size + entry];
-  } else if (const int64_t n = gc.n_c + gc.n_w; args.table_values != nullptr && n <= args.grid_bound) {
+  if (const int64_t n = gc.n_c + gc.n_w; args.table_values != nullptr && n <= args.grid_bound) {
     // device.grid_index in closed form
     const int64_t c = gc.n_c;
     const int64_t entry = (n + 3) * (n + 2) * (n + 1) * n / 24 + (n + 2) * c * (c + 1) / 2 -
@@ -452,14 +482,13 @@ __device__ void write_rows(const KernelArgs& args, const Table& t, int64_t g, ui
 
 // Replaces every occupied slot's counters by the bits of its float64 score. Each thread touches
 // only its own slots, so no barrier is needed until the gather reads them.
-template <bool kDynamic>
 __device__ void score_slots(const KernelArgs& args, const Table& t, int64_t g,
                             const uint32_t* correct_bits, const GroupCounts& gc, int words) {
   for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
     const uint32_t token = t.keys[s];
     if (token == kEmptyKey) continue;
     const double score = args.use_given ? given_score(args, g, token)
-                                        : row_score<kDynamic>(args, g, token, slot_counts(t, s, correct_bits, words), gc);
+                                        : row_score(args, token, slot_counts(t, s, correct_bits, words), gc);
     t.counts[s] = static_cast<unsigned long long>(__double_as_longlong(score));
   }
 }
@@ -482,6 +511,9 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
     if (kFromIndex) {  // the slots the build recorded: no mask, no ids, no probing
       const uint16_t* index = args.slot_index + rollout * length;
       for (int64_t start = 0; start < end; start += step) {
+        // (the next rollout's id shares a line with this one's: an L1 hit)
+        const int64_t next_row = start + step >= end && r + 1 < group_size ? args.members[first + r + 1] * length : -1;
+        load_ahead(args, args.slot_index, 2, rollout * length, start, end, next_row);
         uint16_t slot[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -568,17 +600,15 @@ __device__ void process_group(const KernelArgs& args, unsigned char* smem, int64
   if (threadIdx.x == 0) args.status[g] = overflowed ? -1 : static_cast<int64_t>(n_keys);
   if (kMode == kCount || overflowed) return;
 
-  const int64_t n = args.n_groups;
-  const GroupCounts gc{args.group_counts[g], args.group_counts[n + g], args.group_counts[2 * n + g],
-                       args.group_counts[3 * n + g]};
-  if (kMode == kRows) {
-    sort_table(t, args.words);
-    write_rows(args, t, g, n_keys, correct_bits, gc);
-  } else {
-    score_slots<false>(args, t, g, correct_bits, gc, args.words);
-    __syncthreads();
-    gather_advantage(args, t, first, group_size);
-  }
+  sort_table(t, args.words);
+  write_rows(args, t, g, n_keys, correct_bits, group_counts(args, g));
+}
+
+// A bad input stops every table pass before it writes (the host raises; `out` stays as it was): an id
+// out of range, or a group past kMaxGroupTokens.
+__device__ __forceinline__ bool bad_input(const KernelArgs& args) {
+  const auto* flags = reinterpret_cast<const volatile long long*>(args.bad_ids);
+  return flags[0] != 0 || flags[1] != 0 || *reinterpret_cast<const volatile long long*>(args.most_tokens) != 0;
 }
 
 // One group of the static-bound advantage pipeline (launch_advantage), every choice made here: the
@@ -587,18 +617,15 @@ __device__ void process_group(const KernelArgs& args, unsigned char* smem, int64
 // it has seen), up to what the block's shared memory (or global slice) holds. The shared pass gives
 // up on a group that overflows (status -1, nothing written); the global pass redoes it, splitting
 // its ids into 2, 4, ... hash partitions until each fits its slice, a partition's positions written
-// after its table is complete. Nothing at all is written when the scan pass found a bad id.
+// after its table is complete. Nothing at all is written after a bad input (bad_input).
 template <bool kSharedTable>
 __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int64_t g) {
   auto* state = reinterpret_cast<BlockState*>(smem);
-  const auto* flags = reinterpret_cast<const volatile long long*>(args.bad_ids);
-  if (flags[0] != 0 || flags[1] != 0) return;  // the host raises; `out` stays as it was
+  if (bad_input(args)) return;
   if (!kSharedTable && args.status[g] >= 0) return;
   const int64_t first = args.starts[g];
   const int group_size = static_cast<int>(args.starts[g + 1] - first);
-  const int64_t n = args.n_groups;
-  const GroupCounts gc{args.group_counts[g], args.group_counts[n + g], args.group_counts[2 * n + g],
-                       args.group_counts[3 * n + g]};
+  const GroupCounts gc = group_counts(args, g);
   const int words = group_size > 32 ? (group_size + 31) / 32 : 1;
   const int64_t tokens = gc.T_c + gc.T_w;
   const bool packed = args.allow_packed && words == 1 && tokens <= kPackedMaxTokens;
@@ -622,7 +649,10 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
   while (capacity > 2 && capacity * slot_bytes > room) capacity /= 2;
   const int64_t least = kSharedTable && args.max_capacity > kMinCapacity ? kMinCapacity : 2;
   if (capacity < least || capacity * slot_bytes > room) {  // no room: the global pass takes it
-    if (threadIdx.x == 0) args.status[g] = -1;
+    if (threadIdx.x == 0) {
+      args.status[g] = -1;
+      atomicAdd(reinterpret_cast<unsigned long long*>(args.left), 1ull);
+    }
     return;
   }
   auto* counts = reinterpret_cast<unsigned long long*>(table);
@@ -656,7 +686,7 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
       n_keys += state->used;
       __syncthreads();  // every thread has read the state before it is reset
       if (overflowed) break;
-      score_slots<true>(args, t, g, correct_bits, gc, words);
+      score_slots(args, t, g, correct_bits, gc, words);
       __syncthreads();
       if (from_index) {
         gather_advantage<true>(args, t, first, group_size);
@@ -668,6 +698,7 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
     if (!overflowed || parts >= most_parts) {
       if (threadIdx.x == 0) {
         args.status[g] = overflowed ? -1 : n_keys;
+        if (overflowed) atomicAdd(reinterpret_cast<unsigned long long*>(args.left), 1ull);
         if (!overflowed) {
           atomicMax(args.largest_keys, static_cast<long long>(n_keys));
           atomicMax(args.shared_need, static_cast<long long>(group_shared_need(words, packed, n_keys)));
@@ -678,10 +709,13 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
   }
 }
 
-// The static-bound advantage passes: blocks take the groups blockIdx.x, blockIdx.x + gridDim.x, ...
+
+// The advantage passes: blocks take the groups blockIdx.x, blockIdx.x + gridDim.x, ... The global
+// pass (after a shared pass) exits at once when the shared pass left no group.
 template <bool kSharedTable>
 __global__ void __launch_bounds__(kMaxThreads) dynamic_kernel(const KernelArgs args) {
   KTAE_DYNAMIC_SHARED(smem);
+  if (!kSharedTable && args.shared_bytes > 0 && *reinterpret_cast<const volatile long long*>(args.left) == 0) return;
   for (int64_t g = blockIdx.x; g < args.n_items; g += gridDim.x) {
     process_dynamic<kSharedTable>(args, smem, g);
     __syncthreads();
@@ -751,39 +785,63 @@ __global__ void groups_kernel(const PrepareArgs args) {
   }
 }
 
-// Then one thread per group sums in member order (= index order, as torch's index_add_ on the CPU):
-// n_c, n_w, T_c, T_w and the baseline of method.rollout_advantage (every product rounded on its own).
+// The sum of a warp's 64-bit integers, on every lane.
+__device__ __forceinline__ long long warp_sum(long long value) {
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(kFullWarp, value, offset);
+  return value;
+}
+
+// `sum` plus the first `count` lanes' `value`, in lane order, on every lane (so that a float sum
+// rounds as a loop over the members in order does).
+__device__ __forceinline__ double ordered_add(double sum, double value, int count) {
+  for (int j = 0; j < count; ++j) sum = __dadd_rn(sum, __shfl_sync(kFullWarp, value, j));
+  return sum;
+}
+
+// Then a warp per group: n_c, n_w, T_c, T_w and the baseline of method.rollout_advantage. The lanes
+// load 32 members at a time; the float sums run in member order (= index order, as torch's index_add_
+// on the CPU), every product rounded on its own. A group past kMaxGroupTokens masked tokens is flagged.
 __global__ void group_sums_kernel(const PrepareArgs args) {
   const int64_t n = args.n_groups;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < n; g += stride) {
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  for (int64_t g = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32; g < n; g += warps) {
     const int64_t first = args.starts[g], end = args.starts[g + 1], size = end - first;
-    int64_t n_c = 0, T_c = 0, T = 0;
+    long long n_c = 0, T_c = 0, T = 0;
     double sum = 0.0;
-    for (int64_t i = first; i < end; ++i) {
-      const int64_t r = args.members[i];
-      const bool c = args.correct[r];
-      n_c += c;
-      T += args.lengths[r];
-      T_c += c ? args.lengths[r] : 0;
-      sum += args.rewards[r];
+    for (int64_t at = first; at < end; at += 32) {
+      double reward = 0.0;
+      if (at + lane < end) {
+        const int64_t r = args.members[at + lane];
+        const bool c = args.correct[r];
+        n_c += c;
+        T += args.lengths[r];
+        T_c += c ? args.lengths[r] : 0;
+        reward = args.rewards[r];
+      }
+      sum = ordered_add(sum, reward, static_cast<int>(end - at < 32 ? end - at : 32));
     }
-    args.status[g] = -1;
-    args.group_counts[g] = n_c;
-    args.group_counts[n + g] = size - n_c;
-    args.group_counts[2 * n + g] = T_c;
-    args.group_counts[3 * n + g] = T - T_c;
+    n_c = warp_sum(n_c);
+    T_c = warp_sum(T_c);
+    T = warp_sum(T);
+    if (lane == 0) {
+      args.status[g] = -1;
+      args.group_counts[g] = n_c;
+      args.group_counts[n + g] = size - n_c;
+      args.group_counts[2 * n + g] = T_c;
+      args.group_counts[3 * n + g] = T - T_c;
+      if (T > kMaxGroupTokens) atomicMax(args.most_tokens, T);
+    }
     if (args.baseline == kBaselineGiven) continue;
     const double mean = size > 1 ? sum / static_cast<double>(size) : 0.0;
     double squares = 0.0;
-    for (int64_t i = first; i < end; ++i) {
-      const int64_t r = args.members[i];
-      const double centred = args.rewards[r] - mean;
-      squares = __dadd_rn(squares, __dmul_rn(centred, centred));
+    for (int64_t at = first; at < end; at += 32) {
+      const double centred = at + lane < end ? args.rewards[args.members[at + lane]] - mean : 0.0;
+      squares = ordered_add(squares, __dmul_rn(centred, centred), static_cast<int>(end - at < 32 ? end - at : 32));
     }
     const double var = squares / static_cast<double>(size > 2 ? size - 1 : 1);
     const double std = size > 1 ? sqrt(var) : 1.0;
-    for (int64_t i = first; i < end; ++i) {
+    for (int64_t i = first + lane; i < end; i += 32) {
       const int64_t r = args.members[i];
       const double centred = args.rewards[r] - mean;
       args.base[r] = args.baseline == kBaselineNone ? args.rewards[r]
@@ -891,7 +949,6 @@ int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, in
   switch (mode) {
     case kCount: return launch_mode<kCount>(args, shared_table, n_blocks, threads, shared_bytes, s);
     case kRows: return launch_mode<kRows>(args, shared_table, n_blocks, threads, shared_bytes, s);
-    case kAdvantage: return launch_mode<kAdvantage>(args, shared_table, n_blocks, threads, shared_bytes, s);
   }
   return static_cast<int>(cudaErrorInvalidValue);
 }
@@ -909,7 +966,7 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
   groups_kernel<<<groups_blocks(prepare.B + 1), kGroupsThreads, 0, s>>>(prepare);
   if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
   if (prepare.n_groups > 0) {
-    group_sums_kernel<<<groups_blocks(prepare.n_groups), kGroupsThreads, 0, s>>>(prepare);
+    group_sums_kernel<<<groups_blocks(32 * prepare.n_groups), kGroupsThreads, 0, s>>>(prepare);
     if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
   }
   if (kernel.n_items == 0) return 0;

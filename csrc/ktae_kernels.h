@@ -14,12 +14,16 @@
 
 namespace ktae {
 
-// What one launch of the group kernel computes, one thread block per group.
+// What one launch of the rows kernel (key_token_scores, and the rows fisher="upstream" scores)
+// computes, one thread block per group.
 enum Mode : int {
-  kCount = 0,      // distinct token ids of each group -> status
-  kRows = 1,       // the group's rows, sorted by token, at row_offset[g] (key_token_scores)
-  kAdvantage = 2,  // float32 [B, L] token advantages of the group's rollouts
+  kCount = 0,  // distinct token ids of each group -> status
+  kRows = 1,   // the group's rows, sorted by token, at row_offset[g]
 };
+
+// Most masked tokens one group may hold (keeps slot indices and counters in 32 bits; ktae_kernels
+// backends/device.py MAX_GROUP_TOKENS).
+constexpr int64_t kMaxGroupTokens = int64_t{1} << 30;
 
 // A hash-table slot key no token id can take (ids are < 2^31).
 constexpr uint32_t kEmptyKey = 0xFFFFFFFFu;
@@ -70,10 +74,7 @@ struct KernelArgs {
   const bool* correct;       // [B] reward > threshold
   const int64_t* group_counts;  // [4, n_groups] rows n_c, n_w, T_c, T_w
   int64_t n_groups;
-  // per-table statistics (ktae_kernels/method.py), kAdvantage without given scores: the table
-  // (a, b) of group g is entry table_index[g] + a * table_index[n_groups + g] + b of table_values,
-  // whose rows are Cohen's h and the strength alpha F + beta IG.
-  const int64_t* table_index;   // [2, n_groups] grid offset, stride
+  // per-table statistics (device.grid_tables order), rows Cohen's h and strength alpha F + beta IG
   const double* table_values;   // [2, table_size]
   int64_t table_size;
   const int64_t* ignore_ids;  // [n_ignore] sorted token ids whose score is 0
@@ -101,19 +102,17 @@ struct KernelArgs {
   // outputs
   long long* bad_ids;          // [2] least id < 0 under the mask (else 0), largest id > 2^31 - 1 (else 2^31 - 1)
   int64_t* status;             // [n_groups] distinct ids of the group, -1 when its table overflowed
-  const int64_t* row_offset;   // [n_groups + 1] (kRows; kAdvantage with given scores)
+  const int64_t* row_offset;   // [n_groups + 1] (kRows; the advantage with given scores)
   int64_t* row_ints;           // [kRowInts, n_rows] (kRows)
   int64_t n_rows;
-  const double* base;          // [B] rollout advantage A_i (kAdvantage)
-  float* advantage;            // [B, L] (kAdvantage)
-  bool use_given;              // kAdvantage: take each token's score from the given rows (sorted
-  const int64_t* given_token;  // by (group, token), [n_rows]) instead of computing it
+  // the advantage pipeline (launch_advantage): every choice that depends on the data is made on the
+  // device, per group (presence words, slot layout, table size), so nothing is read back before or
+  // between the launches; nothing is written when the flags hold a bad input
+  const double* base;          // [B] rollout advantage A_i
+  float* advantage;            // [B, L]
+  bool use_given;              // take each token's score from the given rows (sorted by (group, token),
+  const int64_t* given_token;  // [n_rows], fisher="upstream") instead of computing it
   const double* given_score;
-  // the static-bound advantage pipeline (launch_advantage): every choice that depends on the data is
-  // made on the device, per group, so nothing is read back before or between the launches
-  bool dynamic;                // per-group layout (presence words, packed) and table size, the
-                               // group's tables sized by its masked tokens; skip every write when
-                               // bad_ids is set (the scan pass found an id out of range)
   const int64_t* extent;       // [B] last masked position + 1: rollouts are read up to it only
   int64_t shared_bytes;        // dynamic shared memory of a shared-table pass
   int64_t max_capacity;        // most slots of a shared table (a power of two): the host sizes it
@@ -121,14 +120,16 @@ struct KernelArgs {
   long long* largest_keys;     // [1] zeroed before: the most distinct ids a completed group held
   long long* shared_need;      // [1] zeroed before: the most dynamic shared memory a completed group's
                                // table takes in its own layout, sized for its distinct ids (group_shared_need)
+  long long* left;             // [1] zeroed before: groups the shared pass left to the global pass
+  const long long* most_tokens;  // [1] the masked tokens of a group past kMaxGroupTokens (0: none)
   bool allow_packed;           // the packed slot where a group has one presence word and < 2^16 tokens
   unsigned char* ws_bytes;     // global-memory pass: block b owns [b * ws_slice_bytes, (b + 1) * ws_slice_bytes)
   int64_t ws_slice_bytes;      //   and takes the hash partitions of an overflowing group one after another
   uint16_t* slot_index;        // [B, L] or null: the shared pass's build records each position's slot
                                // there and its gather reads it back (tables of < 2^16 slots)
   int32_t grid_bound;          // table_values holds every table of groups of up to grid_bound rollouts at the
-                               // closed-form offset of device.grid_index (table_index unused); bigger groups
-                               // (or no table_values) get their statistics computed per slot from
+                               // closed-form offset of device.grid_index; bigger groups (or no table_values)
+                               // get their statistics computed per slot from
   const double* log_factorial; // log(k!), k < lf_size (>= the largest group + 1)
   int64_t lf_size;
   double log_rtol, log_err, p_one, ln2;  // as StatsArgs
@@ -152,6 +153,7 @@ struct PrepareArgs {
   double eps;
   // outputs
   long long* bad_ids;        // [2] zeroed before: least id < 0, (largest id > 2^31 - 1) - (2^31 - 1)
+  long long* most_tokens;    // [1] zeroed before: the masked tokens of a group past kMaxGroupTokens
   int64_t* lengths;          // [B] masked tokens
   int64_t* extent;           // [B] last masked position + 1 (0 when none)
   bool* correct;             // [B]
@@ -167,9 +169,11 @@ enum Baseline : int { kBaselineGrpo = 0, kBaselineMean = 1, kBaselineNone = 2, k
 constexpr int kGroupsThreads = 128;
 
 // The flags at the head of launch_advantage's workspace, zeroed by it and read back by the host after
-// the last launch: bad_ids [2], the most distinct ids a completed group held, and the most dynamic
-// shared memory a completed group's table needed (group_shared_need).
-constexpr int64_t kAdvantageFlags = 4;
+// the last launch: bad_ids [2], the most distinct ids a completed group held, the most dynamic shared
+// memory a completed group's table needed (group_shared_need), the groups the shared pass left to the
+// global pass, and the masked tokens of a group past kMaxGroupTokens. A bad input (bad_ids, a group
+// past kMaxGroupTokens) stops every table pass before it writes.
+constexpr int64_t kAdvantageFlags = 6;
 
 // Dynamic shared memory a shared-table block needs for a group of `words` presence words, the
 // `packed` slot or not, holding `n_keys` distinct ids: the header and the table for them
@@ -179,7 +183,7 @@ KTAE_HOST_DEVICE inline constexpr int64_t group_shared_need(int64_t words, bool 
   return shared_table_bytes(table_capacity(n_keys), words, packed);
 }
 
-// The int64 workspace of launch_advantage, in this order: the flags [4], status [n], starts [n + 1],
+// The int64 workspace of launch_advantage, in this order: the flags [6], status [n], starts [n + 1],
 // group_counts [4 n], lengths [B], extent [B], base [B] (float64), correct [B] (bool, rounded up
 // to 8 bytes), the global-memory tables (fallback_bytes, a multiple of 8), then, with a slot index,
 // B * L uint16 (rounded up to 8 bytes).
@@ -205,7 +209,7 @@ inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, i
 // The whole token_advantage on `stream`, nothing read back: zero the flags, the scan and groups
 // passes, a shared-table pass over every group (n_groups blocks, `shared_bytes`, skipped where a
 // group's table does not fit), then, when fallback_blocks > 0, a global-memory pass of that many
-// blocks over the groups that did not complete. `kernel` carries the pointers and choices of the
+// blocks over the groups that did not complete (its blocks exit at once when none is left). `kernel` carries the pointers and choices of the
 // group kernel (dynamic = true), `prepare` those of the bookkeeping. 0 or a CUDA error code.
 int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
                      void* stream);
@@ -227,7 +231,7 @@ constexpr int kStatsThreads = 128;
 // Launches the statistics kernel on `stream`; 0 or a CUDA error code.
 int launch_table_statistics(const StatsArgs& args, void* stream);
 
-// Launches one group-kernel pass over `n_blocks` blocks (<= args.n_items) of `threads` threads with `shared_bytes`
+// Launches one rows-kernel pass over `n_blocks` blocks (<= args.n_items) of `threads` threads with `shared_bytes`
 // of dynamic shared memory on `stream` (a cudaStream_t). Returns 0 or a CUDA error code.
 int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
                         int threads, int64_t shared_bytes, void* stream);

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import BackendUnavailableError, KTAEConfig, key_token_scores, token_advantage
+from ktae_kernels import (BackendUnavailableError, CudaTuning, ExecutionOptions, KTAEConfig, key_token_scores,
+                          token_advantage)
 from ktae_kernels.backends import cuda
 from ktae_kernels.validation import normalise_batch
 from ktae_kernels.registry import get_backend
@@ -90,8 +91,9 @@ def test_overflow_fallback_matches_reference(case, fisher):
     config = KTAEConfig(fisher=fisher)
     scores, want = expected(case, config)
     batch = normalise_batch(*_on_gpu(*case[1:]))
-    assert_scores_match(scores, cuda.key_token_scores(batch, config, tuning=cuda.Tuning(table_slots=32)))
-    got = cuda.token_advantage(batch, config, None, tuning=cuda.Tuning(table_slots=32))
+    options = ExecutionOptions(cuda=CudaTuning(table_slots=32))
+    assert_scores_match(scores, cuda.key_token_scores(batch, config, options))
+    got = cuda.token_advantage(batch, config, None, None, options)
     torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
 
 
@@ -116,10 +118,10 @@ def test_groups_too_diverse_for_shared_memory_spill_by_themselves():
 
 @needs_gpu
 def test_tables_follow_the_distinct_ids_seen_and_overflow_exactly():
-    """Issue #21: 8 groups of 16 x 1024 tokens holding 100 ids each: the first call sizes by masked tokens,
-    the next by the 100 ids read back (256 slots); then groups of ~4k distinct ids overflow those tables,
-    the global pass takes them, and the advantages still equal torch's; the count grows to theirs."""
-    from ktae_kernels.backends import device as device_helpers
+    """8 groups of 16 x 1024 tokens holding 100 ids each: the first call sizes by masked tokens, the next
+    by the 100 ids read back (256 slots); then groups of ~4k distinct ids overflow those tables, the
+    global pass takes them, and the advantages still equal torch's; the count grows to theirs."""
+    from ktae_kernels.backends import device
 
     rng = np.random.default_rng(6)
     B, L = 128, 1024
@@ -129,17 +131,17 @@ def test_tables_follow_the_distinct_ids_seen_and_overflow_exactly():
     mask = torch.ones(B, L, dtype=torch.bool)
     rewards = torch.as_tensor(rng.random(B) < 0.5, dtype=torch.float32)
     ext = cuda.load_extension()
-    key = device_helpers.distinct_key("cuda", torch.device("cuda", torch.cuda.current_device()), B, 8)
+    state = device.state(torch.device("cuda", torch.cuda.current_device()))
     for responses in (repeated, repeated, diverse, diverse):
         batch = normalise_batch(*_on_gpu(responses, mask, rewards, index))
         got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
         want = token_advantage(responses, mask, rewards, index, backend="torch")
         torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
         if responses is repeated:
-            assert device_helpers.expected_keys(key) == 100
+            assert state.learnt(("cuda", B, 8)).distinct == 100
             assert cuda.static_plan(ext, batch, KTAEConfig()).max_capacity == 256
     most = max(int(torch.unique(diverse[index == g]).numel()) for g in range(8))
-    assert device_helpers.expected_keys(key) == most > 4000
+    assert state.learnt(("cuda", B, 8)).distinct == most > 4000
 
 
 @needs_gpu
@@ -183,9 +185,9 @@ def test_cuda_backend_without_the_extension_says_how_to_build_it(monkeypatch):
 
 @needs_gpu
 def test_a_call_with_out_is_captured_in_a_cuda_graph_and_replayed():
-    """Issue #21: nothing is read back while a graph captures (the id flag read is skipped), so a call
-    with ``out=`` is capturable; replays on new inputs copied into the captured tensors match torch,
-    and a replay with a bad id leaves ``out`` untouched (the flag is set on the device, unread)."""
+    """``cuda.capture`` reads nothing back, so a call with ``out=`` is capturable; replays on new inputs
+    copied into the captured tensors match torch, and a replay with a bad id leaves ``out`` untouched,
+    its flag read by the captured call's ``check``."""
     gen = torch.Generator().manual_seed(4)
     B, L = 64, 512
     batch = lambda: ragged_batch(gen, B, L, 5000)  # noqa: E731
@@ -193,8 +195,12 @@ def test_a_call_with_out_is_captured_in_a_cuda_graph_and_replayed():
     responses, mask, rewards = (t.cuda() for t in batch())
     data = normalise_batch(responses, mask, rewards, index.cuda())
     out = torch.empty(B, L, dtype=torch.float32, device="cuda")
-    graph = cuda_graph_of(lambda: cuda.token_advantage(data, KTAEConfig(), None, out))
+    captured = []
+    graph = cuda_graph_of(lambda: captured.append(cuda.token_advantage(data, KTAEConfig(), None, out)
+                                                  if not torch.cuda.is_current_stream_capturing()
+                                                  else cuda.capture(data, KTAEConfig(), None, out)[1]))
     assert_replays_match_torch(graph, (data.responses, data.mask, data.rewards), out, batch, index)
+    captured[-1].check()
     out.fill_(float("nan"))
     data.responses[3, 0] = -1
     data.mask[3, 0] = True
@@ -202,5 +208,4 @@ def test_a_call_with_out_is_captured_in_a_cuda_graph_and_replayed():
     torch.cuda.synchronize()
     assert torch.isnan(out).all()
     with pytest.raises(ValueError, match="found -1"):
-        cuda.token_advantage(data, KTAEConfig(), None, out)
-    assert torch.isnan(out).all()
+        captured[-1].check()

@@ -5,103 +5,30 @@ The emulator runs every CUDA thread of a block as a host thread, with real barri
 exchanges, so this checks the kernels' indexing, hash table, presence bitmasks, overflow fallback,
 sort and statistics, the binding's argument checks and the host orchestration. It cannot check
 CUDA's memory model, performance or device limits: tests/test_cuda_backend.py does that on a GPU.
-The build (about 80 s on a loaded 2-core machine) is cached in ``$KTAE_CACHE_DIR`` (default
-``~/.cache/ktae_kernels``), keyed by a hash of the sources, the build script and its flags, torch and
-Python, so a fresh clone on the same machine reuses it. Marked slow (``-m "not slow"`` skips it).
+The build is cached (tests/emulator.py). Marked slow (``-m "not slow"`` skips it).
 """
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.util
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import KTAEConfig, method, reference
-from ktae_kernels.backends import cuda, device as device_helpers
+from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig, method, reference
+from ktae_kernels.backends import cuda, device as device_state
 from ktae_kernels.validation import normalise_batch
-from build_cache import cache_root
 from cases import adversarial_cases, assert_scores_match, distinct_and_repeated_groups, make_batch, random_cases
 
 pytestmark = pytest.mark.slow
-
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = [CSRC / "ktae.cpp", CSRC / "emulation" / "ktae_emulated.cpp"]
-DEPENDS = [CSRC / "ktae_kernels.h", CSRC / "ktae_kernels.cu", CSRC / "emulation" / "cuda_on_cpu.h"]
-
-_BUILD = """
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
-setup(name="ktae_emulated", script_args=["build_ext", "--parallel", "2", "--build-lib", {lib!r}, "--build-temp", {tmp!r}],
-      ext_modules=[CppExtension("ktae_emulated", {sources!r}, include_dirs=[{csrc!r}],
-                                extra_compile_args=["-O2", "-g0", "-pthread", "-Wno-unknown-pragmas"],
-                                extra_link_args=["-pthread"])],
-      cmdclass={{"build_ext": BuildExtension.with_options(use_ninja=False)}})
-"""
-
-
-#: emulator builds kept in the cache (one per source version).
-KEEP_BUILDS = 3
-
-
-def _build_key() -> str:
-    """A hash of everything the build depends on: the sources, the build script (flags), torch, Python."""
-    digest = hashlib.sha256(f"{torch.__version__} {sys.version} {_BUILD}".encode())
-    for path in SOURCES + DEPENDS:
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def _build(target: Path) -> None:
-    """Compile the emulator extension into ``target`` (atomically: concurrent runs may race)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
-    script = _BUILD.format(lib=str(work / "lib"), tmp=str(work / "tmp"), sources=[str(s) for s in SOURCES], csrc=str(CSRC))
-    result = subprocess.run([sys.executable, "-c", script], cwd=work, capture_output=True, text=True, timeout=1200)
-    if result.returncode != 0:
-        shutil.rmtree(work, ignore_errors=True)
-        pytest.fail(f"building the CUDA emulator extension failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-    try:
-        os.replace(work / "lib", target)
-    except OSError:  # another run finished first
-        assert target.exists()
-    shutil.rmtree(work, ignore_errors=True)
-    # keep the newest KEEP_BUILDS (branches or clones of other sources share the cache), drop older ones
-    builds = sorted((p for p in target.parent.iterdir() if not p.name.startswith("build-")),
-                    key=lambda p: p.stat().st_mtime, reverse=True)
-    for stale in builds[KEEP_BUILDS:]:
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-@pytest.fixture(scope="session")
-def emulator() -> ModuleType:
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler")
-    target = cache_root() / "cuda_emulator" / _build_key()
-    if not target.exists():
-        _build(target)
-    so = next(target.glob("ktae_emulated*.so"))
-    spec = importlib.util.spec_from_file_location("ktae_emulated", so)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 class Recorder:
     """The extension, with every launch's (mode, shared_table, groups) recorded, and each static-bound
     call's (shared bytes, threads) in ``shapes``."""
 
     def __init__(self, ext: ModuleType) -> None:
-        self.ext, self.launches, self.shapes = ext, [], []
+        self.ext, self.launches, self.shapes, self.tables, self.given_rows = ext, [], [], [], []
 
     def __getattr__(self, name: str):
         return getattr(self.ext, name)
@@ -111,9 +38,14 @@ class Recorder:
         self.ext.launch(**kwargs)
 
     def advantage(self, **kwargs) -> None:
-        """The static-bound token_advantage: one call, recorded as ("advantage", shared pass, fallback blocks)."""
+        """The static-bound token_advantage: one call, recorded as ("advantage", shared pass, fallback
+        blocks); in ``tables`` whether it got the grid and the log-factorials, in ``given_rows`` how many
+        rows' scores it was given."""
         self.launches.append(("advantage", kwargs["shared_bytes"] > 0, kwargs["fallback_blocks"]))
         self.shapes.append((kwargs["shared_bytes"], kwargs["threads"]))
+        self.tables.append((kwargs["table_values"] is not None, kwargs["log_factorial"] is not None))
+        if kwargs["given_token"] is not None:
+            self.given_rows.append(kwargs["given_token"].numel())
         self.ext.advantage(**kwargs)
 
 
@@ -134,10 +66,14 @@ def expected(name: str, batch, config: KTAEConfig, given=None):
     return _expected[key]
 
 
-def check(ext, name, batch, config, *, tuning=cuda.DEFAULT_TUNING, given=None) -> None:
+def tuned(**tuning) -> ExecutionOptions:
+    return ExecutionOptions(cuda=CudaTuning(**tuning))
+
+
+def check(ext, name, batch, config, *, options=ExecutionOptions(), given=None) -> None:
     scores, advantage = expected(name, batch, config, given)
-    assert_scores_match(scores, cuda.key_token_scores(batch, config, tuning=tuning, extension=ext))
-    actual = cuda.token_advantage(batch, config, given, tuning=tuning, extension=ext)
+    assert_scores_match(scores, cuda.key_token_scores(batch, config, options, extension=ext))
+    actual = cuda.token_advantage(batch, config, given, None, options, extension=ext)
     assert actual.dtype == torch.float32 and actual.shape == advantage.shape
     torch.testing.assert_close(actual, advantage, rtol=0.0, atol=1e-6)
 
@@ -168,7 +104,7 @@ def test_matches_reference_when_groups_overflow_the_shared_table(emulator, case)
     # two slots: every group with more than two distinct ids fills its shared table and spills
     name, responses, mask, rewards, index = case
     batch = normalise_batch(responses, mask, rewards, index)
-    check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=2))
+    check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=2))
 
 
 def test_overflowing_groups_and_only_they_take_the_global_table(emulator):
@@ -180,7 +116,7 @@ def test_overflowing_groups_and_only_they_take_the_global_table(emulator):
     room = cuda.max_keys(slots)
     assert (distinct > room).any() and (distinct <= room).any() and (tokens > room).any()
     ext = Recorder(emulator)
-    check(ext, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=slots))
+    check(ext, name, batch, KTAEConfig(), options=tuned(table_slots=slots))
     all_groups = list(range(batch.n_groups))
     spilled = torch.nonzero(distinct > room).flatten().tolist()
     # the largest group may overflow (more masked tokens than the table takes): the fallback that
@@ -200,16 +136,13 @@ def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, m
     monkeypatch.setattr(cuda, "FALLBACK_BLOCKS", 2)
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
-    check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=2))
+    check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=2))
 
 
 def test_groups_past_the_grid_compute_their_statistics_per_slot(emulator, monkeypatch):
     """With no grid (its bound patched below 16), every slot computes its table's statistics in the
     kernel (the path of groups past 64 rollouts): one static-bound call, no rows first."""
-    from ktae_kernels.backends import device as device_helpers
-
-    monkeypatch.setattr(device_helpers, "GRID_MAX_GROUP", 8)
-    monkeypatch.setattr(device_helpers, "_GRID_CACHE", type(device_helpers._GRID_CACHE)())
+    monkeypatch.setattr(device_state, "GRID_MAX_GROUP", 8)
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     ext = Recorder(emulator)
@@ -218,18 +151,20 @@ def test_groups_past_the_grid_compute_their_statistics_per_slot(emulator, monkey
     got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
     torch.testing.assert_close(got, advantage, rtol=0.0, atol=1e-6)
     assert ext.launches == [("advantage", True, 0)]
-    assert not device_helpers._GRID_CACHE
+    assert ext.tables == [(False, True)]  # no grid: the log-factorials
 
 
 def test_upstream_scores_the_rows_first(emulator):
+    """fisher="upstream": the rows (count and rows passes, their p-values on the host), then the same
+    advantage call as exact mode, the rows' scores given in place of the grid."""
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     ext = Recorder(emulator)
     config = KTAEConfig(fisher="upstream")
-    assert cuda.static_plan(emulator, batch, config) is None
     torch.testing.assert_close(cuda.token_advantage(batch, config, None, extension=ext),
                                expected(name, batch, config)[1], rtol=0.0, atol=1e-6)
-    assert [mode for mode, *_ in ext.launches] == [cuda.COUNT, cuda.ROWS, cuda.ADVANTAGE]
+    assert [mode for mode, *_ in ext.launches] == [cuda.COUNT, cuda.ROWS, "advantage"]
+    assert ext.tables == [(False, False)] and ext.given_rows == [len(reference.key_token_scores(batch, config))]
 
 
 def test_writes_into_out(emulator):
@@ -268,7 +203,7 @@ def test_given_rollout_advantage(emulator, fisher):
 def test_binding_rejects_bad_arguments_naming_them(emulator):
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
-    plan = cuda._prepare(emulator, batch, KTAEConfig(), cuda.DEFAULT_TUNING)
+    plan = cuda._prepare(emulator, batch, KTAEConfig(), CudaTuning())
     status = torch.empty(batch.n_groups, dtype=torch.int64)
     groups = torch.arange(batch.n_groups)
     common = dict(plan.common, block_group=groups, blocks=batch.n_groups, skip_done=False,
@@ -278,12 +213,10 @@ def test_binding_rejects_bad_arguments_naming_them(emulator):
         emulator.launch(mode=cuda.COUNT, shared_table=True, status=status.int(), **common)
     with pytest.raises(RuntimeError, match="`mask` must have shape"):
         emulator.launch(mode=cuda.COUNT, shared_table=True, status=status, **dict(common, mask=batch.mask[:, :-1]))
-    with pytest.raises(RuntimeError, match="`base` is required in advantage mode"):
-        emulator.launch(mode=cuda.ADVANTAGE, shared_table=True, status=status, **common)
-    advantage = dict(common, base=torch.zeros(batch.responses.shape[0], dtype=torch.float64),
-                     advantage=torch.empty(batch.responses.shape, dtype=torch.float32))
-    with pytest.raises(RuntimeError, match="`table_index` is required in advantage mode without given scores"):
-        emulator.launch(mode=cuda.ADVANTAGE, shared_table=True, status=status, **advantage)
+    with pytest.raises(RuntimeError, match=r"`mode` must be 0 \(count\) or 1 \(rows\), got 2"):
+        emulator.launch(mode=2, shared_table=True, status=status, **common)
+    with pytest.raises(RuntimeError, match="`row_ints` is required in rows mode"):
+        emulator.launch(mode=cuda.ROWS, shared_table=True, status=status, **common)
     with pytest.raises(RuntimeError, match="`ws_keys` is required for a global-memory table"):
         emulator.launch(mode=cuda.COUNT, shared_table=False, status=status, **common)
     with pytest.raises(RuntimeError, match="`threads` must be a multiple of 32"):
@@ -296,10 +229,10 @@ def test_table_slots_is_checked(emulator):
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
     for bad in (0, 3, 48, True, 2.0):
-        with pytest.raises(ValueError, match="`table_slots` must be a power of two"):
-            cuda.key_token_scores(batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=bad), extension=emulator)
+        with pytest.raises(ValueError, match="CudaTuning.table_slots must be a power of two"):
+            tuned(table_slots=bad)
     with pytest.raises(ValueError, match="`table_slots` = 65536 needs"):
-        cuda.key_token_scores(batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=65536), extension=emulator)
+        cuda.key_token_scores(batch, KTAEConfig(), tuned(table_slots=65536), extension=emulator)
 
 
 def test_long_rollouts_use_blocks_of_more_than_512_threads(emulator):
@@ -338,12 +271,12 @@ def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message):
 @pytest.mark.parametrize("name", ["G16-zipf", "G4-mixed-shuffled", "huge-counts"])
 def test_slot_layouts_and_two_blocks_per_sm(emulator, name, packed, blocks_per_sm):
     # the wide layout where the packed one is the default, and tables sized for two blocks per SM
-    tuning = cuda.Tuning(packed=packed, blocks_per_sm=blocks_per_sm)
+    tuning = CudaTuning(packed=packed, blocks_per_sm=blocks_per_sm)
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
     assert cuda._prepare(emulator, batch, KTAEConfig(), tuning).common["packed"] == packed
-    check(emulator, name, batch, KTAEConfig(), tuning=tuning)
-    check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=16, packed=packed,
+    check(emulator, name, batch, KTAEConfig(), options=ExecutionOptions(cuda=tuning))
+    check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=16, packed=packed,
                                                                    blocks_per_sm=blocks_per_sm))
 
 
@@ -351,13 +284,13 @@ def test_packed_slots_only_where_counts_fit_16_bits(emulator):
     B, L = 2, 33_000  # 66,000 masked tokens in one group: f_c could pass 2^16 - 1
     big = normalise_batch(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
                           torch.tensor([1.0, 0.0]), torch.zeros(B, dtype=torch.int64))
-    assert not cuda._prepare(emulator, big, KTAEConfig(), cuda.DEFAULT_TUNING).common["packed"]
+    assert not cuda._prepare(emulator, big, KTAEConfig(), CudaTuning()).common["packed"]
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G40-two-words")
     wide = normalise_batch(responses, mask, rewards, index)  # two presence words
-    assert not cuda._prepare(emulator, wide, KTAEConfig(), cuda.DEFAULT_TUNING).common["packed"]
+    assert not cuda._prepare(emulator, wide, KTAEConfig(), CudaTuning()).common["packed"]
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda._prepare(emulator, batch, KTAEConfig(), cuda.DEFAULT_TUNING).common["packed"]
+    assert cuda._prepare(emulator, batch, KTAEConfig(), CudaTuning()).common["packed"]
 
 
 @pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (0.5, 2.0)])
@@ -375,6 +308,16 @@ def test_statistics_kernel_on_random_big_tables_and_ties(emulator):
 
     grid = big_tables(seed=1, count=2000)
     assert_matches_method(cuda._GridKernel(emulator)(grid, 1.0, 1.0), grid, KTAEConfig())
+
+
+def test_statistics_kernel_is_checked_against_its_own_tables(emulator):
+    """As on a GPU, whose libdevice gives log-factorials and angles a last bit off the CPU's: the kernel
+    matches the reference built from the tables it was given (tests/statistics_cases.py)."""
+    from ktae_kernels.backends.device import grid_tables
+    from statistics_cases import assert_matches_method, with_last_bit_noise
+
+    noisy = with_last_bit_noise(grid_tables(16, torch.device("cpu")))
+    assert_matches_method(cuda._GridKernel(emulator)(noisy, 1.0, 1.0), noisy, KTAEConfig())
 
 
 def test_statistics_binding_rejects_bad_arguments_naming_them(emulator):
@@ -403,17 +346,17 @@ def test_bad_ids_leave_out_untouched(emulator, bad, message, slots):
     mask[1, 0] = True
     responses[1, 0] = bad
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
-    tuning = cuda.Tuning(table_slots=slots)
+    tuning = CudaTuning(table_slots=slots)
     plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
     assert plan is not None and (plan.fallback_blocks > 0) == (slots is not None)
     out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
     with pytest.raises(ValueError, match=message):
-        cuda.token_advantage(batch, KTAEConfig(), None, out, tuning=tuning, extension=emulator)
+        cuda.token_advantage(batch, KTAEConfig(), None, out, ExecutionOptions(cuda=tuning), extension=emulator)
     assert torch.isnan(out).all(), "a table pass wrote `out` although an id was out of range"
     # the same `out` afterwards, with the id fixed: every position written
     responses[1, 0] = 5
     batch = normalise_batch(responses, mask, rewards, index)
-    cuda.token_advantage(batch, KTAEConfig(), None, out, tuning=tuning, extension=emulator)
+    cuda.token_advantage(batch, KTAEConfig(), None, out, ExecutionOptions(cuda=tuning), extension=emulator)
     torch.testing.assert_close(out, reference.token_advantage(batch, KTAEConfig(), None), rtol=0.0, atol=1e-6)
 
 
@@ -438,9 +381,10 @@ def test_device_bookkeeping_matches_method_bitwise(emulator, name, baseline):
     config = KTAEConfig(baseline=baseline)
     plan = cuda.static_plan(emulator, batch, config)
     out = torch.empty(responses.shape, dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(plan, batch, config, None, out), *responses.shape[:1], batch.n_groups)
+    views = cuda.workspace_views(cuda._enqueue(plan, batch, config, None, out, None)[1], responses.shape[0],
+                                 batch.n_groups)
     stats = method.group_stats(batch, config)
-    assert views["bad_ids"].tolist() == [0, 0]
+    assert views["flags"][[0, 1, 4, 5]].tolist() == [0, 0, 0, 0]  # no bad input, no group left to the global pass
     assert torch.equal(views["correct"], stats.correct)
     assert torch.equal(views["lengths"], stats.lengths)
     positions = torch.arange(responses.shape[1]) + 1
@@ -460,7 +404,7 @@ def test_given_correct_labels_and_rollout_advantage(emulator):
         torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), g, extension=emulator),
                                    reference.token_advantage(batch, KTAEConfig(), g), rtol=0.0, atol=1e-6)
     plan = cuda.static_plan(emulator, batch, KTAEConfig())
-    views = cuda.workspace_views(cuda._enqueue(plan, batch, KTAEConfig(), None, torch.empty(responses.shape)),
+    views = cuda.workspace_views(cuda._enqueue(plan, batch, KTAEConfig(), None, torch.empty(responses.shape), None)[1],
                                  responses.shape[0], batch.n_groups)
     assert torch.equal(views["correct"], correct)
     assert torch.equal(views["group_counts"][0], method.group_stats(batch, KTAEConfig()).n_c)
@@ -493,7 +437,7 @@ def test_one_group_holding_every_distinct_id(emulator, monkeypatch, slots, fallb
     batch = _one_diverse_group()
     if fallback_bytes is not None:
         monkeypatch.setattr(cuda, "STATIC_FALLBACK_BYTES", fallback_bytes)
-    tuning = cuda.Tuning(table_slots=slots)
+    tuning = CudaTuning(table_slots=slots)
     plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
     assert plan.largest == 3 and (plan.fallback_blocks > 0) == (slots is not None)
     distinct = int(torch.unique(batch.responses[:3][batch.mask[:3]]).numel())
@@ -501,7 +445,7 @@ def test_one_group_holding_every_distinct_id(emulator, monkeypatch, slots, fallb
         slice_slots = plan.fallback_bytes // plan.fallback_blocks // 12
         assert cuda.max_keys(1 << (slice_slots.bit_length() - 1)) < distinct  # more ids than a slice holds
     want = reference.token_advantage(batch, KTAEConfig(), None)
-    got = cuda.token_advantage(batch, KTAEConfig(), None, tuning=tuning, extension=emulator)
+    got = cuda.token_advantage(batch, KTAEConfig(), None, None, ExecutionOptions(cuda=tuning), extension=emulator)
     torch.testing.assert_close(got, want, rtol=0.0, atol=1e-6)
 
 
@@ -513,21 +457,19 @@ def test_big_groups(emulator, sizes, length):
     batch = normalise_batch(*make_batch(np.random.default_rng(11), sizes, length, 60, shuffle=True))
     name = f"G{sizes[0]}-big"
     check(emulator, name, batch, KTAEConfig())
-    check(emulator, name, batch, KTAEConfig(), tuning=cuda.Tuning(table_slots=32))
+    check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=32))
 
 
 @pytest.mark.parametrize("name", ["G4-mixed-shuffled", "G40-two-words", "all-masked-rollouts"])
 def test_global_pass_alone_takes_every_group(emulator, name):
     """No shared-table pass at all (shared_bytes 0): the groups pass marks every group not done, and
     a global pass of two blocks takes them in turn, each in its slice."""
-    import dataclasses
-
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
     plan = cuda.static_plan(emulator, batch, KTAEConfig())
     plan = dataclasses.replace(plan, shared_bytes=0, fallback_blocks=2, fallback_bytes=2 * 64 * 1024)
     out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(plan, batch, KTAEConfig(), None, out), responses.shape[0],
+    views = cuda.workspace_views(cuda._enqueue(plan, batch, KTAEConfig(), None, out, None)[1], responses.shape[0],
                                  batch.n_groups)
     assert bool((views["status"] >= 0).all())
     torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
@@ -540,11 +482,11 @@ def test_gather_from_the_slot_index_or_the_ids(emulator, name, slot_index):
     again: the same advantages; the index holds every masked position's slot and nothing else."""
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
-    tuning = cuda.Tuning(slot_index=slot_index)
+    tuning = CudaTuning(slot_index=slot_index)
     plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
     assert plan.slot_index == slot_index
     out = torch.empty(responses.shape, dtype=torch.float32)
-    workspace = cuda._enqueue(plan, batch, KTAEConfig(), None, out)
+    workspace = cuda._enqueue(plan, batch, KTAEConfig(), None, out, None)[1]
     torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
     B, L = responses.shape
     assert workspace.numel() == cuda.advantage_workspace_size(B, batch.n_groups, plan.fallback_bytes,
@@ -560,6 +502,11 @@ def test_gather_from_the_slot_index_or_the_ids(emulator, name, slot_index):
             rows = (batch.group == g)[:, None] & batch.mask
             pairs = torch.unique(torch.stack([batch.responses[rows], slots[rows]]), dim=1)
             assert pairs.shape[1] == torch.unique(batch.responses[rows]).numel() == torch.unique(slots[rows]).numel()
+
+
+def learnt(batch):
+    """What the calls of ``batch``'s layout taught the cuda backend (``DeviceState.learnt``)."""
+    return device_state.state(batch.device).learnt(("cuda", batch.responses.shape[0], batch.n_groups))
 
 
 def _shared_need(words: int, packed: bool, n_keys: int) -> int:
@@ -586,32 +533,31 @@ def test_shared_tables_follow_the_distinct_ids_seen(emulator):
     responses = responses.clone()
     responses[:4] = responses[4:]
     repeated = normalise_batch(responses, mask, rewards, index)
-    key = device_helpers.distinct_key("cuda", repeated.device, 8, 2)
     first = cuda.static_plan(emulator, repeated, KTAEConfig())
-    assert (first.max_capacity, first.fallback_blocks, first.key) == (2**30, 0, key)
+    assert (first.max_capacity, first.fallback_blocks, first.key) == (2**30, 0, ("cuda", 8, 2))
     assert first.shared_bytes == cuda.shared_table_bytes(512, 1)
     out = torch.empty(responses.shape, dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(first, repeated, KTAEConfig(), None, out), 8, 2)
+    views = cuda.workspace_views(cuda._enqueue(first, repeated, KTAEConfig(), None, out, None)[1], 8, 2)
     assert views["status"].tolist() == _distinct_per_group(repeated) == [3, 3]
-    assert views["largest_keys"].tolist() == [3] and views["shared_need"].tolist() == [_shared_need(1, True, 3)]
+    assert views["flags"][2:4].tolist() == [3, _shared_need(1, True, 3)]  # the most distinct ids, shared need
     torch.testing.assert_close(out, reference.token_advantage(repeated, KTAEConfig(), None), rtol=0.0, atol=1e-6)
 
     cuda.token_advantage(repeated, KTAEConfig(), None, extension=emulator)  # reads the flags back
-    assert device_helpers.expected_keys(key) == 3
+    assert learnt(repeated).distinct == 3
     sized = cuda.static_plan(emulator, repeated, KTAEConfig())
     assert (sized.max_capacity, sized.fallback_blocks, sized.blocks_per_sm) == (32, 2, 2)
     assert sized.shared_bytes == cuda.shared_table_bytes(32, 1, packed=True) == 400
     out = torch.empty(responses.shape, dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(sized, distinct, KTAEConfig(), None, out), 8, 2)
+    views = cuda.workspace_views(cuda._enqueue(sized, distinct, KTAEConfig(), None, out, None)[1], 8, 2)
     assert views["status"].tolist() == _distinct_per_group(distinct) == [160, 3]
-    assert views["largest_keys"].tolist() == [160] and views["shared_need"].tolist() == [_shared_need(1, True, 160)]
+    assert views["flags"][2:5].tolist() == [160, _shared_need(1, True, 160), 1]  # (1 group left to the global pass)
     torch.testing.assert_close(out, reference.token_advantage(distinct, KTAEConfig(), None), rtol=0.0, atol=1e-6)
 
     recorder = Recorder(emulator)
     got = cuda.token_advantage(distinct, KTAEConfig(), None, extension=recorder)
     assert recorder.launches == [("advantage", True, 2)]
     torch.testing.assert_close(got, reference.token_advantage(distinct, KTAEConfig(), None), rtol=0.0, atol=1e-6)
-    assert device_helpers.expected_keys(key) == 160
+    assert learnt(distinct).distinct == 160
     after = cuda.static_plan(emulator, distinct, KTAEConfig())
     assert (after.max_capacity, after.fallback_blocks) == (256, 2)
 
@@ -624,12 +570,11 @@ def test_second_call_sized_by_the_distinct_ids_of_the_first(emulator, name):
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
     want = expected(name, batch, KTAEConfig())[1]
-    key = device_helpers.distinct_key("cuda", batch.device, *responses.shape[:1], batch.n_groups)
     for _ in range(2):
         got = cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator)
         torch.testing.assert_close(got, want, rtol=0.0, atol=1e-6)
     most = max(_distinct_per_group(batch), default=0)
-    assert device_helpers.expected_keys(key) == (None if most == 0 else most)
+    assert (learnt(batch) is None) if most == 0 else (learnt(batch).distinct == most)
 
 
 def _most_shared_need(batch) -> int:
@@ -653,14 +598,13 @@ def test_second_call_runs_two_blocks_per_sm_and_matches(emulator, name):
     first = cuda.static_plan(emulator, batch, KTAEConfig())
     assert first.blocks_per_sm == 1
     out = torch.empty(B, L, dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(first, batch, KTAEConfig(), None, out), B, batch.n_groups)
+    views = cuda.workspace_views(cuda._enqueue(first, batch, KTAEConfig(), None, out, None)[1], B, batch.n_groups)
     need = _most_shared_need(batch)
-    assert views["shared_need"].tolist() == [need] and need <= cuda.shared_limit(emulator.max_shared_bytes(0), 2)
+    assert views["flags"][3] == need and need <= cuda.shared_limit(emulator.max_shared_bytes(0), 2)
     torch.testing.assert_close(out, want, rtol=0.0, atol=1e-6)
 
     cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator)  # reads the flags back
-    key = device_helpers.distinct_key("cuda", batch.device, B, batch.n_groups)
-    assert device_helpers.expected_shared_bytes(key) == need
+    assert learnt(batch).shared_need == need
     second = cuda.static_plan(emulator, batch, KTAEConfig())
     assert second.blocks_per_sm == 2 and second.shared_bytes == min(need, first.shared_bytes)
     recorder = Recorder(emulator)
@@ -692,22 +636,21 @@ def test_a_group_needing_more_than_the_two_block_tables_takes_the_global_pass(em
     the global pass), the global pass redoes it and the result equals the reference; the need read
     back then sizes the next call (still two blocks per SM)."""
     even, grown = _grown_group_batches(big_vocab)
-    key = device_helpers.distinct_key("cuda", even.device, 64, 4)
     torch.testing.assert_close(cuda.token_advantage(even, KTAEConfig(), None, extension=emulator),
                                reference.token_advantage(even, KTAEConfig(), None), rtol=0.0, atol=1e-6)
-    assert device_helpers.expected_shared_bytes(key) == _most_shared_need(even) == 400
+    assert learnt(even).shared_need == _most_shared_need(even) == 400
 
     plan = cuda.static_plan(emulator, grown, KTAEConfig())
     assert (plan.blocks_per_sm, plan.shared_bytes, plan.max_capacity) == (2, 400, 32) and plan.fallback_blocks > 0
     out = torch.zeros(64, 24, dtype=torch.float32)
     alone = dataclasses.replace(plan, fallback_blocks=0, fallback_bytes=0)
-    status = cuda.workspace_views(cuda._enqueue(alone, grown, KTAEConfig(), None, out), 64, 4)["status"]
+    status = cuda.workspace_views(cuda._enqueue(alone, grown, KTAEConfig(), None, out, None)[1], 64, 4)["status"]
     assert status.tolist() == [-1] + _distinct_per_group(grown)[1:]
     want = reference.token_advantage(grown, KTAEConfig(), None)
     torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, extension=emulator), want,
                                rtol=0.0, atol=1e-6)
     need = _most_shared_need(grown)
-    assert device_helpers.expected_shared_bytes(key) == need > 400 and _distinct_per_group(grown)[0] > 12
+    assert learnt(grown).shared_need == need > 400 and _distinct_per_group(grown)[0] > 12
     after = cuda.static_plan(emulator, grown, KTAEConfig())
     assert (after.blocks_per_sm, after.shared_bytes) == (2, need)
     torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, extension=emulator), want,

@@ -152,6 +152,20 @@ inline unsigned __shfl_sync(unsigned mask, unsigned value, int source) {
   return static_cast<unsigned>(all[source & 31]);
 }
 
+inline double __shfl_sync(unsigned mask, double value, int source) {
+  uint64_t all[32], bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  ktae_emu::exchange(mask, bits, all);
+  std::memcpy(&value, &all[source & 31], sizeof(value));
+  return value;
+}
+
+inline long long __shfl_xor_sync(unsigned mask, long long value, int lane_mask) {
+  uint64_t all[32];
+  ktae_emu::exchange(mask, static_cast<uint64_t>(value), all);
+  return static_cast<long long>(all[(ktae_emu::thread_idx.x % 32) ^ static_cast<unsigned>(lane_mask & 31)]);
+}
+
 inline int __ffs(unsigned x) { return __builtin_ffs(static_cast<int>(x)); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 

@@ -33,7 +33,6 @@ int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, in
   switch (mode) {
     case kCount: run_mode<kCount>(args, shared_table, n_blocks, threads, shared_bytes); return 0;
     case kRows: run_mode<kRows>(args, shared_table, n_blocks, threads, shared_bytes); return 0;
-    case kAdvantage: run_mode<kAdvantage>(args, shared_table, n_blocks, threads, shared_bytes); return 0;
   }
   return kBadLaunch;
 }
@@ -48,7 +47,7 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
   if (prepare.B > 0) ktae_emu::run([&] { scan_kernel(prepare); }, prepare.B, threads, 32);
   ktae_emu::run([&] { groups_kernel(prepare); }, groups_blocks(prepare.B + 1), kGroupsThreads, 0);
   if (prepare.n_groups > 0) {
-    ktae_emu::run([&] { group_sums_kernel(prepare); }, groups_blocks(prepare.n_groups), kGroupsThreads, 0);
+    ktae_emu::run([&] { group_sums_kernel(prepare); }, groups_blocks(32 * prepare.n_groups), kGroupsThreads, 0);
   }
   if (kernel.n_items == 0) return 0;
   if (kernel.shared_bytes > 0) {

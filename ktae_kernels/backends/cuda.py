@@ -1,27 +1,22 @@
 """The CUDA backend: hand-written kernels (csrc/), one thread block per group of rollouts.
 
-Each block builds its group's (token id -> a, b, f_c, f_w) hash table in shared memory from one read
-of the tokens, then either writes the group's rows sorted by token (``key_token_scores``; their
-statistics come from ``method.score_rows``) or scores every slot and writes its ``[B, L]`` advantages
-(``token_advantage``). A slot's score looks its table's statistics up in per-table arrays that the
-extension's statistics kernel computes on the device for every table of a group of up to ``bound``
-rollouts, cached there (``device.grid_statistics``; tested against ``method.table_statistics``), then
-adds the per-row BM25 direction and squashes. A group whose distinct ids overflow
-the shared table is redone by a global-memory pass launched right behind the first without waiting
-for it: its blocks skip the groups that completed. ``fisher="upstream"`` scores the rows first and
-passes their scores in; a group of more than ``device.GRID_MAX_GROUP`` rollouts computes each slot's
-table statistics in the kernel.
+``token_advantage`` is one binding call (``advantage``) sized from ``B``, ``L`` and the number of groups
+alone (``static_plan``), which enqueues: a scan pass (masked tokens, extents, the id-range flag), the
+groups passes (correct flags, offsets, counts, ``A_i``), a shared-memory pass in which each block builds
+its group's (token id -> a, b, f_c, f_w) hash table, scores every slot (its table's statistics from the
+device grid, ``device.DeviceState.grid``, computed by the extension's statistics kernel; groups past
+``device.GRID_MAX_GROUP`` compute theirs per slot) and writes the group's advantages; then a
+global-memory pass that takes the groups whose distinct ids overflowed their shared table, splitting
+their ids into hash partitions until each fits (its blocks exit at once when none overflowed). The
+kernels size each group's table on the device, by the distinct ids the earlier calls of this
+``(B, n_groups)`` held (``DeviceState.learnt``). Before the call: one stable argsort; after it, one read
+of the flags (the id range, the API's check folded in; the sizes learnt), skipped while a CUDA graph
+captures (``capture``: ``TokenAdvantagePlan.check`` reads them after a replay). A bad input leaves
+``out`` untouched: the table passes write nothing once a flag is set.
 
-``token_advantage`` (exact statistics) runs from static bounds (``static_plan``, ``_enqueue``): the host
-sizes everything from ``B``, ``L`` and the number of groups and makes one binding call that enqueues a
-scan pass (masked tokens, extents, the id-range flag), a groups pass (correct flags, offsets, counts,
-``A_i``), the shared-table pass and, when a group could overflow, a bounded global-memory pass that
-splits a group's ids into hash partitions until each fits; the kernels size each group's table on the
-device. Before the call: one stable argsort and the workspace allocation; after it, the one read of
-the id flag (the API's range check folded in, ``checks_token_ids``), skipped while a CUDA graph is
-capturing. A bad id leaves ``out`` untouched: the table passes write nothing once the scan flagged
-it. ``fisher="upstream"`` (and a batch whose group could pass 2**30 masked tokens) takes the sized
-path (``_prepare``): one device -> host copy of two group sizes before the kernels, then the rows.
+``key_token_scores``, and the rows whose float32 p-values ``fisher="upstream"`` computes on the host
+before its advantage call, come from the rows kernel (``launch``): a count pass, one device -> host
+copy of the rows' sizes, then a rows pass that sorts each group's table by token.
 
 The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
 """
@@ -36,24 +31,23 @@ from torch import Tensor
 
 from .. import method
 from ..config import KTAEConfig
+from ..options import DEFAULT_OPTIONS, CudaTuning, ExecutionOptions
 from ..types import Batch, KeyTokenScores
 from ..validation import MAX_TOKEN_ID, check_id_range
-from .base import BackendUnavailableError
-from . import device as device_helpers
-from .device import GridTables, capturing, grid_bound, grid_statistics, on_device, statistics_constants, upload
+from . import device as device_state
+from .base import BackendUnavailableError, CapturedCall
+from .device import MAX_GROUP_TOKENS, GridTables, baseline_code, grid_bound, on_device, statistics_constants
 
 #: how to build ``ktae_kernels._C`` (on a machine with nvcc and a CUDA build of torch).
 BUILD_COMMAND = 'TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation'
 
 # Kernel modes and constants, as in csrc/ktae_kernels.h.
-COUNT, ROWS, ADVANTAGE = 0, 1, 2
+COUNT, ROWS = 0, 1
 MAX_THREADS = 1024
 UNROLL = 4
 #: fewest threads per block and fewest slots of an automatically sized table.
 MIN_THREADS = 64
 MIN_CAPACITY = 32
-#: most masked tokens one group may hold (keeps slot indices and counters in 32 bits).
-MAX_GROUP_TOKENS = 2**30
 #: most blocks of a global-memory fallback pass, and most bytes of workspace it may take: each block
 #: owns one table-sized slice and takes its groups one after another.
 FALLBACK_BLOCKS = 64
@@ -64,36 +58,13 @@ PACKED_MAX_TOKENS = 65535
 #: knowing the groups: every block of the pass owns one slice, and splits a group's ids into hash
 #: partitions until each fits it).
 STATIC_FALLBACK_BYTES = 128 * 2**20
-#: the id codes of ``config.baseline`` in the groups kernel (csrc/ktae_kernels.h, ``Baseline``).
-_BASELINES = {"grpo": 0, "mean": 1, "none": 2}
-_GIVEN_BASELINE = 3
+#: entries at the head of ``advantage``'s workspace (csrc ``kAdvantageFlags``): the least id below 0 and
+#: the excess of the largest past ``MAX_TOKEN_ID``, the most distinct ids a group held, the most shared
+#: memory a group's table needed, the groups the shared pass left, the masked tokens of a group past
+#: ``MAX_GROUP_TOKENS``
+ADVANTAGE_FLAGS = 6
 
 
-@dataclass(frozen=True)
-class Tuning:
-    """Launch choices (the defaults are the backend's; bench/gpu_check.py times the others).
-
-    table_slots: force the shared-memory table size (a power of two >= 2; None: sized from the
-    largest group); groups with more than 3/4 as many distinct ids use the global-memory fallback.
-    packed: the packed 12-byte slot (16-bit counters, the presence word beside them) when every group
-    has one presence word and at most ``PACKED_MAX_TOKENS`` masked tokens.
-    blocks_per_sm: shared tables sized so that this many blocks fit an SM (1 or 2); with 2, blocks
-    have at most 512 threads (registers) and tables at most half an SM's shared memory. None (the
-    default): ``token_advantage``'s sync-free path takes 2 once a call of the shape has shown that its
-    groups' tables fit half an SM (``occupancy``), else 1; the other paths take 1.
-    max_threads: most threads per block (<= ``MAX_THREADS``).
-    slot_index: ``token_advantage``'s shared pass records each position's slot (2 bytes, ``B * L`` of
-    workspace) while building, and its gather reads that instead of the mask and the int64 ids.
-    """
-
-    table_slots: int | None = None
-    packed: bool = True
-    blocks_per_sm: int | None = None
-    max_threads: int = MAX_THREADS
-    slot_index: bool = True
-
-
-DEFAULT_TUNING = Tuning()
 
 
 def max_keys(capacity: int) -> int:
@@ -146,7 +117,7 @@ def shared_limit(opt_in_bytes: int, blocks_per_sm: int) -> int:
 
 def occupancy(blocks_per_sm: int | None, need: int | None, opt_in_bytes: int) -> int:
     """Blocks per SM of ``token_advantage``'s shared-table pass: ``blocks_per_sm`` when set
-    (``Tuning``), else 2 when ``need`` (the most shared memory one group's table took in the shape's
+    (``CudaTuning``), else 2 when ``need`` (the most shared memory one group's table took in the shape's
     calls so far, ``device.expected_shared_bytes``) fits ``shared_limit(opt_in_bytes, 2)``, else 1
     (nothing known yet, or too big)."""
     if blocks_per_sm is not None:
@@ -155,7 +126,7 @@ def occupancy(blocks_per_sm: int | None, need: int | None, opt_in_bytes: int) ->
 
 
 def most_threads(max_threads: int, blocks_per_sm: int) -> int:
-    """Most threads a block may have: ``max_threads`` (``Tuning``), at most 512 when two blocks share
+    """Most threads a block may have: ``max_threads`` (``CudaTuning``), at most 512 when two blocks share
     an SM (their registers must fit it too)."""
     return min(max_threads, MAX_THREADS if blocks_per_sm <= 1 else 512)
 
@@ -181,28 +152,49 @@ def block_threads(length: int, max_threads: int | None = None) -> int:
     return min(most, max(MIN_THREADS, -(-per_pass // 32) * 32))
 
 
-def key_token_scores(batch: Batch, config: KTAEConfig, *, tuning: Tuning = DEFAULT_TUNING,
+def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions = DEFAULT_OPTIONS, *,
                      extension: ModuleType | None = None) -> KeyTokenScores:
     """Per (group, token) statistics, rows sorted by (group, token).
 
     ``extension``: the compiled module (default ``ktae_kernels._C``; the tests pass the CPU emulator build).
     """
     with on_device(batch.device):
-        plan = _prepare(extension or load_extension(), batch, config, tuning)
-        return _scores(plan, batch, config)[0]
+        plan = _prepare(extension or load_extension(), batch, config, options.cuda)
+        return _scores(plan, batch, config)
 
 
-def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None, *,
-                    tuning: Tuning = DEFAULT_TUNING, extension: ModuleType | None = None) -> Tensor:
+def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None,
+                    options: ExecutionOptions = DEFAULT_OPTIONS, *, extension: ModuleType | None = None) -> Tensor:
     """float32 ``[B, L]``: ``(A_i + weight * score[group(i), token]) * mask`` (arguments as above;
-    ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``), in ``out`` when given."""
+    ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``), in ``out`` when given.
+    Raises the API's ValueError for a bad input, ``out`` untouched."""
     ext = extension or load_extension()
     with on_device(batch.device):
-        static = static_plan(ext, batch, config, tuning)
-        if static is not None:
-            return _static_advantage(static, batch, config, given, out)
-        plan = _prepare(ext, batch, config, tuning)
-        return _advantage(plan, batch, config, given, out)
+        rows = None
+        if config.fisher != "exact":  # the rows' float32 p-values come from the host first
+            rows = _given_rows(_scores(_prepare(ext, batch, config, options.cuda), batch, config))
+        plan = static_plan(ext, batch, config, options.cuda)
+        out, workspace = _enqueue(plan, batch, config, given, out, rows)
+        if workspace is not None:
+            _read_flags(plan, batch.device, workspace[:ADVANTAGE_FLAGS].tolist())  # the one read, after every launch
+        return out
+
+
+def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
+            options: ExecutionOptions = DEFAULT_OPTIONS, *,
+            extension: ModuleType | None = None) -> tuple[Tensor, CapturedCall]:
+    """``token_advantage`` (exact) enqueued while a CUDA graph captures, nothing read back. Its tables
+    cannot overflow (the global pass takes any group), so a replay completes unless an input is bad;
+    the returned ``CapturedCall`` holds the cached tensors the graph reads and reads a replay's flags."""
+    ext = extension or load_extension()
+    with on_device(batch.device):
+        plan = static_plan(ext, batch, config, options.cuda)
+        out, workspace = _enqueue(plan, batch, config, given, out, None)
+        keep = _cached_inputs(plan, config, batch.device)
+        if workspace is None:
+            return out, CapturedCall(keep=keep, check=lambda: None)
+        flags = workspace[:ADVANTAGE_FLAGS]
+        return out, CapturedCall(keep=keep, check=lambda: _raise_input_errors(flags.tolist()))
 
 
 def unavailable_reason() -> str | None:
@@ -243,7 +235,7 @@ class _Plan:
     capacity: int
 
 
-def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) -> _Plan:
+def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTuning) -> _Plan:
     device = batch.device
     stats = method.group_stats(batch, config)
     n = batch.n_groups
@@ -251,8 +243,7 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
     torch.cumsum(stats.size, 0, out=starts[1:])
     max_size, max_tokens = _read_sizes(stats.size, stats.T_c + stats.T_w) if n else (0, 0)
     if max_tokens > MAX_GROUP_TOKENS:
-        raise ValueError(f"`responses`: the cuda backend takes at most 2**30 masked tokens per group, "
-                         f"a group holds {max_tokens}")
+        _raise_input_errors([0, 0, 0, 0, 0, max_tokens])
     words = presence_words(max_size)
     packed = tuning.packed and words == 1 and max_tokens <= PACKED_MAX_TOKENS
     opt_in = ext.max_shared_bytes(_device_index(device))
@@ -269,13 +260,10 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
         starts=starts,
         correct=stats.correct.contiguous(),
         group_counts=torch.stack([stats.n_c, stats.n_w, stats.T_c, stats.T_w]).contiguous(),
-        ignore_ids=_constant(tuple(i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID), device),
         bad_ids=torch.zeros(2, dtype=torch.int64, device=device),  # written by the kernels
         words=words,
         shared_capacity=capacity,
         packed=packed,
-        params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight],
-        use_tf=config.use_tf,
         threads=block_threads(batch.responses.shape[1], max_threads),
         stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0,
     )
@@ -283,34 +271,19 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: Tuning) 
 
 
 def _read_sizes(size: Tensor, group_tokens: Tensor) -> list[int]:
-    """The one device -> host copy before the kernels: the largest group's rollouts and masked tokens
-    (two ints, whatever the number of groups; bench/host_plan.py stubs it to time the host alone)."""
+    """The one device -> host copy before the rows kernel: the largest group's rollouts and masked
+    tokens (two ints, whatever the number of groups)."""
     return torch.stack([size.max(), group_tokens.max()]).tolist()
 
 
-_CONSTANTS: dict[tuple, Tensor] = {}
-
-
-def _constant(values: tuple[int, ...], device: torch.device) -> Tensor:
-    """int64 ``values`` on ``device``, uploaded once (read-only: clone one a kernel writes). The first
-    upload waits for its copy, so a call on any stream may read it later."""
-    key = (values, device)
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = torch.tensor(values, dtype=torch.int64).to(device)
-    return _CONSTANTS[key]
-
-
-def _check_table_slots(slots: object, words: int, limit: int, packed: bool) -> int:
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2 or slots & (slots - 1):
-        raise ValueError(f"`table_slots` must be a power of two >= 2, got {slots!r}")
+def _check_table_slots(slots: int, words: int, limit: int, packed: bool) -> int:
     if shared_table_bytes(slots, words, packed) > limit:
         raise ValueError(f"`table_slots` = {slots} needs {shared_table_bytes(slots, words, packed)} bytes of "
                          f"shared memory, the device allows {limit}")
     return slots
 
 
-_OPTIONAL = ("ws_keys", "ws_counts", "ws_presence", "ws_offset", "ws_capacity", "table_index", "table_values",
-             "row_offset", "row_ints", "base", "advantage", "given_token", "given_score")
+_OPTIONAL = ("ws_keys", "ws_counts", "ws_presence", "ws_offset", "ws_capacity", "row_offset", "row_ints")
 
 
 def _launch(plan: _Plan, mode: int, groups: Tensor, status: Tensor, *, capacity: Tensor | None = None,
@@ -372,19 +345,18 @@ def _listed_pass(plan: _Plan, mode: int, distinct: list[int], fits: list[int], *
     status = _new_status(plan)
     device = status.device
     fits = fits if plan.capacity else []
-    _launch(plan, mode, upload(torch.tensor(fits, dtype=torch.int64), device), status, **outputs)
+    _launch(plan, mode, torch.tensor(fits, dtype=torch.int64).to(device), status, **outputs)
     in_shared = set(fits)
     rest = [g for g in range(plan.n_groups) if g not in in_shared]
     capacity = [table_capacity(distinct[g]) for g in rest]
-    _launch(plan, mode, upload(torch.tensor(rest, dtype=torch.int64), device), status,
-            capacity=upload(torch.tensor(capacity, dtype=torch.int64), device), widest=max(capacity, default=0),
+    _launch(plan, mode, torch.tensor(rest, dtype=torch.int64).to(device), status,
+            capacity=torch.tensor(capacity, dtype=torch.int64).to(device), widest=max(capacity, default=0),
             **outputs)
     return status
 
 
-def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScores, Tensor, list[int], list[int]]:
-    """The rows, their offsets per group (int64 ``[n_groups + 1]``), the groups whose ids fit the
-    shared table and the distinct ids per group (host ints)."""
+def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> KeyTokenScores:
+    """The rows (a count pass, one read of the rows' sizes, a rows pass), scored by ``method.score_rows``."""
     device = plan.common["starts"].device
     counts = _bounded_pass(plan, COUNT)
     row_offset = torch.zeros(plan.n_groups + 1, dtype=torch.int64, device=device)
@@ -400,8 +372,15 @@ def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> tuple[KeyTokenScor
         raise RuntimeError("ktae_kernels.cuda: the rows pass found other tokens than the count pass (internal error)")
     stats = plan.stats
     rows = method.Rows(group=ints[0], token=ints[1], a=ints[2], b=ints[3], f_c=ints[6], f_w=ints[7])
-    scores = method.score_rows(rows, stats.n_c, stats.n_w, stats.T_c, stats.T_w, config, batch.group_labels)
-    return scores, row_offset, fits, host_counts
+    return method.score_rows(rows, stats.n_c, stats.n_w, stats.T_c, stats.T_w, config, batch.group_labels)
+
+
+def _given_rows(scores: KeyTokenScores) -> dict[str, Tensor]:
+    """The ``advantage`` binding's given rows: each group's first row (int64 ``[n_groups + 1]``; the rows are
+    sorted by group), and the rows' tokens and scores."""
+    groups = torch.arange(scores.n_c.shape[0] + 1, device=scores.group.device)
+    return dict(row_offset=torch.searchsorted(scores.group, groups), given_token=scores.token.contiguous(),
+                given_score=scores.score.contiguous())
 
 
 @dataclass(frozen=True)
@@ -421,36 +400,6 @@ class _GridKernel:
         return out
 
 
-def _table_lookup(plan: _Plan, config: KTAEConfig, device: torch.device) -> tuple[Tensor, Tensor] | None:
-    """The per-table statistics the advantage pass looks up, computed on the device by the
-    extension's statistics kernel and cached there (``table_index``: int64 ``[2, n_groups]`` grid
-    offset and stride; ``table_values``: float64 ``[2, size]`` Cohen's h and strength), or None
-    (``device.grid_statistics``)."""
-    found = grid_statistics(plan.stats.n_c, plan.stats.n_w, plan.largest, config, device, _GridKernel(plan.ext))
-    return None if found is None else (found[0], found[1][3:5])
-
-
-def _advantage(plan: _Plan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None) -> Tensor:
-    device = batch.device
-    if out is None:
-        out = torch.empty(batch.responses.shape, dtype=torch.float32, device=device)
-    outputs: dict[str, Tensor] = dict(
-        base=method.rollout_advantage(batch.rewards, batch.group, plan.stats.size, config, given).contiguous(), advantage=out)
-    lookup = _table_lookup(plan, config, device)
-    if lookup is None:
-        scores, row_offset, fits, distinct = _scores(plan, batch, config)
-        outputs.update(row_offset=row_offset, given_token=scores.token.contiguous(),
-                       given_score=scores.score.contiguous())
-        _listed_pass(plan, ADVANTAGE, distinct, fits, **outputs)
-    else:
-        outputs.update(table_index=lookup[0], table_values=lookup[1])
-        _bounded_pass(plan, ADVANTAGE, **outputs)
-        # the id check folded into the kernels: this read replaces the API's pass over the ids
-        low, excess = plan.common["bad_ids"].tolist()
-        check_id_range(low, MAX_TOKEN_ID + excess)
-    return out
-
-
 # ------------------------------------------------------------------ token_advantage from static bounds
 @dataclass(frozen=True)
 class StaticPlan:
@@ -460,11 +409,11 @@ class StaticPlan:
 
     bound: the statistics grid's bound (None: none; groups past it compute their tables' statistics
     per slot from ``log_factorial``). shared_bytes: dynamic shared memory of the shared-table pass.
-    max_capacity: most slots of a shared table (``Tuning.table_slots``, and the table for the distinct
-    ids this shape's groups held before, ``device.expected_keys``). fallback_blocks / fallback_bytes:
-    the global-memory pass (0: every group surely completes in shared memory). key: where the call's
-    largest distinct count and shared-memory need are remembered (``device.distinct_key``).
-    blocks_per_sm: the shared pass's blocks per SM that ``shared_bytes`` and ``threads`` allow.
+    max_capacity: most slots of a shared table (``CudaTuning.table_slots``, or the table for the distinct
+    ids this layout's groups held before). fallback_blocks / fallback_bytes: the global-memory pass (0:
+    every group surely completes in shared memory). key: where the call's largest distinct count and
+    shared-memory need are learnt (``DeviceState.learn``). blocks_per_sm: the shared pass's blocks per
+    SM that ``shared_bytes`` and ``threads`` allow.
     """
 
     ext: ModuleType
@@ -481,34 +430,30 @@ class StaticPlan:
     blocks_per_sm: int = 1
 
 
-def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
-                tuning: Tuning = DEFAULT_TUNING) -> StaticPlan | None:
-    """The static-bound plan of ``token_advantage`` (host arithmetic only), or None where the call takes
-    the path that reads the group sizes first: ``fisher="upstream"`` (scores from the rows), or a
-    batch whose largest possible group could pass ``MAX_GROUP_TOKENS`` masked tokens.
+def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTuning = CudaTuning()) -> StaticPlan:
+    """The static-bound plan of ``token_advantage`` (host arithmetic only).
 
     Once a call of this ``(B, n_groups)`` has completed, the shared tables are sized for the most
-    distinct ids a group held then (``device.expected_keys``), not for the masked tokens; a group
+    distinct ids a group held then (``DeviceState.learnt``), not for the masked tokens; a group
     holding more overflows into the global-memory pass, which is then launched. With the default
-    ``Tuning.blocks_per_sm`` (None), once the most shared memory a group's table needed at this shape
-    (``device.expected_shared_bytes``) fits half an SM, the shared pass reserves just that, with at most
-    512 threads a block, so that two blocks share an SM (``occupancy``); a group that needs more (more
-    rollouts, a wider slot, more distinct ids) leaves the shared pass, and the global-memory pass,
-    launched whenever the shared bytes are below the largest possible group's table, redoes it."""
+    ``CudaTuning.blocks_per_sm`` (None), once the most shared memory a group's table needed in this
+    layout fits half an SM, the shared pass reserves just that, with at most 512 threads a block, so
+    that two blocks share an SM (``occupancy``); a group that needs more (more rollouts, a wider slot,
+    more distinct ids) leaves the shared pass, and the global-memory pass, launched whenever the
+    shared bytes are below the largest possible group's table, redoes it."""
     B, L = batch.responses.shape
     n = batch.n_groups
     largest = B - n + 1 if n else 0
-    if config.fisher != "exact" or largest * L > MAX_GROUP_TOKENS:
-        return None
-    bound = grid_bound(min(largest, device_helpers.GRID_MAX_GROUP))
+    bound = grid_bound(min(largest, device_state.GRID_MAX_GROUP))
     words = presence_words(largest)
     opt_in = ext.max_shared_bytes(_device_index(batch.device))
     widest = table_capacity(largest * L)  # the table of the largest possible group
-    key = device_helpers.distinct_key("cuda", batch.device, B, n)
+    key = ("cuda", B, n)
     if tuning.table_slots is None:
-        seen_need = device_helpers.expected_shared_bytes(key)
+        learnt = device_state.state(batch.device).learnt(key)
+        seen_need = learnt.shared_need if learnt is not None and learnt.shared_need > 0 else None
         blocks_per_sm = occupancy(tuning.blocks_per_sm, seen_need, opt_in)
-        max_capacity = _distinct_capacity(device_helpers.expected_keys(key))
+        max_capacity = 2**30 if learnt is None else table_capacity(learnt.distinct)
         shared_bytes = min(shared_limit(opt_in, blocks_per_sm), shared_table_bytes(min(widest, max_capacity), words))
         if tuning.blocks_per_sm is None and blocks_per_sm == 2:
             shared_bytes = min(shared_bytes, seen_need)  # what the tables took: the rest may stay L1 cache
@@ -531,87 +476,88 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig,
                       fallback_bytes, threads, tuning.slot_index and shared_bytes > 0, key, blocks_per_sm)
 
 
-def _distinct_capacity(keys: int | None) -> int:
-    """Most slots of a shared table: one for ``keys`` distinct ids (``table_capacity``), or no limit
-    (2**30: each group's table sized by its masked tokens) when none is known."""
-    return 2**30 if keys is None else table_capacity(keys)
-
-
-def _static_advantage(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None,
-                      out: Tensor | None) -> Tensor:
-    """One binding call enqueues everything (csrc ``launch_advantage``): the scan pass (masked tokens,
-    extents, the id check), the groups pass (correct flags, offsets, counts, ``A_i``), the shared-table
-    pass and the global-memory one. Before it: the stable argsort of the group ids and two
-    allocations; after it, the one read of the flags (skipped while a CUDA graph is capturing): the id
-    range, and the most distinct ids a group held and shared memory its table needed, which size the
-    next call's tables and its blocks per SM.
-    A bad id leaves ``out`` untouched: the table passes write nothing when the scan flagged one."""
-    B, L = batch.responses.shape
-    if out is None:
-        out = torch.empty((B, L), dtype=torch.float32, device=batch.device)
-    if B == 0 or L == 0:
-        return out
-    workspace = _enqueue(plan, batch, config, given, out)
-    if not capturing(batch.device):
-        low, excess, largest, need = workspace[:4].tolist()  # the one device -> host read, after every launch
-        device_helpers.remember_keys(plan.key, largest, need)
-        check_id_range(low, MAX_TOKEN_ID + excess)
-    return out
-
-
 def advantage_workspace_size(B: int, n_groups: int, fallback_bytes: int, index_positions: int = 0) -> int:
-    """int64 entries of ``launch_advantage``'s workspace (csrc/ktae_kernels.h, ``advantage_layout``)."""
-    return (4 + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8 + (fallback_bytes + 7) // 8
-            + (2 * index_positions + 7) // 8)
+    """int64 entries of ``advantage``'s workspace (csrc/ktae_kernels.h, ``advantage_layout``)."""
+    return (ADVANTAGE_FLAGS + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8
+            + (fallback_bytes + 7) // 8 + (2 * index_positions + 7) // 8)
 
 
 def workspace_views(workspace: Tensor, B: int, n_groups: int) -> dict[str, Tensor]:
-    """The named parts of an ``_enqueue`` workspace (for tests): ``bad_ids, largest_keys, shared_need,
-    status, starts, group_counts, lengths, extent, base, correct``."""
-    n = n_groups
-    at = [0, 4, 4 + n, 5 + 2 * n, 5 + 6 * n, 5 + 6 * n + B, 5 + 6 * n + 2 * B, 5 + 6 * n + 3 * B]
+    """The named parts of an ``_enqueue`` workspace (for tests): ``flags, status, starts, group_counts,
+    lengths, extent, base, correct``."""
+    n, head = n_groups, ADVANTAGE_FLAGS
+    at = [head, head + n, head + 2 * n + 1, head + 6 * n + 1, head + 6 * n + 1 + B, head + 6 * n + 1 + 2 * B,
+          head + 6 * n + 1 + 3 * B]
     part = lambda i, size: workspace[at[i]:at[i] + size]
-    return dict(bad_ids=part(0, 2), largest_keys=workspace[2:3], shared_need=workspace[3:4], status=part(1, n),
-                starts=part(2, n + 1),
-                group_counts=part(3, 4 * n).view(4, n),
-                lengths=part(4, B), extent=part(5, B), base=part(6, B).view(torch.float64),
-                correct=workspace[at[7]:at[7] + (B + 7) // 8].view(torch.bool)[:B])
+    return dict(flags=workspace[:head], status=part(0, n), starts=part(1, n + 1), group_counts=part(2, 4 * n).view(4, n),
+                lengths=part(3, B), extent=part(4, B), base=part(5, B).view(torch.float64),
+                correct=workspace[at[6]:at[6] + (B + 7) // 8].view(torch.bool)[:B])
 
 
-def _enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor) -> Tensor:
-    """Everything ``_static_advantage`` sends to the device; returns the workspace (``workspace_views``)."""
-    device = batch.device
-    B, L = batch.responses.shape
-    n = batch.n_groups
-    ext = plan.ext
+def _cached_inputs(plan: StaticPlan, config: KTAEConfig, device: torch.device) -> tuple[Tensor | None, Tensor | None,
+                                                                                        Tensor]:
+    """The kernels' inputs that live in the device state: the grid's h and strength rows (None without a
+    grid), the log-factorials of groups past it (None when none can be), the ignored ids."""
+    state = device_state.state(device)
     values = None
     if plan.bound is not None:
-        values = device_helpers.grid_values(plan.bound, config, device, _GridKernel(ext))[3:5]
+        values = state.grid(_GridKernel(plan.ext), config.alpha, config.beta, plan.bound)[3:5]
     log_factorial = None
     if plan.bound is None or plan.largest > plan.bound:
-        log_factorial = device_helpers.log_factorials(plan.largest, device)
-    members = torch.argsort(batch.group, stable=True)
+        log_factorial = state.log_factorials(plan.largest)
+    ignore = state.constant(tuple(i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID), torch.int64)
+    return values, log_factorial, ignore
+
+
+def _enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
+             rows: dict[str, Tensor] | None) -> tuple[Tensor, Tensor | None]:
+    """Everything ``token_advantage`` sends to the device, in one binding call (csrc ``launch_advantage``):
+    the scan pass, the groups pass, the shared-table pass and the global-memory one; before it, the
+    stable argsort of the group ids and two allocations. ``rows``: the given rows (``_given_rows``) in
+    place of the device grid. Returns ``out`` and the workspace (``workspace_views``; None for an empty
+    batch)."""
+    device = batch.device
+    B, L = batch.responses.shape
+    if out is None:
+        out = torch.empty((B, L), dtype=torch.float32, device=device)
+    if B == 0 or L == 0:
+        return out, None
+    n = batch.n_groups
+    values, log_factorial, ignore = _cached_inputs(plan, config, device)
+    if rows is not None:
+        values = log_factorial = None
     positions = B * L if plan.slot_index else 0
     workspace = torch.empty(advantage_workspace_size(B, n, plan.fallback_bytes, positions), dtype=torch.int64,
                             device=device)
-    constants = statistics_constants(config.alpha, config.beta)[:4]
-    ext.advantage(
+    plan.ext.advantage(
         responses=batch.responses.contiguous(), mask=batch.mask.contiguous(), group=batch.group.contiguous(),
-        members=members, rewards=batch.rewards.contiguous(),
+        members=torch.argsort(batch.group, stable=True), rewards=batch.rewards.contiguous(),
         correct=None if batch.correct is None else batch.correct.contiguous(),
         given=None if given is None else given.contiguous(), table_values=values, grid_bound=plan.bound or 0,
-        log_factorial=log_factorial,
-        ignore_ids=_constant(tuple(i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID), device),
-        workspace=workspace, out=out, n_groups=n,
+        log_factorial=log_factorial, **(rows or dict(row_offset=None, given_token=None, given_score=None)),
+        ignore_ids=ignore, workspace=workspace, out=out, n_groups=n,
         params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight], use_tf=config.use_tf,
-        threshold=config.correct_threshold,
-        baseline=_GIVEN_BASELINE if given is not None else _BASELINES[config.baseline],
-        eps=config.eps, constants=constants, shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
-        allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks, fallback_bytes=plan.fallback_bytes,
-        slot_index=plan.slot_index, threads=plan.threads,
+        threshold=config.correct_threshold, baseline=baseline_code(config, given), eps=config.eps,
+        constants=statistics_constants(config.alpha, config.beta)[:4], shared_bytes=plan.shared_bytes,
+        max_capacity=plan.max_capacity, allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks,
+        fallback_bytes=plan.fallback_bytes, slot_index=plan.slot_index, threads=plan.threads,
         stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    return workspace
+    return out, workspace
 
+
+def _read_flags(plan: StaticPlan, device: torch.device, flags: list[int]) -> None:
+    """Raise for a bad input; else learn the layout's most distinct ids and shared-memory need."""
+    _raise_input_errors(flags)
+    device_state.state(device).learn(plan.key, distinct=flags[2], shared_need=flags[3])
+
+
+def _raise_input_errors(flags: list[int]) -> None:
+    """The API's ValueError for an id out of range or a group past ``MAX_GROUP_TOKENS`` (the flags of
+    ``ADVANTAGE_FLAGS``)."""
+    check_id_range(flags[0], MAX_TOKEN_ID + flags[1])
+    if flags[5]:
+        raise ValueError(f"`responses`: a group holds {flags[5]} masked tokens; the cuda backend takes at most "
+                         f"{MAX_GROUP_TOKENS} per group")
 
 def _device_index(device: torch.device) -> int:
     if device.type != "cuda":
