@@ -1,14 +1,12 @@
 """Session setup: without a GPU, Triton kernels run in Triton's CPU interpreter.
 
 ``triton.jit`` reads TRITON_INTERPRET when a kernel is defined, so it is set here, before any test
-module imports ``ktae_kernels.triton``. An explicit TRITON_INTERPRET in the environment wins.
+module imports ``ktae_kernels.backends.triton``. An explicit TRITON_INTERPRET in the environment wins.
 
-Every test starts with no distinct-id count (nor shared-memory need) remembered by the GPU backends'
-sync-free paths (``backends.device.remember_keys``), so that a test's table sizes and blocks per SM do
-not depend on the tests before it.
+Every test starts with the GPU backends' runtime state cleared (``DeviceState.clear``: no cached grid,
+no learnt table size), so that a test's table sizes and blocks per SM do not depend on the tests before it.
 """
 import os
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -18,7 +16,23 @@ if not torch.cuda.is_available():
 
 
 @pytest.fixture(autouse=True)
-def no_remembered_distinct_ids(monkeypatch):
+def fresh_device_state():
     from ktae_kernels.backends import device
 
-    monkeypatch.setattr(device, "_DISTINCT", OrderedDict())
+    for state in device.states():
+        state.clear()
+
+
+@pytest.fixture(params=["cuda"] if torch.cuda.is_available() else
+                ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
+def triton_device(request):
+    """The device the Triton kernels run on here: CUDA, else the CPU under the interpreter."""
+    return torch.device(request.param)
+
+
+@pytest.fixture(scope="session")
+def emulator():
+    """The cuda backend's kernels built for the CPU emulator (tests/emulator.py)."""
+    from emulator import load
+
+    return load()

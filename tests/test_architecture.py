@@ -73,8 +73,8 @@ def test_the_graph_is_read():
     graph = import_graph()
     assert "ktae_kernels.method" in graph["ktae_kernels.backends.torch"]
     assert "ktae_kernels.backends.base" in graph["ktae_kernels.registry"]
-    assert {"ktae_kernels.backends.triton.tables", "ktae_kernels.backends.device"} <= graph[
-        "ktae_kernels.backends.triton.scores"]
+    assert {"ktae_kernels.backends.triton.hashing", "ktae_kernels.backends.device"} <= graph[
+        "ktae_kernels.backends.triton.pipeline"]
 
 
 def test_no_backend_imports_another_backend_the_api_or_the_registry():
@@ -126,7 +126,18 @@ def test_kernel_constants_are_methods(source):
 
 def test_triton_uses_methods_constants():
     """The Triton kernels take TF_EPS and MAX_TOKEN_ID from method / validation (no copy to drift)."""
-    scores = (PACKAGE / "backends/triton/scores.py").read_text()
-    tables = (PACKAGE / "backends/triton/tables.py").read_text()
-    assert "from ...method import TF_EPS" in scores and not re.search(r"\b1e-5\b", scores)
-    assert "_MAX_ID = tl.constexpr(MAX_TOKEN_ID)" in tables
+    pipeline = (PACKAGE / "backends/triton/pipeline.py").read_text()
+    assert "from ...method import TF_EPS" in pipeline and not re.search(r"\b1e-5\b", pipeline)
+    assert "_MAX_ID = tl.constexpr(MAX_TOKEN_ID)" in pipeline
+
+
+def test_the_gpu_backends_share_their_constants_with_the_cuda_sources():
+    """One MAX_GROUP_TOKENS, one baseline enum and one flag count for both GPU backends and csrc."""
+    from ktae_kernels.backends import cuda, device
+
+    header = (ROOT / "csrc/ktae_kernels.h").read_text()
+    assert int(eval(constant(ROOT / "csrc/ktae_kernels.h", "kMaxGroupTokens").replace("int64_t{1}", "1"))) == \
+        device.MAX_GROUP_TOKENS
+    codes = dict(re.findall(r"kBaseline(\w+) = (\d+)", header))
+    assert {name.lower(): int(code) for name, code in codes.items()} == device.BASELINE_CODES
+    assert int(constant(ROOT / "csrc/ktae_kernels.h", "kAdvantageFlags")) == cuda.ADVANTAGE_FLAGS

@@ -1,21 +1,19 @@
-"""The per-table statistics computed on the device (``backends/device.py`` grid layout and cache,
-``backends/triton/statistics.py`` kernel), against ``method.table_statistics``.
+"""The per-table statistics computed on the device (``backends/device.py``: the grid's layout and the
+``DeviceState`` that keeps it; ``backends/triton/statistics.py``: the kernel), against ``method``.
 
 The Triton kernel runs on CUDA, or on CPU in Triton's interpreter (tests/conftest.py); the CUDA
 kernel's version of the same checks is in test_cuda_emulation.py. The closeness claimed is in
-tests/statistics_cases.py: IG and h bitwise, the p = 1 / F = 0 classification exact, p, F and
-strength within 4e-15 relative.
+tests/statistics_cases.py.
 """
 import math
 
 import pytest
 import torch
 
-from cases import triton_devices
 from ktae_kernels import KTAEConfig
-from ktae_kernels.backends import device as device_helpers
+from ktae_kernels.backends import device as device_state
 from ktae_kernels.backends.device import grid_bound, grid_index, grid_size, grid_tables
-from statistics_cases import assert_matches_method, big_tables
+from statistics_cases import assert_matches_method, big_tables, with_last_bit_noise
 
 
 def test_grid_index_is_the_closed_form_of_the_enumeration():
@@ -42,19 +40,16 @@ def test_grid_bound_buckets_by_powers_of_two_up_to_the_limit():
 
 
 triton = pytest.importorskip("triton")
-DEVICES = triton_devices()
-needs_triton = pytest.mark.skipif(not DEVICES, reason="the Triton kernels need a CUDA GPU or TRITON_INTERPRET=1")
 
 
-@pytest.fixture(params=DEVICES)
-def device(request):
-    return torch.device(request.param)
+@pytest.fixture
+def device(triton_device):
+    return triton_device
 
 
 CONFIGS = [KTAEConfig(), KTAEConfig(alpha=0.5, beta=2.0)]
 
 
-@needs_triton
 @pytest.mark.parametrize("config", CONFIGS, ids=["default", "alpha0.5-beta2"])
 def test_every_table_up_to_16_rollouts(config, device):
     from ktae_kernels.backends.triton.statistics import grid_statistics_kernel
@@ -63,64 +58,67 @@ def test_every_table_up_to_16_rollouts(config, device):
     assert_matches_method(grid_statistics_kernel(grid, config.alpha, config.beta), grid, config)
 
 
-@needs_triton
 def test_random_big_tables_and_ties(device):
     from ktae_kernels.backends.triton.statistics import grid_statistics_kernel
 
     grid = big_tables(seed=0, count=96 if device.type == "cpu" else 4000)
-    grid = device_helpers.tables_of(grid.cells.to(device), grid.bound)
+    grid = device_state.tables_of(grid.cells.to(device), grid.bound)
     assert_matches_method(grid_statistics_kernel(grid, 1.0, 1.0), grid, KTAEConfig())
 
 
-@needs_triton
-def test_grid_statistics_is_cached_on_the_device(device, monkeypatch):
-    """One kernel run per (kernel, alpha, beta, bound, device); a hit computes nothing on the host."""
+def test_the_kernel_is_checked_against_its_own_tables(device):
+    """A GPU's log-factorials and angles differ from the CPU's in the last bits (libdevice): with a
+    third of the angles and a quarter of the log-factorials one ulp off, the kernel still matches the
+    reference built from those tables, and h stays within ``H_ULPS`` of the CPU's."""
     from ktae_kernels.backends.triton.statistics import grid_statistics_kernel
 
-    monkeypatch.setattr(device_helpers, "_GRID_CACHE", type(device_helpers._GRID_CACHE)())
+    for grid in (grid_tables(16, device), big_tables(seed=1, count=64)):
+        noisy = with_last_bit_noise(device_state.tables_of(grid.cells.to(device), grid.bound))
+        assert not torch.equal(noisy.angle, grid.angle.to(device))
+        assert_matches_method(grid_statistics_kernel(noisy, 1.0, 1.0), noisy, KTAEConfig())
+
+
+def test_grids_are_made_once_per_device_and_parameters(device):
+    """One kernel run per (kernel, alpha, beta, bound); a hit computes nothing; ``clear`` forgets them."""
+    from ktae_kernels.backends.triton.statistics import grid_statistics_kernel
+
     runs = []
 
     def counting(grid, alpha, beta):
         runs.append(grid.bound)
         return grid_statistics_kernel(grid, alpha, beta)
 
-    n_c, n_w = torch.tensor([3, 8, 0], device=device), torch.tensor([13, 8, 5], device=device)
-    config = KTAEConfig()
-    index, values = device_helpers.grid_statistics(n_c, n_w, 16, config, device, counting)
-    again = device_helpers.grid_statistics(n_c + 1, n_w - 1, 12, KTAEConfig(k1=1.5), device, counting)
-    assert runs == [16] and again[1] is values  # k1 does not change the table statistics
-    assert torch.equal(index, grid_index(n_c, n_w)) and values.device.type == device.type
-    assert device_helpers.grid_statistics(n_c, n_w, 16, KTAEConfig(fisher="upstream"), device, counting) is None
-    assert device_helpers.grid_statistics(n_c, n_w, 65, config, device, counting) is None
-    assert runs == [16]
+    state = device_state.state(device)
+    values = state.grid(counting, 1.0, 1.0, 16)
+    assert state.grid(counting, 1.0, 1.0, 16) is values and runs == [16]
+    assert values.shape == (5, grid_size(16)) and values.device.type == device.type
+    state.grid(counting, 0.5, 1.0, 16)
+    assert runs == [16, 16]
+    state.clear()
+    assert state.grid(counting, 1.0, 1.0, 16) is not values and runs == [16, 16, 16]
 
 
-def test_grid_values_is_the_cached_grid_and_grid_statistics_uses_it(monkeypatch):
-    """``grid_values`` (the CUDA backend's lookup: no index ops) and ``grid_statistics`` share one
-    cache entry; a second call computes nothing."""
-    from collections import OrderedDict
-
-    monkeypatch.setattr(device_helpers, "_GRID_CACHE", OrderedDict())
-    calls = []
-
-    def kernel(grid, alpha, beta):
-        calls.append(grid.size)
-        return torch.zeros(5, grid.size, dtype=torch.float64)
-
-    cpu = torch.device("cpu")
-    values = device_helpers.grid_values(16, KTAEConfig(), cpu, kernel)
-    index, again = device_helpers.grid_statistics(torch.tensor([2]), torch.tensor([3]), 5, KTAEConfig(), cpu, kernel)
-    assert again is values and calls == [4845]
-    assert index.tolist() == [[int(grid_index(torch.tensor([2]), torch.tensor([3]))[0])], [4]]
-    assert not device_helpers.capturing(cpu)
+def test_the_state_is_bounded_and_learns_the_most_seen():
+    """At most ``CACHED`` tensors and ``LEARNT`` layouts are kept (the least recently used go); a layout
+    keeps the most of each figure it was taught, and a call that counted nothing teaches nothing."""
+    state = device_state.DeviceState(torch.device("cpu"))
+    made = [state.constant((float(i),), torch.float64) for i in range(state.CACHED + 5)]
+    assert state.constant((float(state.CACHED + 4),), torch.float64) is made[-1]
+    assert state.constant((0.0,), torch.float64) is not made[0]  # evicted, made again
+    for i in range(state.LEARNT + 1):
+        state.learn(("triton", i, 1), largest=2, distinct=3)
+    assert state.learnt(("triton", 0, 1)) is None and state.learnt(("triton", 1, 1)) is not None
+    state.learn("key", largest=16, distinct=40, shared_need=100)
+    state.learn("key", largest=8, distinct=50)
+    state.learn("key", largest=99, distinct=0)
+    assert state.learnt("key") == device_state.Learnt(16, 50, 100)
 
 
-def test_log_factorials_are_cached_by_power_of_two(monkeypatch):
+def test_log_factorials_are_cached_by_power_of_two():
     from ktae_kernels.fisher import log_factorial_table
 
-    monkeypatch.setattr(device_helpers, "_LF_CACHE", {})
-    cpu = torch.device("cpu")
-    table = device_helpers.log_factorials(1025, cpu)
-    assert table.shape == (2048,) and device_helpers.log_factorials(2000, cpu) is table
-    assert torch.equal(table[:1026], log_factorial_table(1025, cpu))
-    assert device_helpers.log_factorials(3, cpu).shape == (16,)
+    state = device_state.DeviceState(torch.device("cpu"))
+    table = state.log_factorials(1025)
+    assert table.shape == (2048,) and state.log_factorials(2000) is table
+    assert torch.equal(table[:1026], log_factorial_table(1025, "cpu"))
+    assert state.log_factorials(3).shape == (16,) and state.log_factorials(16).shape == (32,)

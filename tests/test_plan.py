@@ -13,7 +13,7 @@ from cases import assert_replays_match_torch, cuda_graph_of, ragged_batch, rando
 from ktae_kernels import KTAEConfig, TokenAdvantagePlan, plan_token_advantage, token_advantage
 from ktae_kernels import plan as plan_module
 from ktae_kernels.backends import base
-from ktae_kernels.backends.base import BackendSpec, BackendUnavailableError
+from ktae_kernels.backends.base import BackendSpec, BackendUnavailableError, CapturedCall
 from ktae_kernels.registry import available_backends
 
 CPU_BACKENDS = [b for b in ("cpu", "torch", "reference", "triton") if b in available_backends("cpu")]  # triton: interpreted
@@ -90,11 +90,14 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def token_advantage(self, batch, config, given, out):
-        self.calls.append((batch, config, given, out))
-        return out
+    def token_advantage(self, batch, config, given, out, options):
+        raise AssertionError("not called while capturing")
 
-    def key_token_scores(self, batch, config):
+    def capture(self, batch, config, given, out, options):
+        self.calls.append((batch, config, given, out))
+        return out, CapturedCall(keep=(), check=lambda: None)
+
+    def key_token_scores(self, batch, config, options):
         raise AssertionError("not called")
 
 
@@ -170,9 +173,9 @@ def test_capturing_needs_a_capturable_backend_and_exact_fisher(monkeypatch):
 @pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the built extension)")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed(backend):
-    """Issue #21: the public path (a plan's call, with ``out=``) under ``torch.cuda.graph``; each replay
-    on new data copied into the captured tensors equals the torch backend; a replay with a bad id
-    leaves ``out`` untouched."""
+    """The public path (a plan's call, with ``out=``) under ``torch.cuda.graph``; each replay on new data
+    copied into the captured tensors equals the torch backend and ``check`` passes; a replay with a
+    bad id leaves ``out`` untouched and ``check`` raises the API's error."""
     gen = torch.Generator().manual_seed(7)
     B, L = 64, 384
     batch = lambda: ragged_batch(gen, B, L, 151_936)  # noqa: E731
@@ -182,9 +185,12 @@ def test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed(backend):
     out = torch.empty(B, L, device="cuda")
     graph = cuda_graph_of(lambda: plan(*static, out=out))
     assert_replays_match_torch(graph, static, out, batch, index)
+    plan.check()
     out.fill_(float("nan"))
     static[0][5, 0] = -1
     static[1][5, 0] = True
     graph.replay()
     torch.cuda.synchronize()
     assert torch.isnan(out).all()
+    with pytest.raises(ValueError, match="token ids >= 0 where the mask is 1, found -1"):
+        plan.check()
