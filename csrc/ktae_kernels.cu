@@ -792,9 +792,13 @@ __device__ __forceinline__ long long warp_sum(long long value) {
 }
 
 // `sum` plus the first `count` lanes' `value`, in lane order, on every lane (so that a float sum
-// rounds as a loop over the members in order does).
-__device__ __forceinline__ double ordered_add(double sum, double value, int count) {
-  for (int j = 0; j < count; ++j) sum = __dadd_rn(sum, __shfl_sync(kFullWarp, value, j));
+// rounds as a loop over the members in order does): the warp's values pass through its 32 slots of
+// shared memory (`staged`), each lane adding all of them.
+__device__ __forceinline__ double ordered_add(double sum, double value, int count, double* staged) {
+  staged[threadIdx.x & 31u] = value;
+  __syncwarp();
+  for (int j = 0; j < count; ++j) sum = __dadd_rn(sum, staged[j]);
+  __syncwarp();  // every lane has read the slots before the next values are staged
   return sum;
 }
 
@@ -802,6 +806,8 @@ __device__ __forceinline__ double ordered_add(double sum, double value, int coun
 // load 32 members at a time; the float sums run in member order (= index order, as torch's index_add_
 // on the CPU), every product rounded on its own. A group past kMaxGroupTokens masked tokens is flagged.
 __global__ void group_sums_kernel(const PrepareArgs args) {
+  KTAE_DYNAMIC_SHARED(smem);  // 32 doubles a warp (ordered_add)
+  double* staged = reinterpret_cast<double*>(smem) + (threadIdx.x & ~31u);
   const int64_t n = args.n_groups;
   const int lane = static_cast<int>(threadIdx.x & 31u);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -819,7 +825,7 @@ __global__ void group_sums_kernel(const PrepareArgs args) {
         T_c += c ? args.lengths[r] : 0;
         reward = args.rewards[r];
       }
-      sum = ordered_add(sum, reward, static_cast<int>(end - at < 32 ? end - at : 32));
+      sum = ordered_add(sum, reward, static_cast<int>(end - at < 32 ? end - at : 32), staged);
     }
     n_c = warp_sum(n_c);
     T_c = warp_sum(T_c);
@@ -837,7 +843,8 @@ __global__ void group_sums_kernel(const PrepareArgs args) {
     double squares = 0.0;
     for (int64_t at = first; at < end; at += 32) {
       const double centred = at + lane < end ? args.rewards[args.members[at + lane]] - mean : 0.0;
-      squares = ordered_add(squares, __dmul_rn(centred, centred), static_cast<int>(end - at < 32 ? end - at : 32));
+      squares = ordered_add(squares, __dmul_rn(centred, centred), static_cast<int>(end - at < 32 ? end - at : 32),
+                            staged);
     }
     const double var = squares / static_cast<double>(size > 2 ? size - 1 : 1);
     const double std = size > 1 ? sqrt(var) : 1.0;
@@ -966,7 +973,8 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
   groups_kernel<<<groups_blocks(prepare.B + 1), kGroupsThreads, 0, s>>>(prepare);
   if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
   if (prepare.n_groups > 0) {
-    group_sums_kernel<<<groups_blocks(32 * prepare.n_groups), kGroupsThreads, 0, s>>>(prepare);
+    group_sums_kernel<<<groups_blocks(32 * prepare.n_groups), kGroupsThreads, kGroupsThreads * sizeof(double), s>>>(
+        prepare);
     if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
   }
   if (kernel.n_items == 0) return 0;

@@ -3,7 +3,7 @@
 // Every CUDA thread of a block is a host thread; __syncthreads is a barrier over the block and each
 // warp collective (__ballot_sync, __match_any_sync, __shfl_sync) is an exchange over the warp's 32
 // threads, which therefore must all call it (the kernels use full-warp masks only; anything else
-// aborts). Atomics are GCC __atomic builtins. Dynamic shared memory is a per-block buffer filled
+// aborts); __syncwarp is such an exchange too. Atomics are GCC __atomic builtins. Dynamic shared memory is a per-block buffer filled
 // with garbage so that a missing initialisation shows. This checks the kernels' indexing, block and
 // warp logic under real interleavings; it says nothing about CUDA's memory model or performance.
 #pragma once
@@ -129,6 +129,10 @@ void run(Kernel kernel, int64_t blocks, int threads, int64_t shared_bytes) {
 #define KTAE_DYNAMIC_SHARED(name) unsigned char* name = ktae_emu::dynamic_shared()
 
 inline void __syncthreads() { ktae_emu::block->barrier.wait(); }
+inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) {
+  uint64_t all[32];
+  ktae_emu::exchange(mask, 0, all);
+}
 
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
   uint64_t all[32];

@@ -47,7 +47,8 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
   if (prepare.B > 0) ktae_emu::run([&] { scan_kernel(prepare); }, prepare.B, threads, 32);
   ktae_emu::run([&] { groups_kernel(prepare); }, groups_blocks(prepare.B + 1), kGroupsThreads, 0);
   if (prepare.n_groups > 0) {
-    ktae_emu::run([&] { group_sums_kernel(prepare); }, groups_blocks(32 * prepare.n_groups), kGroupsThreads, 0);
+    ktae_emu::run([&] { group_sums_kernel(prepare); }, groups_blocks(32 * prepare.n_groups), kGroupsThreads,
+                  kGroupsThreads * sizeof(double));
   }
   if (kernel.n_items == 0) return 0;
   if (kernel.shared_bytes > 0) {
