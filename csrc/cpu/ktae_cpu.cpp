@@ -17,9 +17,6 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
-#ifdef KTAE_CPU_PROFILE
-#include <nanobind/stl/vector.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -32,9 +29,6 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
@@ -45,16 +39,6 @@
 #include "statistics.h"
 
 namespace nb = nanobind;
-
-#ifdef KTAE_CPU_PROFILE  // scratch instrumentation: cycles per phase and thread (see profile())
-#include <x86intrin.h>
-namespace ktae { uint64_t g_prof[8][8]; }
-#define PROF_START() uint64_t prof_t = __rdtsc(); const int prof_thr = omp_get_thread_num()
-#define PROF_MARK(k) do { uint64_t n_ = __rdtsc(); ktae::g_prof[prof_thr][k] += n_ - prof_t; prof_t = n_; } while (0)
-#else
-#define PROF_START() (void)0
-#define PROF_MARK(k) (void)0
-#endif
 
 namespace ktae {
 namespace {
@@ -922,17 +906,12 @@ void write_compact(const Batch& in, int64_t g, const Params& p, const Workspace&
 bool advantage_compact(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
   const std::optional<CompactLayout> layout = CompactLayout::of(in.start[g + 1] - in.start[g], in.L);
   if (!layout) return false;
-  PROF_START();
   GroupTotals tot;
   uint64_t correct_bits;
   if (!count_compact(in, g, *layout, ws, tot, correct_bits)) return false;
-  PROF_MARK(0);
   score_compact(g, tot, *layout, correct_bits, p, ws);
-  PROF_MARK(1);
   write_compact(in, g, p, ws, out);
-  PROF_MARK(2);
   ws.reset_compact();
-  PROF_MARK(3);
   return true;
 }
 
@@ -1034,17 +1013,12 @@ bool advantage(const Array& ids, const Array& mask, const Array& order, const Ar
     nb::gil_scoped_release release;
     bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
       if (advantage_compact(in, g, p, ws, result)) return false;
-      PROF_START();
       const GroupTotals tot = count_group(in, g, ws);
-      PROF_MARK(0);
       if (!tot.bad_id) {  // an out-of-range id was never counted: do not look it up
         score_group(g, tot, p, ws);
-        PROF_MARK(1);
         write_group(in, g, p, ws, result);
-        PROF_MARK(2);
       }
       ws.reset();
-      PROF_MARK(3);
       return tot.bad_id;
     });
   }
@@ -1171,12 +1145,5 @@ NB_MODULE(_cpu, m) {
         "(blocks, bytes) of returned outputs the pool keeps for reuse.");
   m.def("clear_output_pool", []() { return ktae::output_pool().clear(); },
         "Free the returned outputs the pool keeps; returns the bytes freed.");
-#ifdef KTAE_CPU_PROFILE
-  m.def("profile", []() {
-    std::vector<std::vector<uint64_t>> r;
-    for (auto& t : ktae::g_prof) { r.emplace_back(t, t + 8); std::fill(t, t + 8, 0); }
-    return r;
-  });
-#endif
   m.def("openmp", &ktae::openmp, "Whether the module was built with OpenMP.");
 }
