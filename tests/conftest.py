@@ -1,7 +1,7 @@
 """Session setup: without a GPU, Triton kernels run in Triton's CPU interpreter.
 
 ``triton.jit`` reads TRITON_INTERPRET when a kernel is defined, so it is set here, before any test
-module imports ``ktae_kernels.triton``. An explicit TRITON_INTERPRET in the environment wins.
+module imports ``ktae_kernels.backends.triton``. An explicit TRITON_INTERPRET in the environment wins.
 
 Every test starts with no distinct-id count (nor shared-memory need) remembered by the GPU backends'
 sync-free paths (``backends.device.remember_keys``), so that a test's table sizes and blocks per SM do

@@ -72,8 +72,8 @@ class _Inputs:
 
 def _host(t: Tensor) -> np.ndarray:
     """A CPU tensor as the kernel receives it: a numpy view of its memory. The binding takes any DLPack
-    array, but torch's ``__dlpack__`` costs about 2 us an argument here against under 1 us for
-    ``.numpy()``, and a call has twelve arrays: a trainer's micro-batch sees the difference."""
+    array, but torch's ``__dlpack__`` costs more than ``.numpy()``, and a call has twelve arrays: a
+    trainer's micro-batch sees the difference."""
     return t.detach().numpy()
 
 
@@ -161,8 +161,8 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
 
 #: outputs of at least this many bytes come from the extension's output pool. glibc's heap gives a freed
 #: chunk of this size back to the OS when it tops the heap, so a caller that holds one output while the next
-#: is made paid 232 page faults a call for the 1.5 MB of an 8 x 16 x 3072 micro-batch (2026-12-03). A pool
-#: block is at least 2 MB and serves outputs of at least half its size: smaller ones are ``torch.empty``.
+#: is made (a trainer) would pay the page faults of a micro-batch's output at every call. A pool block is
+#: at least 2 MB and serves outputs of at least half its size: smaller ones are ``torch.empty``.
 POOL_MIN_BYTES = 1 << 20
 
 
