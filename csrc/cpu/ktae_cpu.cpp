@@ -118,72 +118,90 @@ struct Buffer {
   }
 };
 
-// A thread's counting table: token id -> 1 + index of the id's entry in the current group (0: not
-// seen yet), in a 4-byte dense map for small ids and a seeded hash table above; the group's entries
-// and their ids are compact arrays in first-seen order, behind a trash entry at index -1 that positions
-// out of the mask update (counting has no branch on the mask). The maps and the entries are all zero
-// between groups. `position` holds, for every block of kWord positions that counting read (one with a
-// position in the mask) and every position of a row's tail, the slot of each position: 1 + its entry,
-// 0 out of the mask. `stats` memoises table statistics on this thread (in front of the shared cache).
+// A thread's map from token id to 1 + the id's entry in the current group (0: not seen yet): a 4-byte
+// dense map for ids below kDenseIds, a seeded hash table above. All zero between groups.
+struct IdMap {
+  std::vector<uint32_t> dense = std::vector<uint32_t>(size_t(kDenseIds));
+  SparseMap sparse;
+
+  // The value of any int64 id (0 when it was not counted).
+  uint32_t value(int64_t id) const {
+    if (static_cast<uint64_t>(id) < static_cast<uint64_t>(kDenseIds)) return dense[size_t(id)];
+    if (static_cast<uint64_t>(id) > static_cast<uint64_t>(kMaxTokenId)) return 0;
+    return sparse.value_of(uint32_t(id));
+  }
+
+  // Empty the map of the group's ids ids[0 .. n).
+  void clear(const uint32_t* ids, int64_t n) {
+    uint32_t* const map = dense.data();
+    uint64_t n_sparse = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (ids[j] < kDenseIds)
+        map[ids[j]] = 0;
+      else
+        ++n_sparse;
+    }
+    sparse.clear(ids, n, uint32_t(kDenseIds), n_sparse);
+  }
+};
+
 struct MemoSlot {
   uint64_t key;  // a | b << 16 | f_c << 32 | f_w << 48, or kNoKey
   double score;
 };
 
+// A thread's scoring state: the current group's weighted scores by slot ([0]: a zero sentinel, [1 + j]:
+// entry j), their memo by (a, b, f_c, f_w) (direct-mapped, see GroupScorer), and the statistics of the
+// tables met so far (in front of the shared cache).
+struct Scoring {
+  std::vector<double> by_slot;
+  Buffer<MemoSlot> memo;
+  LocalStatistics stats;
+};
+
+// A thread's state for one group at a time, reused across groups and calls. Counting lists the group's
+// distinct ids in `tokens`, in first-seen order: on the compact path as keys of `compact`; on the
+// general path as entries reached through `ids`, behind a trash entry at index -1 that positions out
+// of the mask update (counting has no branch on the mask). `position` then holds, for every block of
+// kWord positions that counting read (one with a position in the mask) and every position of a row's
+// tail, the slot of each position: 1 + its entry, 0 out of the mask. Maps and entries are all zero
+// between groups.
 struct Workspace {
-  std::vector<uint32_t> slot;
-  SparseMap sparse;
+  IdMap ids;
+  Buffer<uint64_t> compact;      // the compact path's map, token id -> entry, then score (see count_compact)
+  Buffer<uint32_t> tokens;       // the group's ids (and one written ahead)
+  int64_t n_ids = 0;             // listed in `tokens`
   Buffer<Entry> entry_buffer;    // [0]: the trash entry, [1 + j]: entry j
   Buffer<StampedEntry> stamped;  // the same while counting a group of more than kPackedRollouts rollouts
-  Buffer<uint32_t> tokens;       // the id of each entry (and one written ahead)
   Buffer<uint32_t> position;
-  int64_t n_entries = 0;
-  uint64_t n_sparse = 0;         // entries in `sparse`
-  std::vector<double> scores;  // by slot: [0] a zero sentinel, [1 + j] entry j's weighted score
-  Buffer<MemoSlot> memo;       // score by (a, b, f_c, f_w) in the current group (direct-mapped)
-  LocalStatistics stats;
-  Buffer<uint64_t> compact;    // the compact path's map, token id -> entry, then score (see count_compact)
-  uint32_t n_compact = 0;      // its ids, listed in `tokens`
-
-  uint64_t* compact_map() { return compact.ensure_zeroed(kDenseIds); }
-
-  // Empty the compact map for the next group.
-  void reset_compact() {
-    const uint32_t* ids = tokens.data.get();
-    for (uint32_t j = 0; j < n_compact; ++j) compact.data[ids[j]] = 0;
-    n_compact = 0;
-  }
-
-  Workspace() : slot(kDenseIds, 0) {}
+  Scoring scoring;
 
   Entry* entries() const { return entry_buffer.data.get() + 1; }
 
-  // Room for a group of `positions` positions: at most that many entries (plus the trash entry), ids
-  // (plus one written ahead) and position slots.
+  uint64_t* compact_map() { return compact.ensure_zeroed(kDenseIds); }
+
+  // Room for a group of `positions` positions on the general path: at most that many entries (plus the
+  // trash entry), ids (plus one written ahead) and position slots.
   void begin_group(int64_t positions) {
     entry_buffer.ensure_zeroed(positions + 1);
     tokens.ensure(positions + 1);
     position.ensure(positions + 1);
-    n_entries = 0;
-    n_sparse = 0;
+    n_ids = 0;
   }
 
-  // 1 + the entry of id in the current group, 0 when the id was not counted (any int64).
-  uint32_t slot_value(int64_t id) const {
-    if (static_cast<uint64_t>(id) < static_cast<uint64_t>(kDenseIds)) return slot[size_t(id)];
-    if (static_cast<uint64_t>(id) > static_cast<uint64_t>(kMaxTokenId)) return 0;
-    return sparse.value_of(uint32_t(id));
+  // Empty the compact map for the next group.
+  void reset_compact() {
+    uint64_t* const map = compact.data.get();
+    const uint32_t* const t = tokens.data.get();
+    for (int64_t j = 0, n = n_ids; j < n; ++j) map[t[j]] = 0;
+    n_ids = 0;
   }
 
-  // Empty the maps and zero the entries (the trash entry included) for the next group.
+  // Empty the id map and zero the entries (the trash entry included) for the next group.
   void reset() {
-    const uint32_t* ids = tokens.data.get();
-    for (int64_t j = 0; j < n_entries; ++j)
-      if (ids[j] < kDenseIds) slot[ids[j]] = 0;
-    sparse.clear(ids, n_entries, uint32_t(kDenseIds), n_sparse);
-    std::memset(static_cast<void*>(entry_buffer.data.get()), 0, size_t(n_entries + 1) * sizeof(Entry));
-    n_entries = 0;
-    n_sparse = 0;
+    ids.clear(tokens.data.get(), n_ids);
+    std::memset(static_cast<void*>(entry_buffer.data.get()), 0, size_t(n_ids + 1) * sizeof(Entry));
+    n_ids = 0;
   }
 };
 
@@ -485,8 +503,8 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     entries = ws.stamped.ensure_zeroed(positions + 1) + 1;
   else
     entries = ws.entries();
-  Cursor<kMode, Counted> c{entries, ws.tokens.data.get(), ws.position.data.get(), ws.slot.data(), &ws.sparse,
-                           ws.sparse.view(), 0, 0, 0, 0, Rollout{}};
+  Cursor<kMode, Counted> c{entries, ws.tokens.data.get(), ws.position.data.get(), ws.ids.dense.data(), &ws.ids.sparse,
+                           ws.ids.sparse.view(), 0, 0, 0, 0, Rollout{}};
   uint64_t correct_bits = 0;
   for (int64_t k = first; k < last; ++k) {
     const int64_t i = in.order[k], local = k - first;
@@ -521,8 +539,7 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     (is_c ? tot.n_c : tot.n_w) += 1;
   }
   const int64_t n = c.n;
-  ws.n_entries = n;
-  ws.n_sparse = c.n - c.n_dense;
+  ws.n_ids = n;
   tot.bad_id = c.bad != 0;
   Entry* out = ws.entries();
   if constexpr (kBits) {
@@ -606,7 +623,7 @@ inline Strength strength_of(int64_t g, int64_t a, int64_t b, const GroupTotals& 
     const int64_t entry = p.offset[g] + a * p.stride[g] + b;
     return {p.strength[entry], p.h[entry]};
   }
-  const TableStats s = ws.stats.get(Table{a, b, tot.n_c, tot.n_w});
+  const TableStats s = ws.scoring.stats.get(Table{a, b, tot.n_c, tot.n_w});
   return {p.alpha * s.F + p.beta * s.IG, s.h};
 }
 
@@ -634,7 +651,7 @@ class GroupScorer {
  public:
   GroupScorer(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws, int64_t n_rows)
       : g_(g), tot_(tot), p_(p), ws_(ws), tf_{side(tot.T_c), side(tot.T_w)}, bits_(memo_bits(n_rows)),
-        memo_(ws.memo.ensure(int64_t(1) << bits_)) {
+        memo_(ws.scoring.memo.ensure(int64_t(1) << bits_)) {
     std::fill(memo_, memo_ + (int64_t(1) << bits_), MemoSlot{kNoKey, 0.0});
   }
 
@@ -665,12 +682,12 @@ class GroupScorer {
   MemoSlot* memo_;
 };
 
-// weight * score of every distinct id of group g, into ws.scores, as method.score_rows.
+// weight * score of every distinct id of group g, into ws.scoring.by_slot, as method.score_rows.
 void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws) {
-  const int64_t n = ws.n_entries;
+  const int64_t n = ws.n_ids;
   GroupScorer score(g, tot, p, ws, n);
-  ws.scores.resize(size_t(n) + 1);
-  double* const scores = ws.scores.data();
+  ws.scoring.by_slot.resize(size_t(n) + 1);
+  double* const scores = ws.scoring.by_slot.data();
   scores[0] = 0.0;
   const Entry* const entries = ws.entries();
   for (int64_t j = 0; j < n; ++j) {
@@ -679,7 +696,7 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
   }
   // method.ignored_rows: an ignored id scores 0 (looked up once per ignored id, not per row)
   for (int64_t k = 0; k < p.n_ignore; ++k) {
-    const uint32_t s = ws.slot_value(p.ignore[k]);
+    const uint32_t s = ws.ids.value(p.ignore[k]);
     if (s != 0) scores[s] = 0.0 * p.weight;
   }
 }
@@ -701,7 +718,7 @@ inline float masked_value(double score, double base, uint32_t keep) {
 // a block out of the mask is zeroed at once, one all in is written without a test, a mixed one
 // without a branch.
 void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
-  const double* const scores = ws.scores.data();
+  const double* const scores = ws.scoring.by_slot.data();
   const uint32_t* pos = ws.position.data.get();
   const int64_t L = in.L;
   const uint8_t* const all_masks = in.mask;
@@ -798,7 +815,7 @@ struct CompactCursor {
   }
 };
 
-// Count group g on the compact path into ws.compact (ids in ws.tokens, their number in ws.n_compact);
+// Count group g on the compact path into ws.compact (ids in ws.tokens, their number in ws.n_ids);
 // false, with the map cleared, when a masked id is at or past kDenseIds or out of range.
 bool count_compact(const Batch& in, int64_t g, const CompactLayout& layout, Workspace& ws, GroupTotals& tot,
                    uint64_t& correct_bits) {
@@ -834,7 +851,7 @@ bool count_compact(const Batch& in, int64_t g, const CompactLayout& layout, Work
     (is_c ? tot.T_c : tot.T_w) += c.counted;
     (is_c ? tot.n_c : tot.n_w) += 1;
   }
-  ws.n_compact = c.n;
+  ws.n_ids = c.n;
   if (!ok) ws.reset_compact();
   return ok;
 }
@@ -851,7 +868,7 @@ void score_compact(int64_t g, const GroupTotals& tot, const CompactLayout& layou
                    const Params& p, Workspace& ws) {
   uint64_t* const map = ws.compact.data.get();
   const uint32_t* const tokens = ws.tokens.data.get();
-  const int64_t n = int64_t(ws.n_compact);
+  const int64_t n = ws.n_ids;
   const uint64_t presence = (uint64_t(1) << layout.shift_c) - 1;
   // method.ignored_rows: a counted ignored id loses its presence bits, which no counted id lacks
   for (int64_t k = 0; k < p.n_ignore; ++k) {
@@ -919,7 +936,7 @@ bool advantage_compact(const Batch& in, int64_t g, const Params& p, Workspace& w
 int64_t emit_rows(Workspace& ws, int64_t row, int64_t* cols, int64_t capacity) {
   const uint32_t* tokens = ws.tokens.data.get();
   const Entry* entries = ws.entries();
-  std::vector<uint32_t> by_token(size_t(ws.n_entries));
+  std::vector<uint32_t> by_token(size_t(ws.n_ids));
   for (size_t j = 0; j < by_token.size(); ++j) by_token[j] = uint32_t(j);
   std::sort(by_token.begin(), by_token.end(), [&](uint32_t x, uint32_t y) { return tokens[x] < tokens[y]; });
   for (uint32_t j : by_token) {
