@@ -211,6 +211,9 @@ def cpu_host_times(repeats: int, config: KTAEConfig = KTAEConfig()) -> dict[str,
     out = torch.empty(PAPER.B, PAPER.L, dtype=torch.float32)
 
     class Stub:
+        def Method(self, **_: object) -> None:
+            return None
+
         def advantage(self, *_: object, **__: object) -> bool:
             raise FirstLaunch
 

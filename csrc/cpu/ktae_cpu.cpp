@@ -17,6 +17,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
 
 #include <algorithm>
 #include <cmath>
@@ -26,6 +27,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -75,23 +77,34 @@ struct Batch {
   int64_t ids_stride;
   const uint8_t* mask;     // [B, L] bool rows `mask_stride` apart
   int64_t mask_stride;
-  int64_t L;
+  int64_t B, L, n_groups;
   const int64_t* order;    // rollouts sorted by group
   const int64_t* start;    // [n_groups + 1] group g's rollouts are order[start[g] .. start[g + 1])
   const uint8_t* correct;  // [B]
 };
 
-// Where a table's statistics come from: the precomputed grid (offset != nullptr) or statistics.h.
-struct Params {
-  const int64_t* offset;    // [n_groups] grid offset, or nullptr: statistics computed here
-  const int64_t* stride;    // [n_groups] grid stride (n_w + 1)
-  const double* strength;   // [grid] alpha F + beta IG
-  const double* h;          // [grid] Cohen's h
-  const int64_t* ignore;    // sorted ignored ids
-  int64_t n_ignore;
-  const double* base;       // [B] rollout advantage
+// The method's scalars, as KTAEConfig holds them (bound: the largest double below top).
+struct Method {
   double k1, b, alpha, beta, top, bound, weight;
   bool use_tf;
+};
+
+// Where a table's statistics come from: a grid that method.py computed (group g's table (a, b) at
+// offset[g] + a * stride[g] + b), or statistics.h where offset is nullptr.
+struct Grid {
+  const int64_t* offset = nullptr;  // [n_groups]
+  const int64_t* stride = nullptr;  // [n_groups] (n_w + 1)
+  const double* strength = nullptr;  // alpha F + beta IG
+  const double* h = nullptr;         // Cohen's h
+};
+
+// What scoring and writing need besides the batch.
+struct Params {
+  Method method;
+  Grid grid;
+  const int64_t* ignore;  // sorted ignored ids
+  int64_t n_ignore;
+  const double* base;     // [B] rollout advantage
 };
 
 // A growable array whose contents are undefined until written (see ensure_zeroed).
@@ -569,10 +582,10 @@ class Bm25Side {
  public:
   static constexpr uint64_t kCached = 64;
 
-  Bm25Side(int64_t T, double avg, const Params& p)
+  Bm25Side(int64_t T, double avg, const Method& m)
       : T_(double(std::max<int64_t>(T, 1))),
-        K_(p.k1 * ((1.0 - p.b) + (p.b * double(T)) / std::max(avg, 1e-300))),
-        k1_plus_1_(p.k1 + 1.0) {
+        K_(m.k1 * ((1.0 - m.b) + (m.b * double(T)) / std::max(avg, 1e-300))),
+        k1_plus_1_(m.k1 + 1.0) {
     cached_[0] = 0.0;
     std::fill(cached_ + 1, cached_ + kCached, kNotYet);
   }
@@ -606,25 +619,26 @@ struct Strength {
 };
 
 // The score of one (group, token) row, as method.score_rows.
-inline double score_of(Strength s, uint64_t f_c, uint64_t f_w, Bm25& tf, const Params& p) {
+inline double score_of(Strength s, uint64_t f_c, uint64_t f_w, Bm25& tf, const Method& m) {
   double x = s.h;
-  if (p.use_tf) {
+  if (m.use_tf) {
     const double tf_c = tf.c(f_c), tf_w = tf.w(f_w);
     x = x + (tf_c / (tf_w + kTfEps) - tf_w / (tf_c + kTfEps));
   }
-  const double key = (s.strength * x) / (p.alpha + p.beta);
-  return std::min(p.bound, std::max(-p.bound, p.top * std::tanh(key / 2.0)));
+  const double key = (s.strength * x) / (m.alpha + m.beta);
+  return std::min(m.bound, std::max(-m.bound, m.top * std::tanh(key / 2.0)));
 }
 
 // The statistics of table (a, b) of group g with totals `tot`: from the grid, or from the caches.
 inline Strength strength_of(int64_t g, int64_t a, int64_t b, const GroupTotals& tot, const Params& p,
                             Workspace& ws) {
-  if (p.offset != nullptr) {
-    const int64_t entry = p.offset[g] + a * p.stride[g] + b;
-    return {p.strength[entry], p.h[entry]};
+  const Grid& grid = p.grid;
+  if (grid.offset != nullptr) {
+    const int64_t entry = grid.offset[g] + a * grid.stride[g] + b;
+    return {grid.strength[entry], grid.h[entry]};
   }
   const TableStats s = ws.scoring.stats.get(Table{a, b, tot.n_c, tot.n_w});
-  return {p.alpha * s.F + p.beta * s.IG, s.h};
+  return {p.method.alpha * s.F + p.method.beta * s.IG, s.h};
 }
 
 // The zero rule of method.informative_rows: a row is scored only where its table is informative (a
@@ -664,13 +678,13 @@ class GroupScorer {
   }
 
  private:
-  Bm25Side side(int64_t T) const { return Bm25Side(T, double(tot_.T_c + tot_.T_w) / 2.0, p_); }
+  Bm25Side side(int64_t T) const { return Bm25Side(T, double(tot_.T_c + tot_.T_w) / 2.0, p_.method); }
 
   double compute(uint64_t a, uint64_t b, uint64_t f_c, uint64_t f_w) {
     const int64_t ia = int64_t(a), ib = int64_t(b);
     const double score =
-        informative(ia, ib, tot_) ? score_of(strength_of(g_, ia, ib, tot_, p_, ws_), f_c, f_w, tf_, p_) : 0.0;
-    return score * p_.weight;
+        informative(ia, ib, tot_) ? score_of(strength_of(g_, ia, ib, tot_, p_, ws_), f_c, f_w, tf_, p_.method) : 0.0;
+    return score * p_.method.weight;
   }
 
   int64_t g_;
@@ -697,7 +711,7 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
   // method.ignored_rows: an ignored id scores 0 (looked up once per ignored id, not per row)
   for (int64_t k = 0; k < p.n_ignore; ++k) {
     const uint32_t s = ws.ids.value(p.ignore[k]);
-    if (s != 0) scores[s] = 0.0 * p.weight;
+    if (s != 0) scores[s] = 0.0 * p.method.weight;
   }
 }
 
@@ -880,7 +894,7 @@ void score_compact(int64_t g, const GroupTotals& tot, const CompactLayout& layou
     __builtin_prefetch(map + tokens[std::min(j + kScorePrefetch, n - 1)], 1);
     const uint64_t e = map[tokens[j]];
     const uint64_t pres = e & presence;
-    const double s = pres == 0 ? 0.0 * p.weight
+    const double s = pres == 0 ? 0.0 * p.method.weight
                                : score(uint64_t(__builtin_popcountll(pres & correct_bits)),
                                        uint64_t(__builtin_popcountll(pres & ~correct_bits)),
                                        (e >> layout.shift_c) & layout.count_mask, e >> layout.shift_w);
@@ -968,67 +982,65 @@ bool for_each_group(int64_t n_groups, int threads, Fn fn) {
   return bad != 0;
 }
 
+// The batch's arrays as Python passes them: ids, mask, order, start, correct.
+using BatchArrays = std::tuple<Array, Array, Array, Array, Array>;
+// A grid's arrays: offset, stride, strength, h (see Grid).
+using GridArrays = std::tuple<Array, Array, Array, Array>;
+
+// `start` (int64 [n_groups + 1], checked) rises from 0 to B.
+void check_start(const Check& check, const Array& start, int64_t B) {
+  const int64_t* s = static_cast<const int64_t*>(start.data());
+  const int64_t n = extent(start, 0) - 1;
+  bool ok = s[0] == 0 && s[n] == B;
+  for (int64_t g = 0; ok && g < n; ++g) ok = s[g + 1] >= s[g];
+  if (!ok)
+    throw nb::value_error((std::string(check.fn) + ": `start` must rise from 0 to B = " + std::to_string(B)).c_str());
+}
+
 // The batch's arrays, checked: ids int64 and mask bool [B, L] with unit column stride, order int64
-// [B], start int64 [n_groups + 1], correct bool [B].
-Batch batch_of(const char* fn, const Array& ids, const Array& mask, const Array& order, const Array& start,
-               const Array& correct) {
-  const Check check{fn};
+// [B], start int64 [n_groups + 1] rising from 0 to B, correct bool [B].
+Batch batch_of(const Check& check, const BatchArrays& arrays) {
+  const auto& [ids, mask, order, start, correct] = arrays;
   check.matrix("ids", ids, kInt64);
-  const int64_t B = int64_t(ids.shape(0)), L = int64_t(ids.shape(1));
+  const int64_t B = extent(ids, 0), L = extent(ids, 1);
   check.matrix("mask", mask, kBool, B, L);
   check.vector("order", order, kInt64, B);
   check.vector("start", start, kInt64);
   check.vector("correct", correct, kBool, B);
   if (start.shape(0) < 1) check.fail("start", "at least one entry ([n_groups + 1])", start);
+  check_start(check, start, B);
   return Batch{static_cast<const int64_t*>(ids.data()), row_stride(ids), static_cast<const uint8_t*>(mask.data()),
-               row_stride(mask), L, static_cast<const int64_t*>(order.data()),
+               row_stride(mask), B, L, extent(start, 0) - 1, static_cast<const int64_t*>(order.data()),
                static_cast<const int64_t*>(start.data()), static_cast<const uint8_t*>(correct.data())};
 }
 
-// `start` checked against B: non-decreasing, from 0 to B.
-void check_start(const char* fn, const Array& start, int64_t B) {
-  const int64_t* s = static_cast<const int64_t*>(start.data());
-  const int64_t n = int64_t(start.shape(0)) - 1;
-  bool ok = s[0] == 0 && s[n] == B;
-  for (int64_t g = 0; ok && g < n; ++g) ok = s[g + 1] >= s[g];
-  if (!ok) throw nb::value_error((std::string(fn) + ": `start` must rise from 0 to B = " + std::to_string(B)).c_str());
+// A grid's arrays, checked for n_groups groups.
+Grid grid_of(const Check& check, const GridArrays& arrays, int64_t n_groups) {
+  const auto& [offset, stride, strength, h] = arrays;
+  check.vector("offset", offset, kInt64, n_groups);
+  check.vector("stride", stride, kInt64, n_groups);
+  check.vector("strength", strength, kFloat64);
+  check.vector("h", h, kFloat64, extent(strength, 0));
+  return Grid{static_cast<const int64_t*>(offset.data()), static_cast<const int64_t*>(stride.data()),
+              static_cast<const double*>(strength.data()), static_cast<const double*>(h.data())};
 }
 
 // advantage(...) -> True when every masked id was in range (else the output is incomplete).
-bool advantage(const Array& ids, const Array& mask, const Array& order, const Array& start, const Array& correct,
-               const Array& base, const Array& ignore, const Array& out, const Array* offset, const Array* stride,
-               const Array* strength, const Array* h, double k1, double b, double alpha, double beta, double top,
-               double bound, double weight, bool use_tf, int threads) {
-  const char* fn = "_cpu.advantage";
-  const Check check{fn};
-  const Batch in = batch_of(fn, ids, mask, order, start, correct);
-  const int64_t B = int64_t(ids.shape(0)), n_groups = int64_t(start.shape(0)) - 1;
-  check.vector("base", base, kFloat64, B);
+bool advantage(const BatchArrays& batch, const Array& base, const Array& ignore, const Array& out,
+               const Method& method, const std::optional<GridArrays>& grid, int threads) {
+  const Check check{"_cpu.advantage"};
+  const Batch in = batch_of(check, batch);
+  check.vector("base", base, kFloat64, in.B);
   check.vector("ignore", ignore, kInt64);
-  check.contiguous_matrix("out", out, kFloat32, B, in.L);
-  check_start(fn, start, B);
-  Params p{nullptr, nullptr, nullptr, nullptr, static_cast<const int64_t*>(ignore.data()), int64_t(ignore.shape(0)),
-           static_cast<const double*>(base.data()), k1, b, alpha, beta, top, bound, weight, use_tf};
-  const bool grid = offset != nullptr || stride != nullptr || strength != nullptr || h != nullptr;
-  if (grid) {
-    if (!(offset && stride && strength && h))
-      throw nb::value_error("_cpu.advantage: pass all of `offset`, `stride`, `strength`, `h` (a grid) or none");
-    check.vector("offset", *offset, kInt64, n_groups);
-    check.vector("stride", *stride, kInt64, n_groups);
-    check.vector("strength", *strength, kFloat64);
-    check.vector("h", *h, kFloat64, int64_t(strength->shape(0)));
-    p.offset = static_cast<const int64_t*>(offset->data());
-    p.stride = static_cast<const int64_t*>(stride->data());
-    p.strength = static_cast<const double*>(strength->data());
-    p.h = static_cast<const double*>(h->data());
-  } else {
-    ensure_log_factorials();
-  }
+  check.contiguous_matrix("out", out, kFloat32, in.B, in.L);
+  const Params p{method, grid ? grid_of(check, *grid, in.n_groups) : Grid{}, static_cast<const int64_t*>(ignore.data()),
+                 extent(ignore, 0), static_cast<const double*>(base.data())};
+  if (!grid) ensure_log_factorials();
   float* result = static_cast<float*>(out.data());
   bool bad;
   {
     nb::gil_scoped_release release;
-    bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
+    bad = for_each_group(in.n_groups, threads, [&](int64_t g, Workspace& ws) {
       if (advantage_compact(in, g, p, ws, result)) return false;
       const GroupTotals tot = count_group(in, g, ws);
       if (!tot.bad_id) {  // an out-of-range id was never counted: do not look it up
@@ -1045,13 +1057,10 @@ bool advantage(const Array& ids, const Array& mask, const Array& order, const Ar
 // rows(...): group g's rows, sorted by token, go to row_offset[g] .. of cols (int64 [5, capacity]:
 // token, a, b, f_c, f_w); totals (int64 [3, n_groups]: n_rows, T_c, T_w) are written.
 // -> True when every masked id was in range.
-bool rows(const Array& ids, const Array& mask, const Array& order, const Array& start, const Array& correct,
-          const Array& row_offset, const Array& cols, const Array& totals, int threads) {
-  const char* fn = "_cpu.rows";
-  const Check check{fn};
-  const Batch in = batch_of(fn, ids, mask, order, start, correct);
-  const int64_t n_groups = int64_t(start.shape(0)) - 1;
-  check_start(fn, start, int64_t(ids.shape(0)));
+bool rows(const BatchArrays& batch, const Array& row_offset, const Array& cols, const Array& totals, int threads) {
+  const Check check{"_cpu.rows"};
+  const Batch in = batch_of(check, batch);
+  const int64_t n_groups = in.n_groups;
   check.vector("row_offset", row_offset, kInt64, n_groups);
   check.contiguous_matrix("cols", cols, kInt64, 5);
   check.contiguous_matrix("totals", totals, kInt64, 3, n_groups);
@@ -1130,25 +1139,15 @@ bool openmp() {
 NB_MODULE(_cpu, m) {
   using namespace nb::literals;
   m.doc() = "ktae_kernels native CPU kernel (see ktae_kernels/backends/cpu.py)";
-  m.def(
-      "advantage",
-      [](const ktae::Array& ids, const ktae::Array& mask, const ktae::Array& order, const ktae::Array& start,
-         const ktae::Array& correct, const ktae::Array& base, const ktae::Array& ignore, const ktae::Array& out,
-         std::optional<ktae::Array> offset, std::optional<ktae::Array> stride, std::optional<ktae::Array> strength,
-         std::optional<ktae::Array> h, double k1, double b, double alpha, double beta, double top, double bound,
-         double weight, bool use_tf, int threads) {
-        auto ptr = [](const std::optional<ktae::Array>& a) { return a ? &*a : nullptr; };
-        return ktae::advantage(ids, mask, order, start, correct, base, ignore, out, ptr(offset), ptr(stride),
-                               ptr(strength), ptr(h), k1, b, alpha, beta, top, bound, weight, use_tf, threads);
-      },
-      "ids"_a, "mask"_a, "order"_a, "start"_a, "correct"_a, "base"_a, "ignore"_a, "out"_a, nb::kw_only(),
-      "offset"_a = nb::none(), "stride"_a = nb::none(), "strength"_a = nb::none(), "h"_a = nb::none(), "k1"_a,
-      "b"_a, "alpha"_a, "beta"_a, "top"_a, "bound"_a, "weight"_a, "use_tf"_a, "threads"_a,
-      "Fused count, score and write of the float32 [B, L] advantages into `out`; False when a masked id "
-      "was out of range. With a grid (offset, stride, strength, h) the statistics are looked up there, "
-      "else computed here once per distinct table and memoised.");
-  m.def("rows", &ktae::rows, "ids"_a, "mask"_a, "order"_a, "start"_a, "correct"_a, "row_offset"_a, "cols"_a,
-        "totals"_a, nb::kw_only(), "threads"_a,
+  nb::class_<ktae::Method>(m, "Method", "The method's scalars (`bound`: the largest float64 below `top`).")
+      .def(nb::init<double, double, double, double, double, double, double, bool>(), nb::kw_only(), "k1"_a, "b"_a,
+           "alpha"_a, "beta"_a, "top"_a, "bound"_a, "weight"_a, "use_tf"_a);
+  m.def("advantage", &ktae::advantage, "batch"_a, "base"_a, "ignore"_a, "out"_a, "method"_a, nb::kw_only(),
+        "grid"_a = nb::none(), "threads"_a,
+        "Fused count, score and write of the float32 [B, L] advantages of `batch` (ids, mask, order, start, "
+        "correct) into `out`; False when a masked id was out of range. With a `grid` (offset, stride, strength, h) "
+        "the statistics are looked up there, else computed here once per distinct table and memoised.");
+  m.def("rows", &ktae::rows, "batch"_a, "row_offset"_a, "cols"_a, "totals"_a, nb::kw_only(), "threads"_a,
         "Per-group (token, a, b, f_c, f_w) rows sorted by token into cols [5, capacity], and n_rows, T_c, T_w "
         "into totals [3, n_groups]; False when a masked id was out of range.");
   m.def("table_statistics", &ktae::table_statistics, "tables"_a, "out"_a,
