@@ -234,9 +234,8 @@ ROW_SUM_ROWS = 256
 
 def float64_row_sums(t: Tensor) -> Tensor:
     """float64 ``[B]``: ``t.to(torch.float64).sum(-1)`` of a real ``[B, T]`` tensor, the same bits. On the
-    CPU it runs over blocks of ``ROW_SUM_ROWS`` rows (each row is summed the same way): for a
-    16,384 x 3072 float32 batch 10.6 ms against 153 ms whole (with or without a float64 copy; 2 threads,
-    2026-12-03)."""
+    CPU it runs over blocks of ``ROW_SUM_ROWS`` rows (each row is summed the same way), which is
+    many times faster than one pass over a paper-sized batch (docs/benchmarks.md)."""
     if t.device.type != "cpu" or t.shape[0] <= ROW_SUM_ROWS:
         return t.to(torch.float64).sum(-1)
     out = torch.empty(t.shape[0], dtype=torch.float64)
@@ -284,28 +283,16 @@ def dense_group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[
 
 
 def _unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(values, return_inverse=True)`` of a 1-D array, faster for the usual indexes: uid
-    strings through a dict (``_unique_strings``), and sorted integers in one pass (a trainer lists each
-    group's rollouts together, in order): 4.6 us against 9.4 for 128 ints (2026-12-03), a trainer's
-    micro-batch calls this once."""
+    """``np.unique(values, return_inverse=True)`` of a 1-D array; uid strings through a dict
+    (``_unique_strings``)."""
     strings = _unique_strings(values) if values.dtype == object else None
-    if strings is not None:
-        return strings
-    if values.shape[0] < 2 or values.dtype.kind not in "iu" or not (values[1:] >= values[:-1]).all():
-        return np.unique(values, return_inverse=True)
-    first = np.empty(values.shape[0], dtype=bool)
-    first[0] = True
-    np.not_equal(values[1:], values[:-1], out=first[1:])
-    inverse = np.cumsum(first)
-    inverse -= 1
-    return values[first], inverse
+    return np.unique(values, return_inverse=True) if strings is None else strings
 
 
 def _unique_strings(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
     """``np.unique(values, return_inverse=True)`` of a 1-D object array of ``str`` (verl's uids) through
-    a dict, or None when some value is not a ``str``. numpy sorts an object array one Python comparison
-    at a time: for 16,384 uuid strings (a paper-sized verl batch, whose adapter groups it three times a step)
-    3.8-4.8 ms against 0.9-1.2 ms here, for 128 about 20 us against 10.5 (2026-12-03). The labels are
+    a dict, or None when some value is not a ``str``: numpy sorts an object array one Python comparison
+    at a time, several times slower on a paper-sized verl batch (docs/benchmarks.md). The labels are
     the same: both order strings by Python's ``<``."""
     items = values.tolist()
     if set(map(type, items)) != {str}:

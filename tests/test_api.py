@@ -68,9 +68,8 @@ def test_uid_strings_get_the_group_ids_and_labels_of_np_unique():
 
 
 def test_integer_index_gets_the_group_ids_and_labels_of_np_unique():
-    """Sorted integer ids (a trainer's usual index) take one pass, not numpy's sort: the same labels,
-    dtype included, and dense ids as ``np.unique``, for sorted, unsorted, repeated, extreme, unsigned
-    and single ids, from numpy arrays and tensors."""
+    """Integer ids get the labels, dtype included, and dense ids of ``np.unique``, for sorted, unsorted,
+    repeated, extreme, unsigned and single ids, from numpy arrays and tensors."""
     from ktae_kernels.validation import dense_group_ids
 
     rng = np.random.default_rng(4)

@@ -409,12 +409,16 @@ def _kernel_arguments():
     )
 
 
-SCALARS = dict(k1=2.0, b=0.5, alpha=1.0, beta=1.0, top=1.0, bound=0.9999999, weight=1.0, use_tf=True, threads=1)
+def _advantage(kernel, args, **kwargs):
+    """``_cpu.advantage`` of ``_kernel_arguments()`` (their batch arrays as its ``batch``), on 1 thread."""
+    batch = tuple(args[name] for name in ("ids", "mask", "order", "start", "correct"))
+    method = kernel.Method(k1=2.0, b=0.5, alpha=1.0, beta=1.0, top=1.0, bound=0.9999999, weight=1.0, use_tf=True)
+    return kernel.advantage(batch, args["base"], args["ignore"], args["out"], method, threads=1, **kwargs)
 
 
 def test_binding_accepts_valid_arrays(kernel):
     args = _kernel_arguments()
-    assert kernel.advantage(*args.values(), **SCALARS)
+    assert _advantage(kernel, args)
     assert torch.isfinite(args["out"]).all()
 
 
@@ -441,19 +445,31 @@ def test_binding_rejects_wrong_arrays(kernel, case):
     args = _kernel_arguments()
     args[name] = make(args)
     with pytest.raises(ValueError, match=message):
-        kernel.advantage(*args.values(), **SCALARS)
+        _advantage(kernel, args)
+
+
+def test_binding_checks_a_grid_like_the_other_arrays(kernel):
+    """A grid's four arrays (offset, stride, strength, h) are checked; a valid one is accepted (every table of
+    this batch is uninformative: every advantage is its base, 0)."""
+    args = _kernel_arguments()
+    grid = [torch.zeros(3, dtype=torch.int64), torch.full((3,), 2), torch.zeros(4, dtype=torch.float64),
+            torch.zeros(4, dtype=torch.float64)]
+    assert _advantage(kernel, args, grid=tuple(grid)) and torch.equal(args["out"], torch.zeros(6, 5))
+    grid[0] = grid[0][:2]
+    with pytest.raises(ValueError, match="`offset` must be a int64 CPU array of shape \\[3\\]"):
+        _advantage(kernel, args, grid=tuple(grid))
 
 
 def test_binding_rejects_a_partial_grid(kernel):
-    with pytest.raises(ValueError, match="offset.*or none"):
-        kernel.advantage(*_kernel_arguments().values(), offset=torch.zeros(3, dtype=torch.int64), **SCALARS)
+    with pytest.raises(TypeError):
+        _advantage(kernel, _kernel_arguments(), grid=(torch.zeros(3, dtype=torch.int64),))
 
 
 def test_binding_rejects_a_non_array(kernel):
     args = _kernel_arguments()
     args["ids"] = [[0, 1]]
     with pytest.raises(TypeError):
-        kernel.advantage(*args.values(), **SCALARS)
+        _advantage(kernel, args)
 
 
 class _DLDevice(ctypes.Structure):
@@ -497,7 +513,7 @@ def test_binding_rejects_a_device_array(kernel):
     args = _kernel_arguments()
     args["ids"] = _OnCuda(6, 5)
     with pytest.raises(ValueError, match="`ids` must be a int64 CPU array.*on device type 2"):
-        kernel.advantage(*args.values(), **SCALARS)
+        _advantage(kernel, args)
 
 
 # ------------------------------------------------------------------------------------------ output pool

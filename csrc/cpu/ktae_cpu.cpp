@@ -17,9 +17,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
-#ifdef KTAE_CPU_PROFILE
-#include <nanobind/stl/vector.h>
-#endif
+#include <nanobind/stl/tuple.h>
 
 #include <algorithm>
 #include <cmath>
@@ -29,12 +27,10 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
@@ -45,16 +41,6 @@
 #include "statistics.h"
 
 namespace nb = nanobind;
-
-#ifdef KTAE_CPU_PROFILE  // scratch instrumentation: cycles per phase and thread (see profile())
-#include <x86intrin.h>
-namespace ktae { uint64_t g_prof[8][8]; }
-#define PROF_START() uint64_t prof_t = __rdtsc(); const int prof_thr = omp_get_thread_num()
-#define PROF_MARK(k) do { uint64_t n_ = __rdtsc(); ktae::g_prof[prof_thr][k] += n_ - prof_t; prof_t = n_; } while (0)
-#else
-#define PROF_START() (void)0
-#define PROF_MARK(k) (void)0
-#endif
 
 namespace ktae {
 namespace {
@@ -91,23 +77,34 @@ struct Batch {
   int64_t ids_stride;
   const uint8_t* mask;     // [B, L] bool rows `mask_stride` apart
   int64_t mask_stride;
-  int64_t L;
+  int64_t B, L, n_groups;
   const int64_t* order;    // rollouts sorted by group
   const int64_t* start;    // [n_groups + 1] group g's rollouts are order[start[g] .. start[g + 1])
   const uint8_t* correct;  // [B]
 };
 
-// Where a table's statistics come from: the precomputed grid (offset != nullptr) or statistics.h.
-struct Params {
-  const int64_t* offset;    // [n_groups] grid offset, or nullptr: statistics computed here
-  const int64_t* stride;    // [n_groups] grid stride (n_w + 1)
-  const double* strength;   // [grid] alpha F + beta IG
-  const double* h;          // [grid] Cohen's h
-  const int64_t* ignore;    // sorted ignored ids
-  int64_t n_ignore;
-  const double* base;       // [B] rollout advantage
+// The method's scalars, as KTAEConfig holds them (bound: the largest double below top).
+struct Method {
   double k1, b, alpha, beta, top, bound, weight;
   bool use_tf;
+};
+
+// Where a table's statistics come from: a grid that method.py computed (group g's table (a, b) at
+// offset[g] + a * stride[g] + b), or statistics.h where offset is nullptr.
+struct Grid {
+  const int64_t* offset = nullptr;  // [n_groups]
+  const int64_t* stride = nullptr;  // [n_groups] (n_w + 1)
+  const double* strength = nullptr;  // alpha F + beta IG
+  const double* h = nullptr;         // Cohen's h
+};
+
+// What scoring and writing need besides the batch.
+struct Params {
+  Method method;
+  Grid grid;
+  const int64_t* ignore;  // sorted ignored ids
+  int64_t n_ignore;
+  const double* base;     // [B] rollout advantage
 };
 
 // A growable array whose contents are undefined until written (see ensure_zeroed).
@@ -134,72 +131,90 @@ struct Buffer {
   }
 };
 
-// A thread's counting table: token id -> 1 + index of the id's entry in the current group (0: not
-// seen yet), in a 4-byte dense map for small ids and a seeded hash table above; the group's entries
-// and their ids are compact arrays in first-seen order, behind a trash entry at index -1 that positions
-// out of the mask update (counting has no branch on the mask). The maps and the entries are all zero
-// between groups. `position` holds, for every block of kWord positions that counting read (one with a
-// position in the mask) and every position of a row's tail, the slot of each position: 1 + its entry,
-// 0 out of the mask. `stats` memoises table statistics on this thread (in front of the shared cache).
+// A thread's map from token id to 1 + the id's entry in the current group (0: not seen yet): a 4-byte
+// dense map for ids below kDenseIds, a seeded hash table above. All zero between groups.
+struct IdMap {
+  std::vector<uint32_t> dense = std::vector<uint32_t>(size_t(kDenseIds));
+  SparseMap sparse;
+
+  // The value of any int64 id (0 when it was not counted).
+  uint32_t value(int64_t id) const {
+    if (static_cast<uint64_t>(id) < static_cast<uint64_t>(kDenseIds)) return dense[size_t(id)];
+    if (static_cast<uint64_t>(id) > static_cast<uint64_t>(kMaxTokenId)) return 0;
+    return sparse.value_of(uint32_t(id));
+  }
+
+  // Empty the map of the group's ids ids[0 .. n).
+  void clear(const uint32_t* ids, int64_t n) {
+    uint32_t* const map = dense.data();
+    uint64_t n_sparse = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      if (ids[j] < kDenseIds)
+        map[ids[j]] = 0;
+      else
+        ++n_sparse;
+    }
+    sparse.clear(ids, n, uint32_t(kDenseIds), n_sparse);
+  }
+};
+
 struct MemoSlot {
   uint64_t key;  // a | b << 16 | f_c << 32 | f_w << 48, or kNoKey
   double score;
 };
 
+// A thread's scoring state: the current group's weighted scores by slot ([0]: a zero sentinel, [1 + j]:
+// entry j), their memo by (a, b, f_c, f_w) (direct-mapped, see GroupScorer), and the statistics of the
+// tables met so far (in front of the shared cache).
+struct Scoring {
+  std::vector<double> by_slot;
+  Buffer<MemoSlot> memo;
+  LocalStatistics stats;
+};
+
+// A thread's state for one group at a time, reused across groups and calls. Counting lists the group's
+// distinct ids in `tokens`, in first-seen order: on the compact path as keys of `compact`; on the
+// general path as entries reached through `ids`, behind a trash entry at index -1 that positions out
+// of the mask update (counting has no branch on the mask). `position` then holds, for every block of
+// kWord positions that counting read (one with a position in the mask) and every position of a row's
+// tail, the slot of each position: 1 + its entry, 0 out of the mask. Maps and entries are all zero
+// between groups.
 struct Workspace {
-  std::vector<uint32_t> slot;
-  SparseMap sparse;
+  IdMap ids;
+  Buffer<uint64_t> compact;      // the compact path's map, token id -> entry, then score (see count_compact)
+  Buffer<uint32_t> tokens;       // the group's ids (and one written ahead)
+  int64_t n_ids = 0;             // listed in `tokens`
   Buffer<Entry> entry_buffer;    // [0]: the trash entry, [1 + j]: entry j
   Buffer<StampedEntry> stamped;  // the same while counting a group of more than kPackedRollouts rollouts
-  Buffer<uint32_t> tokens;       // the id of each entry (and one written ahead)
   Buffer<uint32_t> position;
-  int64_t n_entries = 0;
-  uint64_t n_sparse = 0;         // entries in `sparse`
-  std::vector<double> scores;  // by slot: [0] a zero sentinel, [1 + j] entry j's weighted score
-  Buffer<MemoSlot> memo;       // score by (a, b, f_c, f_w) in the current group (direct-mapped)
-  LocalStatistics stats;
-  Buffer<uint64_t> compact;    // the compact path's map, token id -> entry, then score (see count_compact)
-  uint32_t n_compact = 0;      // its ids, listed in `tokens`
-
-  uint64_t* compact_map() { return compact.ensure_zeroed(kDenseIds); }
-
-  // Empty the compact map for the next group.
-  void reset_compact() {
-    const uint32_t* ids = tokens.data.get();
-    for (uint32_t j = 0; j < n_compact; ++j) compact.data[ids[j]] = 0;
-    n_compact = 0;
-  }
-
-  Workspace() : slot(kDenseIds, 0) {}
+  Scoring scoring;
 
   Entry* entries() const { return entry_buffer.data.get() + 1; }
 
-  // Room for a group of `positions` positions: at most that many entries (plus the trash entry), ids
-  // (plus one written ahead) and position slots.
+  uint64_t* compact_map() { return compact.ensure_zeroed(kDenseIds); }
+
+  // Room for a group of `positions` positions on the general path: at most that many entries (plus the
+  // trash entry), ids (plus one written ahead) and position slots.
   void begin_group(int64_t positions) {
     entry_buffer.ensure_zeroed(positions + 1);
     tokens.ensure(positions + 1);
     position.ensure(positions + 1);
-    n_entries = 0;
-    n_sparse = 0;
+    n_ids = 0;
   }
 
-  // 1 + the entry of id in the current group, 0 when the id was not counted (any int64).
-  uint32_t slot_value(int64_t id) const {
-    if (static_cast<uint64_t>(id) < static_cast<uint64_t>(kDenseIds)) return slot[size_t(id)];
-    if (static_cast<uint64_t>(id) > static_cast<uint64_t>(kMaxTokenId)) return 0;
-    return sparse.value_of(uint32_t(id));
+  // Empty the compact map for the next group.
+  void reset_compact() {
+    uint64_t* const map = compact.data.get();
+    const uint32_t* const t = tokens.data.get();
+    for (int64_t j = 0, n = n_ids; j < n; ++j) map[t[j]] = 0;
+    n_ids = 0;
   }
 
-  // Empty the maps and zero the entries (the trash entry included) for the next group.
+  // Empty the id map and zero the entries (the trash entry included) for the next group.
   void reset() {
-    const uint32_t* ids = tokens.data.get();
-    for (int64_t j = 0; j < n_entries; ++j)
-      if (ids[j] < kDenseIds) slot[ids[j]] = 0;
-    sparse.clear(ids, n_entries, uint32_t(kDenseIds), n_sparse);
-    std::memset(static_cast<void*>(entry_buffer.data.get()), 0, size_t(n_entries + 1) * sizeof(Entry));
-    n_entries = 0;
-    n_sparse = 0;
+    ids.clear(tokens.data.get(), n_ids);
+    std::memset(static_cast<void*>(entry_buffer.data.get()), 0, size_t(n_ids + 1) * sizeof(Entry));
+    n_ids = 0;
   }
 };
 
@@ -267,7 +282,7 @@ inline uint64_t mask_word(const uint8_t* m) {
 // touch scattered cache lines of the 1 MB map, and overlapping those misses is much of the counting
 // time. Runs of ids past the dense map are not prefetched: their hash table (8 bytes a slot, load at
 // most 1/4: about 128 KB for a group's few thousand ids) stays in L2, and hashing each id twice cost
-// more than it saved (12.3 against 12.9 cycles a token counting ids over [0, 2**31), 1 thread).
+// more than it saved.
 constexpr int64_t kPrefetch = 64;
 
 // One rollout's part of the presence update (see count_group_as).
@@ -501,8 +516,8 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     entries = ws.stamped.ensure_zeroed(positions + 1) + 1;
   else
     entries = ws.entries();
-  Cursor<kMode, Counted> c{entries, ws.tokens.data.get(), ws.position.data.get(), ws.slot.data(), &ws.sparse,
-                           ws.sparse.view(), 0, 0, 0, 0, Rollout{}};
+  Cursor<kMode, Counted> c{entries, ws.tokens.data.get(), ws.position.data.get(), ws.ids.dense.data(), &ws.ids.sparse,
+                           ws.ids.sparse.view(), 0, 0, 0, 0, Rollout{}};
   uint64_t correct_bits = 0;
   for (int64_t k = first; k < last; ++k) {
     const int64_t i = in.order[k], local = k - first;
@@ -537,8 +552,7 @@ GroupTotals count_group_as(const Batch& in, int64_t g, Workspace& ws) {
     (is_c ? tot.n_c : tot.n_w) += 1;
   }
   const int64_t n = c.n;
-  ws.n_entries = n;
-  ws.n_sparse = c.n - c.n_dense;
+  ws.n_ids = n;
   tot.bad_id = c.bad != 0;
   Entry* out = ws.entries();
   if constexpr (kBits) {
@@ -568,10 +582,10 @@ class Bm25Side {
  public:
   static constexpr uint64_t kCached = 64;
 
-  Bm25Side(int64_t T, double avg, const Params& p)
+  Bm25Side(int64_t T, double avg, const Method& m)
       : T_(double(std::max<int64_t>(T, 1))),
-        K_(p.k1 * ((1.0 - p.b) + (p.b * double(T)) / std::max(avg, 1e-300))),
-        k1_plus_1_(p.k1 + 1.0) {
+        K_(m.k1 * ((1.0 - m.b) + (m.b * double(T)) / std::max(avg, 1e-300))),
+        k1_plus_1_(m.k1 + 1.0) {
     cached_[0] = 0.0;
     std::fill(cached_ + 1, cached_ + kCached, kNotYet);
   }
@@ -605,25 +619,26 @@ struct Strength {
 };
 
 // The score of one (group, token) row, as method.score_rows.
-inline double score_of(Strength s, uint64_t f_c, uint64_t f_w, Bm25& tf, const Params& p) {
+inline double score_of(Strength s, uint64_t f_c, uint64_t f_w, Bm25& tf, const Method& m) {
   double x = s.h;
-  if (p.use_tf) {
+  if (m.use_tf) {
     const double tf_c = tf.c(f_c), tf_w = tf.w(f_w);
     x = x + (tf_c / (tf_w + kTfEps) - tf_w / (tf_c + kTfEps));
   }
-  const double key = (s.strength * x) / (p.alpha + p.beta);
-  return std::min(p.bound, std::max(-p.bound, p.top * std::tanh(key / 2.0)));
+  const double key = (s.strength * x) / (m.alpha + m.beta);
+  return std::min(m.bound, std::max(-m.bound, m.top * std::tanh(key / 2.0)));
 }
 
 // The statistics of table (a, b) of group g with totals `tot`: from the grid, or from the caches.
 inline Strength strength_of(int64_t g, int64_t a, int64_t b, const GroupTotals& tot, const Params& p,
                             Workspace& ws) {
-  if (p.offset != nullptr) {
-    const int64_t entry = p.offset[g] + a * p.stride[g] + b;
-    return {p.strength[entry], p.h[entry]};
+  const Grid& grid = p.grid;
+  if (grid.offset != nullptr) {
+    const int64_t entry = grid.offset[g] + a * grid.stride[g] + b;
+    return {grid.strength[entry], grid.h[entry]};
   }
-  const TableStats s = ws.stats.get(Table{a, b, tot.n_c, tot.n_w});
-  return {p.alpha * s.F + p.beta * s.IG, s.h};
+  const TableStats s = ws.scoring.stats.get(Table{a, b, tot.n_c, tot.n_w});
+  return {p.method.alpha * s.F + p.method.beta * s.IG, s.h};
 }
 
 // The zero rule of method.informative_rows: a row is scored only where its table is informative (a
@@ -650,7 +665,7 @@ class GroupScorer {
  public:
   GroupScorer(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws, int64_t n_rows)
       : g_(g), tot_(tot), p_(p), ws_(ws), tf_{side(tot.T_c), side(tot.T_w)}, bits_(memo_bits(n_rows)),
-        memo_(ws.memo.ensure(int64_t(1) << bits_)) {
+        memo_(ws.scoring.memo.ensure(int64_t(1) << bits_)) {
     std::fill(memo_, memo_ + (int64_t(1) << bits_), MemoSlot{kNoKey, 0.0});
   }
 
@@ -663,13 +678,13 @@ class GroupScorer {
   }
 
  private:
-  Bm25Side side(int64_t T) const { return Bm25Side(T, double(tot_.T_c + tot_.T_w) / 2.0, p_); }
+  Bm25Side side(int64_t T) const { return Bm25Side(T, double(tot_.T_c + tot_.T_w) / 2.0, p_.method); }
 
   double compute(uint64_t a, uint64_t b, uint64_t f_c, uint64_t f_w) {
     const int64_t ia = int64_t(a), ib = int64_t(b);
     const double score =
-        informative(ia, ib, tot_) ? score_of(strength_of(g_, ia, ib, tot_, p_, ws_), f_c, f_w, tf_, p_) : 0.0;
-    return score * p_.weight;
+        informative(ia, ib, tot_) ? score_of(strength_of(g_, ia, ib, tot_, p_, ws_), f_c, f_w, tf_, p_.method) : 0.0;
+    return score * p_.method.weight;
   }
 
   int64_t g_;
@@ -681,12 +696,12 @@ class GroupScorer {
   MemoSlot* memo_;
 };
 
-// weight * score of every distinct id of group g, into ws.scores, as method.score_rows.
+// weight * score of every distinct id of group g, into ws.scoring.by_slot, as method.score_rows.
 void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& ws) {
-  const int64_t n = ws.n_entries;
+  const int64_t n = ws.n_ids;
   GroupScorer score(g, tot, p, ws, n);
-  ws.scores.resize(size_t(n) + 1);
-  double* const scores = ws.scores.data();
+  ws.scoring.by_slot.resize(size_t(n) + 1);
+  double* const scores = ws.scoring.by_slot.data();
   scores[0] = 0.0;
   const Entry* const entries = ws.entries();
   for (int64_t j = 0; j < n; ++j) {
@@ -695,8 +710,8 @@ void score_group(int64_t g, const GroupTotals& tot, const Params& p, Workspace& 
   }
   // method.ignored_rows: an ignored id scores 0 (looked up once per ignored id, not per row)
   for (int64_t k = 0; k < p.n_ignore; ++k) {
-    const uint32_t s = ws.slot_value(p.ignore[k]);
-    if (s != 0) scores[s] = 0.0 * p.weight;
+    const uint32_t s = ws.ids.value(p.ignore[k]);
+    if (s != 0) scores[s] = 0.0 * p.method.weight;
   }
 }
 
@@ -717,7 +732,7 @@ inline float masked_value(double score, double base, uint32_t keep) {
 // a block out of the mask is zeroed at once, one all in is written without a test, a mixed one
 // without a branch.
 void write_group(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
-  const double* const scores = ws.scores.data();
+  const double* const scores = ws.scoring.by_slot.data();
   const uint32_t* pos = ws.position.data.get();
   const int64_t L = in.L;
   const uint8_t* const all_masks = in.mask;
@@ -814,7 +829,7 @@ struct CompactCursor {
   }
 };
 
-// Count group g on the compact path into ws.compact (ids in ws.tokens, their number in ws.n_compact);
+// Count group g on the compact path into ws.compact (ids in ws.tokens, their number in ws.n_ids);
 // false, with the map cleared, when a masked id is at or past kDenseIds or out of range.
 bool count_compact(const Batch& in, int64_t g, const CompactLayout& layout, Workspace& ws, GroupTotals& tot,
                    uint64_t& correct_bits) {
@@ -850,7 +865,7 @@ bool count_compact(const Batch& in, int64_t g, const CompactLayout& layout, Work
     (is_c ? tot.T_c : tot.T_w) += c.counted;
     (is_c ? tot.n_c : tot.n_w) += 1;
   }
-  ws.n_compact = c.n;
+  ws.n_ids = c.n;
   if (!ok) ws.reset_compact();
   return ok;
 }
@@ -867,7 +882,7 @@ void score_compact(int64_t g, const GroupTotals& tot, const CompactLayout& layou
                    const Params& p, Workspace& ws) {
   uint64_t* const map = ws.compact.data.get();
   const uint32_t* const tokens = ws.tokens.data.get();
-  const int64_t n = int64_t(ws.n_compact);
+  const int64_t n = ws.n_ids;
   const uint64_t presence = (uint64_t(1) << layout.shift_c) - 1;
   // method.ignored_rows: a counted ignored id loses its presence bits, which no counted id lacks
   for (int64_t k = 0; k < p.n_ignore; ++k) {
@@ -879,7 +894,7 @@ void score_compact(int64_t g, const GroupTotals& tot, const CompactLayout& layou
     __builtin_prefetch(map + tokens[std::min(j + kScorePrefetch, n - 1)], 1);
     const uint64_t e = map[tokens[j]];
     const uint64_t pres = e & presence;
-    const double s = pres == 0 ? 0.0 * p.weight
+    const double s = pres == 0 ? 0.0 * p.method.weight
                                : score(uint64_t(__builtin_popcountll(pres & correct_bits)),
                                        uint64_t(__builtin_popcountll(pres & ~correct_bits)),
                                        (e >> layout.shift_c) & layout.count_mask, e >> layout.shift_w);
@@ -922,17 +937,12 @@ void write_compact(const Batch& in, int64_t g, const Params& p, const Workspace&
 bool advantage_compact(const Batch& in, int64_t g, const Params& p, Workspace& ws, float* out) {
   const std::optional<CompactLayout> layout = CompactLayout::of(in.start[g + 1] - in.start[g], in.L);
   if (!layout) return false;
-  PROF_START();
   GroupTotals tot;
   uint64_t correct_bits;
   if (!count_compact(in, g, *layout, ws, tot, correct_bits)) return false;
-  PROF_MARK(0);
   score_compact(g, tot, *layout, correct_bits, p, ws);
-  PROF_MARK(1);
   write_compact(in, g, p, ws, out);
-  PROF_MARK(2);
   ws.reset_compact();
-  PROF_MARK(3);
   return true;
 }
 
@@ -940,7 +950,7 @@ bool advantage_compact(const Batch& in, int64_t g, const Params& p, Workspace& w
 int64_t emit_rows(Workspace& ws, int64_t row, int64_t* cols, int64_t capacity) {
   const uint32_t* tokens = ws.tokens.data.get();
   const Entry* entries = ws.entries();
-  std::vector<uint32_t> by_token(size_t(ws.n_entries));
+  std::vector<uint32_t> by_token(size_t(ws.n_ids));
   for (size_t j = 0; j < by_token.size(); ++j) by_token[j] = uint32_t(j);
   std::sort(by_token.begin(), by_token.end(), [&](uint32_t x, uint32_t y) { return tokens[x] < tokens[y]; });
   for (uint32_t j : by_token) {
@@ -972,79 +982,72 @@ bool for_each_group(int64_t n_groups, int threads, Fn fn) {
   return bad != 0;
 }
 
+// The batch's arrays as Python passes them: ids, mask, order, start, correct.
+using BatchArrays = std::tuple<Array, Array, Array, Array, Array>;
+// A grid's arrays: offset, stride, strength, h (see Grid).
+using GridArrays = std::tuple<Array, Array, Array, Array>;
+
+// `start` (int64 [n_groups + 1], checked) rises from 0 to B.
+void check_start(const Check& check, const Array& start, int64_t B) {
+  const int64_t* s = static_cast<const int64_t*>(start.data());
+  const int64_t n = extent(start, 0) - 1;
+  bool ok = s[0] == 0 && s[n] == B;
+  for (int64_t g = 0; ok && g < n; ++g) ok = s[g + 1] >= s[g];
+  if (!ok)
+    throw nb::value_error((std::string(check.fn) + ": `start` must rise from 0 to B = " + std::to_string(B)).c_str());
+}
+
 // The batch's arrays, checked: ids int64 and mask bool [B, L] with unit column stride, order int64
-// [B], start int64 [n_groups + 1], correct bool [B].
-Batch batch_of(const char* fn, const Array& ids, const Array& mask, const Array& order, const Array& start,
-               const Array& correct) {
-  const Check check{fn};
+// [B], start int64 [n_groups + 1] rising from 0 to B, correct bool [B].
+Batch batch_of(const Check& check, const BatchArrays& arrays) {
+  const auto& [ids, mask, order, start, correct] = arrays;
   check.matrix("ids", ids, kInt64);
-  const int64_t B = int64_t(ids.shape(0)), L = int64_t(ids.shape(1));
+  const int64_t B = extent(ids, 0), L = extent(ids, 1);
   check.matrix("mask", mask, kBool, B, L);
   check.vector("order", order, kInt64, B);
   check.vector("start", start, kInt64);
   check.vector("correct", correct, kBool, B);
   if (start.shape(0) < 1) check.fail("start", "at least one entry ([n_groups + 1])", start);
+  check_start(check, start, B);
   return Batch{static_cast<const int64_t*>(ids.data()), row_stride(ids), static_cast<const uint8_t*>(mask.data()),
-               row_stride(mask), L, static_cast<const int64_t*>(order.data()),
+               row_stride(mask), B, L, extent(start, 0) - 1, static_cast<const int64_t*>(order.data()),
                static_cast<const int64_t*>(start.data()), static_cast<const uint8_t*>(correct.data())};
 }
 
-// `start` checked against B: non-decreasing, from 0 to B.
-void check_start(const char* fn, const Array& start, int64_t B) {
-  const int64_t* s = static_cast<const int64_t*>(start.data());
-  const int64_t n = int64_t(start.shape(0)) - 1;
-  bool ok = s[0] == 0 && s[n] == B;
-  for (int64_t g = 0; ok && g < n; ++g) ok = s[g + 1] >= s[g];
-  if (!ok) throw nb::value_error((std::string(fn) + ": `start` must rise from 0 to B = " + std::to_string(B)).c_str());
+// A grid's arrays, checked for n_groups groups.
+Grid grid_of(const Check& check, const GridArrays& arrays, int64_t n_groups) {
+  const auto& [offset, stride, strength, h] = arrays;
+  check.vector("offset", offset, kInt64, n_groups);
+  check.vector("stride", stride, kInt64, n_groups);
+  check.vector("strength", strength, kFloat64);
+  check.vector("h", h, kFloat64, extent(strength, 0));
+  return Grid{static_cast<const int64_t*>(offset.data()), static_cast<const int64_t*>(stride.data()),
+              static_cast<const double*>(strength.data()), static_cast<const double*>(h.data())};
 }
 
 // advantage(...) -> True when every masked id was in range (else the output is incomplete).
-bool advantage(const Array& ids, const Array& mask, const Array& order, const Array& start, const Array& correct,
-               const Array& base, const Array& ignore, const Array& out, const Array* offset, const Array* stride,
-               const Array* strength, const Array* h, double k1, double b, double alpha, double beta, double top,
-               double bound, double weight, bool use_tf, int threads) {
-  const char* fn = "_cpu.advantage";
-  const Check check{fn};
-  const Batch in = batch_of(fn, ids, mask, order, start, correct);
-  const int64_t B = int64_t(ids.shape(0)), n_groups = int64_t(start.shape(0)) - 1;
-  check.vector("base", base, kFloat64, B);
+bool advantage(const BatchArrays& batch, const Array& base, const Array& ignore, const Array& out,
+               const Method& method, const std::optional<GridArrays>& grid, int threads) {
+  const Check check{"_cpu.advantage"};
+  const Batch in = batch_of(check, batch);
+  check.vector("base", base, kFloat64, in.B);
   check.vector("ignore", ignore, kInt64);
-  check.contiguous_matrix("out", out, kFloat32, B, in.L);
-  check_start(fn, start, B);
-  Params p{nullptr, nullptr, nullptr, nullptr, static_cast<const int64_t*>(ignore.data()), int64_t(ignore.shape(0)),
-           static_cast<const double*>(base.data()), k1, b, alpha, beta, top, bound, weight, use_tf};
-  const bool grid = offset != nullptr || stride != nullptr || strength != nullptr || h != nullptr;
-  if (grid) {
-    if (!(offset && stride && strength && h))
-      throw nb::value_error("_cpu.advantage: pass all of `offset`, `stride`, `strength`, `h` (a grid) or none");
-    check.vector("offset", *offset, kInt64, n_groups);
-    check.vector("stride", *stride, kInt64, n_groups);
-    check.vector("strength", *strength, kFloat64);
-    check.vector("h", *h, kFloat64, int64_t(strength->shape(0)));
-    p.offset = static_cast<const int64_t*>(offset->data());
-    p.stride = static_cast<const int64_t*>(stride->data());
-    p.strength = static_cast<const double*>(strength->data());
-    p.h = static_cast<const double*>(h->data());
-  } else {
-    ensure_log_factorials();
-  }
+  check.contiguous_matrix("out", out, kFloat32, in.B, in.L);
+  const Params p{method, grid ? grid_of(check, *grid, in.n_groups) : Grid{}, static_cast<const int64_t*>(ignore.data()),
+                 extent(ignore, 0), static_cast<const double*>(base.data())};
+  if (!grid) ensure_log_factorials();
   float* result = static_cast<float*>(out.data());
   bool bad;
   {
     nb::gil_scoped_release release;
-    bad = for_each_group(n_groups, threads, [&](int64_t g, Workspace& ws) {
+    bad = for_each_group(in.n_groups, threads, [&](int64_t g, Workspace& ws) {
       if (advantage_compact(in, g, p, ws, result)) return false;
-      PROF_START();
       const GroupTotals tot = count_group(in, g, ws);
-      PROF_MARK(0);
       if (!tot.bad_id) {  // an out-of-range id was never counted: do not look it up
         score_group(g, tot, p, ws);
-        PROF_MARK(1);
         write_group(in, g, p, ws, result);
-        PROF_MARK(2);
       }
       ws.reset();
-      PROF_MARK(3);
       return tot.bad_id;
     });
   }
@@ -1054,13 +1057,10 @@ bool advantage(const Array& ids, const Array& mask, const Array& order, const Ar
 // rows(...): group g's rows, sorted by token, go to row_offset[g] .. of cols (int64 [5, capacity]:
 // token, a, b, f_c, f_w); totals (int64 [3, n_groups]: n_rows, T_c, T_w) are written.
 // -> True when every masked id was in range.
-bool rows(const Array& ids, const Array& mask, const Array& order, const Array& start, const Array& correct,
-          const Array& row_offset, const Array& cols, const Array& totals, int threads) {
-  const char* fn = "_cpu.rows";
-  const Check check{fn};
-  const Batch in = batch_of(fn, ids, mask, order, start, correct);
-  const int64_t n_groups = int64_t(start.shape(0)) - 1;
-  check_start(fn, start, int64_t(ids.shape(0)));
+bool rows(const BatchArrays& batch, const Array& row_offset, const Array& cols, const Array& totals, int threads) {
+  const Check check{"_cpu.rows"};
+  const Batch in = batch_of(check, batch);
+  const int64_t n_groups = in.n_groups;
   check.vector("row_offset", row_offset, kInt64, n_groups);
   check.contiguous_matrix("cols", cols, kInt64, 5);
   check.contiguous_matrix("totals", totals, kInt64, 3, n_groups);
@@ -1138,26 +1138,16 @@ bool openmp() {
 
 NB_MODULE(_cpu, m) {
   using namespace nb::literals;
-  m.doc() = "ktae_kernels native CPU kernel (see ktae_kernels/cpu.py)";
-  m.def(
-      "advantage",
-      [](const ktae::Array& ids, const ktae::Array& mask, const ktae::Array& order, const ktae::Array& start,
-         const ktae::Array& correct, const ktae::Array& base, const ktae::Array& ignore, const ktae::Array& out,
-         std::optional<ktae::Array> offset, std::optional<ktae::Array> stride, std::optional<ktae::Array> strength,
-         std::optional<ktae::Array> h, double k1, double b, double alpha, double beta, double top, double bound,
-         double weight, bool use_tf, int threads) {
-        auto ptr = [](const std::optional<ktae::Array>& a) { return a ? &*a : nullptr; };
-        return ktae::advantage(ids, mask, order, start, correct, base, ignore, out, ptr(offset), ptr(stride),
-                               ptr(strength), ptr(h), k1, b, alpha, beta, top, bound, weight, use_tf, threads);
-      },
-      "ids"_a, "mask"_a, "order"_a, "start"_a, "correct"_a, "base"_a, "ignore"_a, "out"_a, nb::kw_only(),
-      "offset"_a = nb::none(), "stride"_a = nb::none(), "strength"_a = nb::none(), "h"_a = nb::none(), "k1"_a,
-      "b"_a, "alpha"_a, "beta"_a, "top"_a, "bound"_a, "weight"_a, "use_tf"_a, "threads"_a,
-      "Fused count, score and write of the float32 [B, L] advantages into `out`; False when a masked id "
-      "was out of range. With a grid (offset, stride, strength, h) the statistics are looked up there, "
-      "else computed here once per distinct table and memoised.");
-  m.def("rows", &ktae::rows, "ids"_a, "mask"_a, "order"_a, "start"_a, "correct"_a, "row_offset"_a, "cols"_a,
-        "totals"_a, nb::kw_only(), "threads"_a,
+  m.doc() = "ktae_kernels native CPU kernel (see ktae_kernels/backends/cpu.py)";
+  nb::class_<ktae::Method>(m, "Method", "The method's scalars (`bound`: the largest float64 below `top`).")
+      .def(nb::init<double, double, double, double, double, double, double, bool>(), nb::kw_only(), "k1"_a, "b"_a,
+           "alpha"_a, "beta"_a, "top"_a, "bound"_a, "weight"_a, "use_tf"_a);
+  m.def("advantage", &ktae::advantage, "batch"_a, "base"_a, "ignore"_a, "out"_a, "method"_a, nb::kw_only(),
+        "grid"_a = nb::none(), "threads"_a,
+        "Fused count, score and write of the float32 [B, L] advantages of `batch` (ids, mask, order, start, "
+        "correct) into `out`; False when a masked id was out of range. With a `grid` (offset, stride, strength, h) "
+        "the statistics are looked up there, else computed here once per distinct table and memoised.");
+  m.def("rows", &ktae::rows, "batch"_a, "row_offset"_a, "cols"_a, "totals"_a, nb::kw_only(), "threads"_a,
         "Per-group (token, a, b, f_c, f_w) rows sorted by token into cols [5, capacity], and n_rows, T_c, T_w "
         "into totals [3, n_groups]; False when a masked id was out of range.");
   m.def("table_statistics", &ktae::table_statistics, "tables"_a, "out"_a,
@@ -1171,12 +1161,5 @@ NB_MODULE(_cpu, m) {
         "(blocks, bytes) of returned outputs the pool keeps for reuse.");
   m.def("clear_output_pool", []() { return ktae::output_pool().clear(); },
         "Free the returned outputs the pool keeps; returns the bytes freed.");
-#ifdef KTAE_CPU_PROFILE
-  m.def("profile", []() {
-    std::vector<std::vector<uint64_t>> r;
-    for (auto& t : ktae::g_prof) { r.emplace_back(t, t + 8); std::fill(t, t + 8, 0); }
-    return r;
-  });
-#endif
   m.def("openmp", &ktae::openmp, "Whether the module was built with OpenMP.");
 }

@@ -1,15 +1,16 @@
 // OutputPool: the memory of the fresh float32 outputs the CPU backend returns, kept mapped between calls.
 //
-// A new output's pages cost Linux a fault and a zeroing each (18-20 ms for 50 MB in 4 KB pages on the
-// 2-core machine, 2-3 ms in huge pages, and up to 80 ms when the VM's host must back them again), while
-// the kernel overwrites every position anyway. The backend therefore hands out outputs as tensors over
-// blocks of this pool: torch calls the block's deleter once the last reference to the tensor's storage
-// is gone (views, numpy arrays and DLPack exports included), and the block comes back here, mapped and
-// warm, for the next output that fits it. At most kKeep returned blocks are kept; older ones are freed.
+// A new output's pages cost Linux a fault and a zeroing each (far less in huge pages; more when a VM's
+// host must back them again), while the kernel overwrites every position anyway: on a big batch the
+// faults take about as long as the kernel itself (docs/benchmarks.md). The backend therefore hands out
+// outputs as tensors over blocks of this pool: torch calls the block's deleter once the last reference
+// to the tensor's storage is gone (views, numpy arrays and DLPack exports included), and the block comes
+// back here, mapped and warm, for the next output that fits it. At most kKeep returned blocks are kept;
+// older ones are freed.
 //
 // A new block is 2 MB aligned, advised to transparent huge pages (Linux) and mapped before the kernel
 // writes it: one touch per 4 KB page, in one contiguous slice per thread (faults taken inside the
-// kernel's group loop cost three to four times as much).
+// kernel's group loop, scattered over the threads' groups, cost several times as much).
 #pragma once
 
 #include <cstddef>

@@ -46,8 +46,6 @@ class SparseMap {
   };
 
   View view() const { return View{slots_.get(), multiplier_, mask_}; }
-  Slot* slots() const { return slots_.get(); }
-  uint64_t mask() const { return mask_; }
   uint64_t capacity() const { return mask_ + 1; }
 
   // The home slot of a key: bits 32 .. 32 + log2(capacity) of multiplier * key (mod 2**64), that is the
@@ -84,8 +82,6 @@ class SparseMap {
 
   // The value of id, 0 when absent.
   uint32_t value_of(uint32_t id) const { return find(id + 1)->value; }
-
-  void prefetch(uint32_t id) const { __builtin_prefetch(slots_.get() + home(id + 1), 1); }
 
   // Double the table and re-insert the ids of ids[0 .. n) that are >= first (value j + 1 for ids[j]).
   void grow(const uint32_t* ids, int64_t n, uint32_t first) {

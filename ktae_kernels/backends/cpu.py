@@ -67,14 +67,14 @@ class _Inputs:
         self.correct = _host(counts.correct)
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """The leading kernel arguments: ids, mask, order, start, correct."""
+        """The kernel's ``batch`` argument: ids, mask, order, start, correct."""
         return self.ids, self.mask, self.order, self.start, self.correct
 
 
 def _host(t: Tensor) -> np.ndarray:
     """A CPU tensor as the kernel receives it: a numpy view of its memory. The binding takes any DLPack
-    array, but torch's ``__dlpack__`` costs about 2 us an argument here against under 1 us for
-    ``.numpy()``, and a call has twelve arrays: a trainer's micro-batch sees the difference."""
+    array, but torch's ``__dlpack__`` costs more than ``.numpy()``, and a call has twelve arrays: a
+    trainer's micro-batch sees the difference."""
     return t.detach().numpy()
 
 
@@ -114,7 +114,7 @@ def _list_rows(inputs: _Inputs, config: KTAEConfig) -> tuple[method.Rows, Tensor
     offset = torch.cumsum(per_group, 0) - per_group  # a group has at most as many rows as masked tokens
     cols = torch.empty(5, int(per_group.sum()), dtype=torch.int64)
     totals = torch.zeros(3, n, dtype=torch.int64)
-    if not load_extension().rows(*inputs.arrays(), _host(offset), _host(cols), _host(totals),
+    if not load_extension().rows(inputs.arrays(), _host(offset), _host(cols), _host(totals),
                                  threads=kernel_threads(batch, config)):
         _raise_bad_ids(batch)
     n_rows, T_c, T_w = totals.unbind(0)
@@ -125,19 +125,25 @@ def _list_rows(inputs: _Inputs, config: KTAEConfig) -> tuple[method.Rows, Tensor
     return method.Rows(group=group, token=token, a=a, b=b, f_c=f_c, f_w=f_w), T_c, T_w
 
 
-def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -> dict[str, np.ndarray]:
-    """The kernel's statistics arguments: the whole grid of tables (``offset, stride, strength, h``) when
-    it is small (``method.full_grid_statistics``); none (the kernel computes and memoises the tables
-    it meets) for big groups in exact mode; in upstream mode the tables of the rows listed first."""
+def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -> tuple[np.ndarray, ...] | None:
+    """The kernel's ``grid`` argument (``offset, stride, strength, h``): the whole grid of tables when it
+    is small (``method.full_grid_statistics``); None (the kernel computes and memoises the tables it
+    meets) for big groups in exact mode; in upstream mode the tables of the rows listed first."""
     full = method.full_grid_statistics(counts.n_c, counts.n_w, config)
     if full is not None:
-        return {"offset": full.offset, "stride": full.stride, "strength": full.strength, "h": full.h}
+        return full.offset, full.stride, full.strength, full.h
     if config.fisher == "exact":
-        return {}
+        return None
     rows, _, _ = _list_rows(inputs, config)
     grid, stats, _ = method.row_statistics(rows, counts.n_c, counts.n_w, config)
-    return {name: _host(values) for name, values in
-            (("offset", grid.offset), ("stride", grid.stride), ("strength", stats.strength), ("h", stats.h))}
+    return _host(grid.offset), _host(grid.stride), _host(stats.strength), _host(stats.h)
+
+
+def _method(config: KTAEConfig):
+    """The kernel's ``method`` argument: the scalars of ``config`` (``bound``: the largest float64 below
+    ``top``, which the score stays inside)."""
+    return load_extension().Method(k1=config.k1, b=config.b, alpha=config.alpha, beta=config.beta, top=config.top,
+                                   bound=math.nextafter(config.top, 0.0), weight=config.weight, use_tf=config.use_tf)
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None,
@@ -152,10 +158,8 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     grid = _grid_for(inputs, counts, config)
     base = method.rollout_advantage(batch.rewards, batch.group, counts.size, config, given).contiguous()
     ignore = _ignored_ids(config.ignore_token_ids)
-    ok = load_extension().advantage(
-        *inputs.arrays(), _host(base), ignore, _host(out), **grid, k1=config.k1, b=config.b,
-        alpha=config.alpha, beta=config.beta, top=config.top, bound=math.nextafter(config.top, 0.0),
-        weight=config.weight, use_tf=config.use_tf, threads=threads)
+    ok = load_extension().advantage(inputs.arrays(), _host(base), ignore, _host(out), _method(config), grid=grid,
+                                    threads=threads)
     if not ok:
         _raise_bad_ids(batch)
     return out
@@ -163,8 +167,8 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
 
 #: outputs of at least this many bytes come from the extension's output pool. glibc's heap gives a freed
 #: chunk of this size back to the OS when it tops the heap, so a caller that holds one output while the next
-#: is made paid 232 page faults a call for the 1.5 MB of an 8 x 16 x 3072 micro-batch (2026-12-03). A pool
-#: block is at least 2 MB and serves outputs of at least half its size: smaller ones are ``torch.empty``.
+#: is made (a trainer) would pay the page faults of a micro-batch's output at every call. A pool block is
+#: at least 2 MB and serves outputs of at least half its size: smaller ones are ``torch.empty``.
 POOL_MIN_BYTES = 1 << 20
 
 
