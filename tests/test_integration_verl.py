@@ -465,11 +465,11 @@ def test_a_moved_patch_target_fails_at_start_up(monkeypatch):
     from verl.trainer.ppo.v1 import trainer_base
 
     from ktae_kernels.integrations.shared import FrameworkMismatchError
-    from ktae_kernels.integrations.verl import trainers
+    from ktae_kernels.integrations.verl import framework, trainers
 
-    monkeypatch.setattr(trainers, "PATCH_PROBLEMS", {})
+    monkeypatch.setitem(framework.PATCH_PROBLEMS, framework.V1_MODULE, "")  # restored after the test
     monkeypatch.setattr(trainer_base, "PPOTrainer", type("PPOTrainer", (), {}))
-    trainers.PATCHES[trainers.V1_MODULE](trainer_base)
+    trainers.PATCHES[framework.V1_MODULE](trainer_base)
     expected = (rf"verl {verl.__version__}: verl.trainer.ppo.v1.trainer_base has no PPOTrainer._compute_advantage\. "
                 r"KTAE expected verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_advantage: the v1 trainer's")
     with pytest.raises(FrameworkMismatchError, match=expected):

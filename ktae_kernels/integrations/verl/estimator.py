@@ -15,7 +15,8 @@ from torch import Tensor
 
 from ...api import key_token_scores, token_advantage
 from ...validation import float64_row_sums
-from ..shared import AdapterSettings, column_values, correct_labels, missing_target, rollout_baseline, step_metrics
+from ..shared import AdapterSettings, column_values, correct_labels, rollout_baseline, step_metrics
+from .framework import raise_if_moved
 from .settings import ktae_settings
 
 #: label source name of verl's task score ``token_level_scores`` (the reward before any KL penalty).
@@ -76,7 +77,7 @@ def compute_ktae_advantage(token_level_rewards: Tensor, response_mask: Tensor, i
     responses = responses if responses is not None else step.responses
     scores = token_level_scores if token_level_scores is not None else step.scores
     if responses is None:
-        _raise_if_verl_moved()
+        raise_if_moved()
         raise ValueError(
             "the 'ktae' estimator needs the response token ids, which verl does not pass to estimators. Import "
             "ktae_kernels.integrations.verl before verl's trainer (automatic with verl >= 0.9 and ktae_kernels "
@@ -90,17 +91,6 @@ def compute_ktae_advantage(token_level_rewards: Tensor, response_mask: Tensor, i
     if step.metrics is not None:
         step.metrics.update(metrics)
     return advantages, advantages
-
-
-def _raise_if_verl_moved() -> None:
-    """``FrameworkMismatchError`` when a trainer patch found its target gone (``trainers.PATCH_PROBLEMS``)."""
-    from .trainers import PATCH_PROBLEMS  # the trainer wrappers import this module
-
-    if PATCH_PROBLEMS:
-        import verl
-
-        raise missing_target("verl", str(verl.__version__), "; ".join(PATCH_PROBLEMS.values()),
-                             "the trainer code that hands the 'ktae' estimator the response ids")
 
 
 def ktae_step(responses: Tensor, response_mask: Tensor, token_level_rewards: Tensor, index: Any,

@@ -8,8 +8,9 @@ from verl.trainer.ppo import core_algos
 from ..import_hooks import patch_on_import
 from ..shared import missing_target
 from .estimator import compute_ktae_advantage
+from .framework import MIN_VERSION, verl_version
 from .settings import ESTIMATOR
-from .trainers import MIN_VERSION, PATCHES
+from .trainers import PATCHES
 
 
 def install_patches() -> None:
@@ -21,9 +22,7 @@ def register() -> None:
     """Register "ktae" with verl. Idempotent, also across a reload; raises ValueError only when another
     package registered a different estimator under "ktae"."""
     if not callable(getattr(core_algos, "register_adv_est", None)):
-        import verl
-
-        raise missing_target("verl", str(verl.__version__), "verl.trainer.ppo.core_algos has no register_adv_est",
+        raise missing_target("verl", verl_version(), "verl.trainer.ppo.core_algos has no register_adv_est",
                              f"verl's estimator registry (verl >= {MIN_VERSION})")
     existing = core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR)
     if existing is not None and existing is not compute_ktae_advantage:

@@ -6,15 +6,10 @@ import difflib
 from typing import Any
 
 from ..shared import AdapterSettings, settings_from_mapping
+from .framework import check_framework, config_get
 
 ESTIMATOR = "ktae"
 SECTION = "algorithm.ktae"
-
-
-def config_get(config: Any, key: str, default: Any = None) -> Any:
-    """``config[key]`` of a DictConfig, dict or dataclass config (verl's AlgoConfig), else ``default``."""
-    get = getattr(config, "get", None)
-    return get(key, default) if get is not None else getattr(config, key, default)
 
 
 def ktae_settings(config: Any) -> AdapterSettings:
@@ -50,7 +45,7 @@ def _check_estimator_name(name: str) -> None:
 def check_trainer_config(config: Any) -> AdapterSettings | None:
     """Check the KTAE part of verl's whole trainer config; the settings, or None unless
     ``algorithm.adv_estimator`` is "ktae". For "ktae" it also checks the installed verl
-    (``trainers.check_framework``: the version, and the trainer the config runs still has what KTAE
+    (``framework.check_framework``: the version, and the trainer the config runs still has what KTAE
     wraps). Called by the wrapped ``validate_config`` at start-up and by
     ``python -m ktae_kernels.integrations.verl --check``; call it in a custom launcher."""
     algorithm = config_get(config, "algorithm")
@@ -65,7 +60,5 @@ def check_trainer_config(config: Any) -> AdapterSettings | None:
                          f"from {SECTION} only): rename it, e.g. +{SECTION}.weight=... instead of "
                          f"+algorithm.{typos[0]}.weight=...")
     settings = ktae_settings(algorithm)
-    from .trainers import check_framework  # the trainer wrappers import this module
-
     check_framework(config)
     return settings

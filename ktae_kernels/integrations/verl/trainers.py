@@ -3,20 +3,18 @@
 ``compute_data_metrics``, and ``validate_config`` (the settings are checked at start-up).
 ``PATCHES`` maps each verl module to the patch applied when it is imported.
 
-A patch whose target verl moved records it in ``PATCH_PROBLEMS`` instead of raising (the plugin loads
-at every ``import verl``, runs without KTAE included); ``check_framework`` raises it at start-up when
-"ktae" is selected, naming verl's version and what KTAE expected."""
+A patch whose target verl moved records it in ``framework.PATCH_PROBLEMS`` instead of raising (see
+``framework``)."""
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any, Callable
 
 from torch import Tensor
 
-from ..shared import check_version, missing_target
 from .estimator import StepInputs, fit_width, provide_step
-from .settings import check_trainer_config, config_get, is_ktae
+from .framework import CONFIG_MODULE, LEGACY_MODULE, PATCH_PROBLEMS, TARGETS, V1_MODULE, attribute
+from .settings import check_trainer_config, is_ktae
 
 #: the v1 TransferQueue fields the estimator needs beside those verl fetches itself.
 V1_FIELDS = ["responses", "rm_scores", "extra_fields"]
@@ -109,35 +107,10 @@ def with_ktae_check(validate_config: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-V1_MODULE = "verl.trainer.ppo.v1.trainer_base"
-LEGACY_MODULE = "verl.trainer.ppo.ray_trainer"
-CONFIG_MODULE = "verl.utils.config"
-#: per patched module: the attribute KTAE wraps there and what KTAE expected it to be.
-TARGETS: dict[str, tuple[str, str]] = {
-    V1_MODULE: ("PPOTrainer._compute_advantage", "the v1 trainer's advantage step, which every trainer mode "
-                "inherits and which calls the estimator (KTAE hands it the response ids there)"),
-    LEGACY_MODULE: ("compute_advantage", "the legacy trainer's function that calls the estimator (KTAE hands "
-                    "it the response ids there)"),
-    CONFIG_MODULE: ("validate_config", "the trainer config's start-up check (KTAE checks its settings there)"),
-}
-#: supported verl: >= MIN_VERSION (``register_adv_est``, ``VERL_USE_EXTERNAL_MODULES``), < BELOW_VERSION.
-MIN_VERSION = "0.6"
-BELOW_VERSION = "0.10"
-#: module name -> what its patch found missing (verl moved it), for ``check_framework``.
-PATCH_PROBLEMS: dict[str, str] = {}
-
-
-def _attribute(owner: Any, dotted: str) -> Any:
-    """``owner.a.b`` for "a.b", or None where any part is missing."""
-    for part in dotted.split("."):
-        owner = getattr(owner, part, None)
-    return owner
-
-
 def _patched(module: Any, wrap: Callable[[Any], None]) -> None:
     """Apply ``wrap`` to ``module``'s target, or record in ``PATCH_PROBLEMS`` that verl moved it."""
     name = module.__name__
-    if not callable(_attribute(module, TARGETS[name][0])):
+    if not callable(attribute(module, TARGETS[name][0])):
         PATCH_PROBLEMS[name] = f"{name} has no {TARGETS[name][0]}"
         return
     PATCH_PROBLEMS.pop(name, None)
@@ -165,31 +138,3 @@ PATCHES: dict[str, Callable[[Any], None]] = {
     LEGACY_MODULE: lambda module: _patched(module, _wrap_legacy),
     CONFIG_MODULE: lambda module: _patched(module, _wrap_config),
 }
-
-
-def trainer_modules(config: Any) -> tuple[str, str]:
-    """The patched modules a run with verl's trainer ``config`` goes through: the config check and the
-    v1 trainer (``trainer.use_v1``) or the legacy one."""
-    trainer = config_get(config, "trainer")
-    use_v1 = bool(config_get(trainer, "use_v1", False)) if trainer is not None else False
-    return CONFIG_MODULE, V1_MODULE if use_v1 else LEGACY_MODULE
-
-
-def check_framework(config: Any) -> str:
-    """Check the installed verl for a "ktae" run with ``config``: its version against the supported range
-    and, imported now, the trainer modules the run uses, patched. Returns the version; raises
-    ``FrameworkMismatchError`` naming it and what KTAE expected."""
-    import verl
-
-    version = str(verl.__version__)
-    check_version("verl", version, MIN_VERSION, BELOW_VERSION)
-    for name in trainer_modules(config):
-        attribute, expected = TARGETS[name]
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError:
-            raise missing_target("verl", version, f"there is no module {name}", f"{name}.{attribute}: {expected}") from None
-        if name in PATCH_PROBLEMS or not getattr(_attribute(module, attribute), "ktae_wrapped", False):
-            raise missing_target("verl", version, PATCH_PROBLEMS.get(name, f"{name}.{attribute} is not KTAE's wrapper"),
-                                 f"{name}.{attribute}: {expected}")
-    return version
