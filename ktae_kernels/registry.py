@@ -116,11 +116,11 @@ def _rocm() -> bool:
 
 def _no_cuda_gpu() -> str | None:
     """Why torch cannot use a CUDA GPU here, or None."""
+    if torch.cuda.is_available():
+        return None
     if torch.version.cuda is None:
         return f"this torch ({torch.__version__}) is a CPU-only build, so no CUDA GPU can be used"
-    if not torch.cuda.is_available():
-        return "no usable CUDA GPU is visible (torch.cuda.is_available() is False)"
-    return None
+    return "no usable CUDA GPU is visible (torch.cuda.is_available() is False)"
 
 
 def _triton_unavailable(kind: str) -> str | None:
