@@ -19,8 +19,9 @@ def install_patches() -> None:
 
 
 def register() -> None:
-    """Register "ktae" with verl. Idempotent, also across a reload; raises ValueError only when another
-    package registered a different estimator under "ktae"."""
+    """Register "ktae" with verl. Idempotent, also across a reload; raises ValueError when another
+    package registered a different estimator under "ktae", and ``FrameworkMismatchError`` when this
+    verl has no estimator registry."""
     if not callable(getattr(core_algos, "register_adv_est", None)):
         raise missing_target("verl", verl_version(), "verl.trainer.ppo.core_algos has no register_adv_est",
                              f"verl's estimator registry (verl >= {MIN_VERSION})")
