@@ -2,8 +2,10 @@
 
 ``ktae_kernels._cpu`` (csrc/cpu/) is the native CPU backend: C++17 with OpenMP and nanobind (typed
 DLPack arrays; no torch at build time, so pip's isolated build never pulls torch). It is built
-whenever a C++ compiler is there; without one (or if it fails) the package still installs and
-``backend="cpu"`` reports why it is missing. The build is portable (no ``-march=native``) unless
+whenever a C++ compiler and nanobind are there (an isolated build installs nanobind; without isolation,
+`pip install nanobind` first); without them (or if it fails) the package still installs,
+``backend="cpu"`` reports why it is missing and "auto" warns that it runs the slower torch backend.
+The build is portable (no ``-march=native``) unless
 
     KTAE_NATIVE_ARCH=1       tune the CPU kernel for this machine's processor (not portable)
 
@@ -15,8 +17,8 @@ so a default (isolated) ``pip install .`` never builds it and never pulls torch 
     KTAE_SKIP_CUDA_BUILD=1   never build the extension
     KTAE_FORCE_CUDA_BUILD=1  build it, or fail with the reason
 
-GPU build, against the torch already installed:
-    TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation
+GPU build, against the torch already installed (without isolation, so nanobind first):
+    pip install nanobind && TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation
 """
 from __future__ import annotations
 
@@ -88,7 +90,8 @@ def _nanobind_paths() -> tuple[list[str], list[str]] | str:
     try:
         import nanobind
     except ImportError:
-        return "nanobind is not importable in the build environment (`pip install nanobind`)"
+        return ("nanobind is not importable in the build environment (a build without isolation needs "
+                "`pip install nanobind` first)")
     root = os.path.dirname(nanobind.__file__)
     return ([os.path.join(nanobind.source_dir(), "nb_combined.cpp")],
             [nanobind.include_dir(), os.path.join(root, "ext", "robin_map", "include")])
@@ -96,39 +99,46 @@ def _nanobind_paths() -> tuple[list[str], list[str]] | str:
 
 def _cpu_extension() -> list[Extension]:
     """ktae_kernels._cpu (nanobind, typed array arguments): strict IEEE float64 (no FMA contraction), so its
-    per-row formulas round as the torch path does. Empty when nanobind is missing (the backend then
-    reports itself unbuilt)."""
-    paths = _nanobind_paths()
-    if isinstance(paths, str):
-        print(f"ktae_kernels: not building the native CPU kernel: {paths}", file=sys.stderr)
-        return []
-    sources, includes = paths
+    per-row formulas round as the torch path does. nanobind's own sources join when the extension is
+    built (``_with_openmp_fallback``): setuptools refuses absolute paths among the sources declared here,
+    and nanobind lives wherever the build environment has it (inside the project for a venv there)."""
     flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden", "-fno-strict-aliasing"]
     if _flag("KTAE_NATIVE_ARCH"):
         flags.append("-march=native")
-    return [Extension("ktae_kernels._cpu", sources=["csrc/cpu/ktae_cpu.cpp", *sources], language="c++",
-                      include_dirs=["csrc/cpu", *includes], depends=sorted(glob.glob("csrc/cpu/*.h")),
+    return [Extension("ktae_kernels._cpu", sources=["csrc/cpu/ktae_cpu.cpp"], language="c++",
+                      include_dirs=["csrc/cpu"], depends=sorted(glob.glob("csrc/cpu/*.h")),
                       extra_compile_args=flags, optional=True)]
 
 
+def _skip_cpu_kernel(reason: object) -> None:
+    print(f"ktae_kernels: not building the native CPU kernel ({reason}); backend='cpu' will be unavailable and "
+          "'auto' uses the slower torch backend", file=sys.stderr)
+
+
 def _with_openmp_fallback(base: type) -> type:
-    """``base`` build_ext that builds ktae_kernels._cpu with OpenMP, else without it (one thread), else
-    skips it with the reason: a machine without a working compiler still installs the package."""
+    """``base`` build_ext that builds ktae_kernels._cpu with nanobind's runtime and OpenMP, else without
+    OpenMP (one thread), else skips it with the reason: a machine without a working compiler or
+    nanobind still installs the package."""
 
     class BuildExt(base):
         def build_extension(self, ext):
             if ext.name != "ktae_kernels._cpu":
                 return super().build_extension(ext)
-            plain = list(ext.extra_compile_args)
-            for extra in (["-fopenmp"], []):
-                ext.extra_compile_args, ext.extra_link_args = plain + extra, list(extra)
-                try:
-                    return super().build_extension(ext)
-                except Exception as err:  # noqa: BLE001 - any compiler failure: try the next option
-                    reason = err
-            print(f"ktae_kernels: not building the native CPU kernel ({reason}); backend='cpu' will be "
-                  "unavailable and 'auto' uses the torch backend", file=sys.stderr)
-            return None
+            paths = _nanobind_paths()
+            if isinstance(paths, str):
+                return _skip_cpu_kernel(paths)
+            declared = ext.sources, ext.include_dirs, ext.extra_compile_args
+            ext.sources, ext.include_dirs = declared[0] + paths[0], declared[1] + paths[1]
+            try:  # the commands after this one (egg_info writing SOURCES.txt) see the declared sources
+                for extra in (["-fopenmp"], []):
+                    ext.extra_compile_args, ext.extra_link_args = declared[2] + extra, list(extra)
+                    try:
+                        return super().build_extension(ext)
+                    except Exception as err:  # noqa: BLE001 - any compiler failure: try the next option
+                        reason = err
+                return _skip_cpu_kernel(reason)
+            finally:
+                ext.sources, ext.include_dirs, ext.extra_compile_args = declared
 
     return BuildExt
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -31,7 +32,9 @@ class KTAEConfig:
     k1, b: BM25 saturation and length normalisation.
     correct_threshold: a rollout is correct when its reward is > this.
     ignore_token_ids: token ids whose score is forced to 0 (e.g. Qwen's 151643).
-    weight: advantage = A_rollout + weight * score.
+    weight: advantage = A_rollout + weight * score; 0 leaves the rollout advantage alone. A negative
+        weight reverses the key-token term (the tokens typical of correct rollouts are pushed down),
+        which is only an ablation: it is allowed, with a warning, so that such a run can be made.
     baseline: rollout advantage A: "grpo" (group z-score), "mean" (group mean-centred, Dr. GRPO),
         "none" (the reward itself).
     eps: added to the group std in the "grpo" baseline.
@@ -77,6 +80,10 @@ class KTAEConfig:
             raise ValueError(f"KTAEConfig.b must be in [0, 1], got {self.b!r}")
         _check_real("correct_threshold", self.correct_threshold)
         _check_real("weight", self.weight)
+        if self.weight < 0:
+            warnings.warn(f"KTAEConfig.weight={self.weight!r} is negative: the key-token term is reversed (tokens "
+                          f"of correct rollouts are pushed down, those of wrong ones up); use weight >= 0 "
+                          f"unless this is an ablation", UserWarning, stacklevel=3)
         _check_real("eps", self.eps, minimum=0.0)
         if self.baseline not in BASELINES:
             raise ValueError(f"KTAEConfig.baseline must be one of {BASELINES}, got {self.baseline!r}")

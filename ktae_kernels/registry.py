@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import warnings
 
 import torch
 
@@ -45,9 +47,14 @@ def resolve(name: str, device: torch.device | str) -> BackendSpec:
     kind = torch.device(device).type
     if name == "auto":
         ranked = sorted((s.auto_rank[kind], n) for n, s in _REGISTRY.items() if kind in s.auto_rank)
+        skipped: list[tuple[str, str]] = []
         for _, candidate in ranked:
-            if _REGISTRY[candidate].unavailable(kind) is None:
+            reason = _REGISTRY[candidate].unavailable(kind)
+            if reason is None:
+                if skipped:
+                    _warn_fallback(kind, candidate, skipped[0])
                 return _REGISTRY[candidate]
+            skipped.append((candidate, reason))
         raise BackendUnavailableError(f"no backend can run on device type {kind!r}; "
                                       f"move the tensors to the CPU (`.cpu()`)")
     if not isinstance(name, str) or name not in _REGISTRY:
@@ -55,6 +62,12 @@ def resolve(name: str, device: torch.device | str) -> BackendSpec:
     spec = _REGISTRY[name]
     if kind not in spec.devices:
         where = " or ".join(repr(d) for d in spec.devices)
+        problem = spec.unavailable(spec.devices[0])
+        if problem is not None:  # moving the tensors would not help: say what runs here instead
+            raise BackendUnavailableError(
+                f"backend {name!r} runs on {where} tensors, and cannot run on this machine: {problem}. For {kind} "
+                f"tensors use backend='auto' (here it runs {resolve('auto', kind).name!r}) or one of "
+                f"{available_backends(kind)}")
         raise BackendUnavailableError(
             f"backend {name!r} runs on {where} tensors, got a {kind!r} tensor; move `responses` (and the "
             f"other tensors) to {spec.devices[0]!r} with `.to({spec.devices[0]!r})`, or use backend='auto'")
@@ -62,6 +75,30 @@ def resolve(name: str, device: torch.device | str) -> BackendSpec:
     if reason is not None:
         raise BackendUnavailableError(f"backend {name!r} is unavailable: {reason}")
     return spec
+
+
+#: (device type, backend) pairs whose "auto" fallback has been warned about in this process.
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_fallback(kind: str, chosen: str, skipped: tuple[str, str]) -> None:
+    """Warn once per process that "auto" runs ``chosen`` on ``kind`` tensors because the backend it
+    prefers there is unavailable (``skipped``: its name and the reason, which says how to build it)."""
+    if (kind, skipped[0]) in _WARNED:
+        return
+    _WARNED.add((kind, skipped[0]))
+    warnings.warn(f"backend='auto' runs the slower {chosen!r} backend on {kind} tensors: backend {skipped[0]!r} "
+                  f"is unavailable: {skipped[1]}", RuntimeWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+    """``warnings.warn``'s stacklevel, for a warning raised by the caller of this function, that names the
+    first line outside this package (the user's call)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def get_backend(name: str, device: torch.device | str) -> Backend:
@@ -77,6 +114,15 @@ def _rocm() -> bool:
     return getattr(torch.version, "hip", None) is not None
 
 
+def _no_cuda_gpu() -> str | None:
+    """Why torch cannot use a CUDA GPU here, or None."""
+    if torch.cuda.is_available():
+        return None
+    if torch.version.cuda is None:
+        return f"this torch ({torch.__version__}) is a CPU-only build, so no CUDA GPU can be used"
+    return "no usable CUDA GPU is visible (torch.cuda.is_available() is False)"
+
+
 def _triton_unavailable(kind: str) -> str | None:
     if kind == "cuda" and _rocm():
         return "ROCm is not supported: the Triton kernels use NVIDIA inline PTX"
@@ -85,7 +131,7 @@ def _triton_unavailable(kind: str) -> str | None:
     except ImportError:
         return "triton is not installed (pip install triton)"
     if kind == "cuda":
-        return None if torch.cuda.is_available() else "CUDA is not available"
+        return _no_cuda_gpu()
     if os.environ.get("TRITON_INTERPRET") == "1":
         return None
     return "CPU tensors need the Triton interpreter: set TRITON_INTERPRET=1 before importing triton"
@@ -94,8 +140,8 @@ def _triton_unavailable(kind: str) -> str | None:
 def _cuda_unavailable(_: str) -> str | None:
     if _rocm():
         return "ROCm is not supported: the extension is written for NVIDIA GPUs"
-    if not torch.cuda.is_available():
-        return "CUDA is not available"
+    if _no_cuda_gpu() is not None:
+        return _no_cuda_gpu()
     from .backends import cuda
 
     return cuda.unavailable_reason()

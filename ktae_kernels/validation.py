@@ -150,13 +150,16 @@ def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = 
 
 
 def _finite_float64(name: str, t: Tensor, read: bool = True) -> Tensor:
-    """``t`` detached as float64; ValueError naming ``name`` if it holds NaN or inf (checked when ``read``)."""
+    """``t`` (``[B]``) detached as float64; ValueError naming ``name`` and the first row holding NaN or inf
+    (checked when ``read``)."""
     t = t.detach().to(torch.float64)
     if not read:
         return t
     finite = np.isfinite(t.numpy()).all() if t.device.type == "cpu" else bool(torch.isfinite(t).all())
     if not finite:
-        raise ValueError(f"`{name}` must be finite (found NaN or inf)")
+        bad = torch.nonzero(~torch.isfinite(t)).reshape(-1)
+        more = f" ({bad.numel()} rows are not finite)" if bad.numel() > 1 else ""
+        raise ValueError(f"`{name}` must be finite, found {float(t[bad[0]])} at row {int(bad[0])}{more}")
     return t
 
 
@@ -199,9 +202,22 @@ def _zero_one_flags(name: str, t: Tensor, fix: str, read: bool = True) -> Tensor
     if not read:
         raise ValueError(f"`{name}` must be bool while a CUDA graph captures (its values cannot be checked "
                          f"then), got {t.dtype}; {fix}")
-    if t.dtype.is_complex or not _zeros_and_ones(t):
+    if t.dtype.is_complex:
         raise ValueError(f"`{name}` must be bool or hold only 0 and 1, got {t.dtype}; {fix}")
+    if not _zeros_and_ones(t):
+        raise ValueError(f"`{name}` must be bool or hold only 0 and 1, {_first_other_value(t)}; {fix}")
     return t != 0
+
+
+def _first_other_value(t: Tensor) -> str:
+    """Where a 1-D or 2-D real tensor first holds a value other than 0 and 1, e.g. "found 2 at row 3,
+    column 7 (5 values are neither 0 nor 1)"."""
+    bad = torch.nonzero((t != 0) & (t != 1))
+    first = bad[0].tolist()
+    value = t[tuple(first)].item()
+    where = ", ".join(f"{axis} {i}" for axis, i in zip(("row", "column"), first))
+    more = f" ({bad.shape[0]} values are neither 0 nor 1)" if bad.shape[0] > 1 else ""
+    return f"found {value!r} at {where}{more}"
 
 
 def _zeros_and_ones(t: Tensor) -> bool:

@@ -1,7 +1,8 @@
 """examples/: the TRL example runs (shortened); the verl launch script's overrides compose with verl's real
 config tree, pass verl's own validation and drive one advantage step of verl's v1 trainer on a batch built
 as verl builds it; the MATH data preparation yields rows verl's reward scores; the OpenRLHF launcher
-builds the Ray runtime_env OpenRLHF's contract needs (OpenRLHF itself needs flash-attn: not installed)."""
+starts Ray with the adapter's runtime_env and runs the real OpenRLHF CLI (installed with --no-deps,
+its CUDA-only packages stubbed), whose own parser and checks accept run_ktae.sh's flags."""
 from __future__ import annotations
 
 import importlib.util
@@ -17,7 +18,6 @@ import torch
 from ktae_kernels import KTAEConfig, token_advantage
 from ktae_kernels.integrations.openrlhf import runtime_env, settings_from_env
 from ktae_kernels.integrations.shared import AdapterSettings
-from openrlhf_fakes import use_fake_openrlhf
 from verl_fakes import FakeTransferQueue, Meta
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -170,56 +170,43 @@ def _launcher_flags() -> list[str]:
                           text=True, check=True).stdout.splitlines()
 
 
-def test_openrlhf_launcher_hands_openrlhf_an_initialised_ray(tmp_path, monkeypatch):
-    """Contract test (``ray.init`` is stubbed; tests/test_integration_openrlhf.py starts real Ray with the
-    same runtime_env): the launcher validates the settings and the estimator before Ray starts, starts
-    Ray with ``runtime_env(settings)`` and runs OpenRLHF's CLI module with the flags after ``--``."""
-    ray = pytest.importorskip("ray")
-    use_fake_openrlhf(tmp_path, monkeypatch)
+def test_openrlhf_launcher_hands_openrlhf_an_initialised_ray(monkeypatch):
+    """The launcher checks the settings, the estimator and OpenRLHF's trainer module before Ray starts
+    (``ray.init`` is stubbed: tests/test_integration_openrlhf.py starts real Ray with the same
+    runtime_env), starts Ray with ``runtime_env(settings)`` and runs OpenRLHF's own CLI, whose parser and
+    checks accept every flag of run_ktae.sh (stopped where training would start)."""
+    pytest.importorskip("openrlhf", reason="OpenRLHF not installed: pip install --no-deps openrlhf==0.11.2")
+    import openrlhf.utils
+    import openrlhf_real
+    import ray
+
     launcher = _load(EXAMPLES / "openrlhf" / "train_ktae_ray.py", "train_ktae_ray")
     printed = _launcher_flags()
-    started = {}
+    started, parsed = {}, []
+
+    def stop(args):
+        parsed.append((args, ray.is_initialized()))
+        raise openrlhf_real.Parsed(args)
+
     monkeypatch.setattr(ray, "init", lambda **kw: started.update(kw))
     monkeypatch.setattr(ray, "is_initialized", lambda: bool(started))
-    launcher.main(printed)
-    import openrlhf
-
-    (argv, initialised), = openrlhf.RUNS
-    assert initialised and argv[1:] == printed[printed.index("--") + 1:]
+    monkeypatch.setattr(openrlhf.utils, "get_strategy", stop)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(openrlhf_real.Parsed):
+        launcher.main(printed)
+    (args, initialised), = parsed
+    assert initialised and args.algo.advantage.estimator == "group_norm"
+    assert args.rollout.n_samples_per_prompt == 16 and args.reward.remote_url == [
+        str(EXAMPLES / "openrlhf" / "reward_func.py")]
     settings = AdapterSettings(KTAEConfig(ignore_token_ids=(151643,)))
     assert started["runtime_env"] == runtime_env(settings)
     assert settings_from_env(started["runtime_env"]["env_vars"]) == settings
+    started.clear()
     with pytest.raises(SystemExit, match="group outcome advantage"):
         launcher.main(["--", "--algo.advantage.estimator", "gae"])
     with pytest.raises(ValueError, match="--ktae has unknown keys"):
         launcher.main(["--ktae", '{"alhpa": 1}', "--", "--algo.advantage.estimator", "group_norm"])
-
-
-class _Parsed(Exception):
-    """Raised in place of OpenRLHF's training once its own parser has read the flags."""
-
-
-def test_openrlhf_parses_the_launcher_flags_with_its_own_parser(monkeypatch):
-    """OpenRLHF's own CLI parser (its module run as ``__main__`` until its first ``parse_args``) accepts
-    every flag of run_ktae.sh and reads the group estimator KTAE needs."""
-    pytest.importorskip("openrlhf.cli.train_ppo_ray", reason="OpenRLHF not installed (it needs CUDA and flash-attn)")
-    import argparse
-    import runpy
-
-    flags = _launcher_flags()
-    flags = flags[flags.index("--") + 1:]
-    original = argparse.ArgumentParser.parse_args
-
-    def parse_then_stop(self, args=None, namespace=None):
-        raise _Parsed(original(self, args, namespace))
-
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    monkeypatch.setattr(sys, "argv", ["train_ppo_ray", *flags])
-    with pytest.raises(_Parsed) as parsed:
-        runpy.run_module("openrlhf.cli.train_ppo_ray", run_name="__main__")
-    namespace = parsed.value.args[0]
-    estimator = getattr(namespace, "algo.advantage.estimator", None) or namespace.algo.advantage.estimator
-    assert estimator == "group_norm"
+    assert not started
 
 
 def test_verl_script_checks_the_plugin_before_launching(tmp_path):

@@ -224,6 +224,22 @@ def test_liger_loss_of_older_trl_is_refused(tmp_path, monkeypatch):
                processing_class=_tokenizer())
 
 
+def test_a_moved_override_target_fails_when_the_trainer_is_built(tmp_path, monkeypatch):
+    """A TRL whose ``GRPOTrainer`` no longer has a method KTAE overrides (the override would never run)
+    fails when the trainer is built, naming TRL's version and what KTAE expected; so does a TRL outside
+    the supported range."""
+    from ktae_kernels.integrations.shared import FrameworkMismatchError
+
+    monkeypatch.delattr(trl.GRPOTrainer, "_generate_and_score_completions")
+    with pytest.raises(FrameworkMismatchError, match=rf"TRL {trl.__version__}: GRPOTrainer has no method "
+                                                     r"_generate_and_score_completions\. KTAE expected the method"):
+        KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer())
+    monkeypatch.undo()
+    monkeypatch.setattr(trl, "__version__", "0.29.0")
+    with pytest.raises(FrameworkMismatchError, match="KTAE supports TRL >= 1.0, < 2; found TRL 0.29.0"):
+        KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer())
+
+
 def test_own_baseline_instead_of_trls_advantage(tmp_path):
     config = KTAEConfig(baseline="mean")
     trainer = _Recording(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),

@@ -423,7 +423,11 @@ def test_check_says_why_the_plugin_does_not_load(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
            "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": ""}
-    assert "does not register the 'ktae' estimator" in plugin_problem(env)
+    problem = plugin_problem(env)
+    assert problem.startswith("`import verl` does not register the 'ktae' estimator: ")
+    if VERL_VERSION >= (0, 9):
+        assert "VERL_USE_EXTERNAL_PLUGINS=none turns verl's plugin discovery off" in problem
+        assert "pip-install" not in problem and "pip install" not in problem
     assert plugin_problem({**env, "VERL_USE_EXTERNAL_MODULES": "ktae_kernels.integrations.verl"}) is None
     (tmp_path / "sitecustomize.py").write_text(  # a broken install: one of the adapter's modules fails to import
         "import sys\n"
@@ -435,6 +439,60 @@ def test_check_says_why_the_plugin_does_not_load(tmp_path):
     problem = plugin_problem({**env, "VERL_USE_EXTERNAL_PLUGINS": "auto",
                               "PYTHONPATH": os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])})
     assert "raises" in problem and "DEBUG" in problem and "a broken install" in problem
+
+
+def test_check_names_the_real_cause_of_an_unregistered_estimator():
+    """Each cause verl has for loading no adapter, named with its fix (and never "pip-install" where the
+    package is installed and only verl's switch keeps it out)."""
+    from ktae_kernels.integrations.verl.check import MODULE, unregistered_cause
+
+    point = "ktae_kernels.integrations.verl"
+    off = unregistered_cause({"VERL_USE_EXTERNAL_PLUGINS": "None "}, "0.9.1", point)
+    assert off.startswith("VERL_USE_EXTERNAL_PLUGINS=none turns verl's plugin discovery off") and "install" not in off
+    listed = unregistered_cause({"VERL_USE_EXTERNAL_PLUGINS": "other,plugin"}, "0.9.1", point)
+    assert "loads only the entry points it names, and not 'ktae': add ktae to it" in listed
+    assert "install" not in unregistered_cause({"VERL_USE_EXTERNAL_PLUGINS": "other, ktae"}, "0.9.1", point)
+    assert "pip-installed" in unregistered_cause({}, "0.9.1", None)
+    assert "verl 0.8.0 loads no verl.plugins entry points" in unregistered_cause({}, "0.8.0", None)
+    for cause in (off, listed):
+        assert cause.endswith(f"set VERL_USE_EXTERNAL_MODULES={MODULE}")
+
+
+def test_a_moved_patch_target_fails_at_start_up(monkeypatch):
+    """A v1 ``PPOTrainer`` without ``_compute_advantage`` is recorded when verl's module is patched (a run
+    without KTAE goes on), and a "ktae" run fails at start-up naming verl's version and what KTAE
+    expected; the first advantage step says the same. The legacy trainer, untouched, still passes."""
+    from verl.trainer.ppo.v1 import trainer_base
+
+    from ktae_kernels.integrations.shared import FrameworkMismatchError
+    from ktae_kernels.integrations.verl import framework, trainers
+
+    monkeypatch.setitem(framework.PATCH_PROBLEMS, framework.V1_MODULE, "")  # restored after the test
+    monkeypatch.setattr(trainer_base, "PPOTrainer", type("PPOTrainer", (), {}))
+    trainers.PATCHES[framework.V1_MODULE](trainer_base)
+    expected = (rf"verl {verl.__version__}: verl.trainer.ppo.v1.trainer_base has no PPOTrainer._compute_advantage\. "
+                r"KTAE expected verl.trainer.ppo.v1.trainer_base.PPOTrainer._compute_advantage: the v1 trainer's")
+    with pytest.raises(FrameworkMismatchError, match=expected):
+        ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
+    assert ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=grpo")) is None
+    assert ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae", "trainer.use_v1=false")) is not None
+    responses, mask, scores, uid = _verl_batch()
+    with pytest.raises(FrameworkMismatchError, match="has no PPOTrainer._compute_advantage"):
+        ktae_verl.compute_ktae_advantage(scores, mask, uid, _algorithm())
+    from ktae_kernels.integrations.verl.check import config_problem
+
+    assert "has no PPOTrainer._compute_advantage" in config_problem(["algorithm.adv_estimator=ktae"])
+
+
+def test_verl_version_is_checked_against_the_supported_range(monkeypatch):
+    from ktae_kernels.integrations.shared import FrameworkMismatchError
+
+    monkeypatch.setattr(verl, "__version__", "0.5.0")
+    with pytest.raises(FrameworkMismatchError, match=r"KTAE supports verl >= 0.6, < 0.10; found verl 0.5.0"):
+        ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
+    monkeypatch.setattr(verl, "__version__", "0.10.0")
+    with pytest.warns(RuntimeWarning, match=r"tested with verl >= 0.6, < 0.10; found verl 0.10.0"):
+        ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
 
 
 def test_a_misspelled_estimator_name_close_to_ktae_fails_at_start_up():

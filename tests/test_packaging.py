@@ -5,6 +5,7 @@ is checked by ``.ci/package``, which CI runs.
 """
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -44,6 +45,15 @@ def test_package_is_typed():
     assert "py.typed" in pyproject()["tool"]["setuptools"]["package-data"]["ktae_kernels"]
 
 
+def test_triton_is_an_extra_that_the_tests_bring():
+    """Triton (hundreds of MB) serves only ``backend="triton"``: a CUDA torch brings it, a CPU install does
+    not need it. The tests run its interpreter, so the test extra (the README's test command) brings it."""
+    project = pyproject()["project"]
+    assert not [d for d in project["dependencies"] if d.startswith("triton")]
+    extras = project["optional-dependencies"]
+    assert [d for d in extras["triton"] if d.startswith("triton")] and [d for d in extras["test"] if d.startswith("triton")]
+
+
 @pytest.mark.slow
 def test_sdist_holds_every_source_a_build_needs(tmp_path):
     pytest.importorskip("build")
@@ -58,3 +68,23 @@ def test_sdist_holds_every_source_a_build_needs(tmp_path):
     needed |= {str(path.relative_to(ROOT)) for path in (ROOT / "csrc").rglob("*") if path.is_file()}
     assert needed <= names, sorted(needed - names)
     assert not [name for name in names if name.endswith((".so", ".o"))]
+
+
+def test_setup_declares_no_source_outside_the_project(tmp_path):
+    """The routes without build isolation (``pip install -e . --no-build-isolation``, ``pip wheel
+    --no-build-isolation``) build against the environment's nanobind, wherever it is installed; setuptools
+    stops such a build when a source setup() declares, which egg_info lists in SOURCES.txt after the
+    build, is an absolute path. nanobind's runtime joins the sources only while the kernel is built: here
+    ``build_ext`` (with ``true`` as the compiler and linker, so nothing is compiled) then ``egg_info`` in one
+    run, as pip's editable build runs them. .ci/build-routes builds both routes for real."""
+    pytest.importorskip("nanobind")
+    noop = {name: "true" for name in ("CC", "CXX", "LDSHARED", "LDCXXSHARED")}
+    temp = tmp_path / "temp"
+    done = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                           "--build-temp", str(temp), "egg_info", "--egg-base", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **noop})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [path for path in temp.rglob("*") if path.name == "nanobind"], "the build did not compile nanobind's runtime"
+    sources = (tmp_path / "ktae_kernels.egg-info" / "SOURCES.txt").read_text().splitlines()
+    assert "csrc/cpu/ktae_cpu.cpp" in sources
+    assert not [s for s in sources if s.endswith((".c", ".cc", ".cpp", ".cu")) and os.path.isabs(s)]

@@ -181,6 +181,70 @@ def test_cli_on_a_saved_batch(tmp_path, capsys):
     assert viz_main([str(tmp_path / "nope.pt")]) == 2
 
 
+def _saved_demo_batch(tmp_path):
+    responses, mask, rewards, index = demo_batch()
+    torch.save(dict(responses=responses, response_mask=mask, rewards=rewards, index=index), tmp_path / "batch.pt")
+    return tmp_path / "batch.pt"
+
+
+@pytest.mark.slow
+def test_cli_with_a_hub_name_offline_fails_at_once_in_one_line(tmp_path):
+    """A hub name that is not cached, with the hub switched off (HF_HUB_OFFLINE=1, an empty cache): exit 2
+    and one line saying to pass a local folder, without transformers' retries and traceback."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    pytest.importorskip("transformers")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "ktae_kernels.viz", str(_saved_demo_batch(tmp_path)), "--tokenizer",
+                           "Qwen/Qwen2.5-0.5B", "-o", str(tmp_path / "r.html")], env=env, capture_output=True,
+                          text=True, timeout=120)
+    elapsed = time.perf_counter() - started
+    assert done.returncode == 2 and done.stdout == ""
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("python -m ktae_kernels.viz: error: --tokenizer 'Qwen/Qwen2.5-0.5B' is neither a local "
+                           "folder nor in the Hugging Face cache, and the hub is switched off here (HF_HUB_OFFLINE)")
+    assert "pass a local folder" in line
+    assert elapsed < 40, f"{elapsed:.0f} s"  # the interpreter's start and imports; no network retries
+
+
+def test_cli_tokenizer_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    """No network (the hub's metadata request fails to connect: stubbed), a path that is no folder, and a
+    folder without tokenizer files: each exits 2 with one line that names the cause."""
+    pytest.importorskip("transformers")
+    httpx = pytest.importorskip("httpx")
+    import huggingface_hub
+    import transformers
+
+    def not_cached(path, local_files_only=False, **kwargs):
+        if local_files_only:
+            raise OSError(f"{path} is not in the cache")
+        raise AssertionError("the download must not be tried without a connection")
+
+    def no_connection(name, timeout=None, **kwargs):
+        assert timeout is not None and timeout <= 10
+        raise httpx.ConnectError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "model_info", no_connection)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", not_cached)
+    batch = str(_saved_demo_batch(tmp_path))
+    out = ["-o", str(tmp_path / "r.html")]
+    for tokenizer, says in [("Qwen/Qwen2.5-0.5B", "the Hugging Face hub cannot be reached (ConnectError); pass a local "
+                                                  "folder"),
+                            (str(tmp_path / "missing"), "no such folder; pass a local folder"),
+                            (str(tmp_path), "cannot load a tokenizer from this folder: ")]:
+        if tokenizer == str(tmp_path):
+            monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                                lambda path, **kw: (_ for _ in ()).throw(OSError("no tokenizer files\nmore lines")))
+        assert viz_main([batch, "--tokenizer", tokenizer, *out]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert says in line, line
+
+
 def test_demo_teaches_and_writes_its_report(tmp_path, capsys):
     from ktae_kernels.__main__ import main as demo_main
 

@@ -3,11 +3,12 @@
     python examples/openrlhf/train_ktae_ray.py --ktae '{"ignore_token_ids": [151643]}' -- \\
         --algo.advantage.estimator group_norm --rollout.n_samples_per_prompt 16 ...   # see run_ktae.sh
 
-Starts Ray (or joins ``RAY_ADDRESS``) with ``ktae_kernels.integrations.openrlhf.runtime_env(...)``: the
-named setup hook ``worker_setup`` plus the settings as JSON in ``$KTAE_OPENRLHF``, merged with
-OpenRLHF's own environment defaults (a value set in this shell wins). Only the process that imports
-OpenRLHF's trainer module (the ``PPOTrainer`` actor) is patched. Then it runs OpenRLHF's own CLI
-module, which reuses the initialised Ray. OpenRLHF (>= 0.10.2) needs CUDA and flash-attn.
+Checks the settings, the estimator, OpenRLHF's version and the trainer module KTAE extends, then starts
+Ray (or joins ``RAY_ADDRESS``) with ``ktae_kernels.integrations.openrlhf.runtime_env(...)``: the named
+setup hook ``worker_setup`` plus the settings as JSON in ``$KTAE_OPENRLHF``, merged with OpenRLHF's own
+environment defaults (a value set in this shell wins). Only the process that imports OpenRLHF's trainer
+module (the ``PPOTrainer`` actor) is patched. Then it runs OpenRLHF's own CLI module, which reuses the
+initialised Ray. OpenRLHF (>= 0.10.2, < 0.12) needs CUDA and flash-attn.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import json
 import runpy
 import sys
 
-from ktae_kernels.integrations.openrlhf import ESTIMATOR_FLAG, ESTIMATORS, runtime_env
+from ktae_kernels.integrations import openrlhf as ktae_openrlhf
 from ktae_kernels.integrations.shared import AdapterSettings, settings_from_mapping
 
 OPENRLHF_MODULE = "openrlhf.cli.train_ppo_ray"
@@ -24,16 +25,17 @@ OPENRLHF_MODULE = "openrlhf.cli.train_ppo_ray"
 
 def check_estimator(openrlhf_args: list[str]) -> str:
     """The ``--algo.advantage.estimator`` among OpenRLHF's flags; KTAE needs a group estimator."""
+    flag = ktae_openrlhf.ESTIMATOR_FLAG
     estimator = "gae"  # OpenRLHF's default (PPO with a critic)
     for i, arg in enumerate(openrlhf_args):
-        if arg == ESTIMATOR_FLAG and i + 1 < len(openrlhf_args):
+        if arg == flag and i + 1 < len(openrlhf_args):
             estimator = openrlhf_args[i + 1]
-        elif arg.startswith(ESTIMATOR_FLAG + "="):
+        elif arg.startswith(flag + "="):
             estimator = arg.split("=", 1)[1]
-    if estimator not in ESTIMATORS:
-        raise SystemExit(f"KTAE refines a group outcome advantage: pass {ESTIMATOR_FLAG} one of "
-                         f"{ESTIMATORS} (got {estimator!r})")
-    return estimator
+    try:
+        return ktae_openrlhf.check_estimator(estimator)
+    except ValueError as err:
+        raise SystemExit(str(err)) from None
 
 
 def parse(argv: list[str]) -> tuple[AdapterSettings, list[str]]:
@@ -53,9 +55,10 @@ def parse(argv: list[str]) -> tuple[AdapterSettings, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     settings, theirs = parse(list(sys.argv[1:] if argv is None else argv))
+    ktae_openrlhf.check_trainer_module()  # before Ray starts: a version or a moved class KTAE cannot use
     import ray
 
-    ray.init(runtime_env=runtime_env(settings))  # OpenRLHF's train() reuses an initialised Ray
+    ray.init(runtime_env=ktae_openrlhf.runtime_env(settings))  # OpenRLHF's train() reuses an initialised Ray
     sys.argv = [OPENRLHF_MODULE, *theirs]
     runpy.run_module(OPENRLHF_MODULE, run_name="__main__", alter_sys=True)
 

@@ -1,28 +1,34 @@
 """OpenRLHF adapter: add KTAE key-token scores to the advantages of ``RemoteExperienceMaker``.
 
 OpenRLHF has no estimator registry and accepts only its own estimator names, so KTAE rides on a
-group estimator (``ESTIMATORS``): after OpenRLHF's ``compute_advantages_and_returns``,
-``advantages += weight * score[group, token]`` on action tokens (the last ``A`` columns of
-``sequences``; groups: ``index // n_samples_per_prompt``). Settings reach the trainer actor through
-Ray: ``runtime_env(...)`` sets the named hook ``worker_setup`` and the settings as JSON in
-``$KTAE_OPENRLHF``; the hook patches ``openrlhf.trainer.ppo_trainer`` only in the process that imports
-it (the trainer actor), so vLLM engines and other workers import nothing more. OpenRLHF does not
-install without CUDA (flash-attn): this module imports none of it. See docs/integrations.md.
+group estimator (``ESTIMATORS``): after OpenRLHF's ``compute_advantages_and_returns`` (and so after
+the batch whitening of ``reinforce`` / ``reinforce_baseline``), ``advantages += weight *
+score[group, token]`` on action tokens (the last ``A`` columns of ``sequences``; groups: ``index //
+n_samples_per_prompt``). Settings reach the trainer actor through Ray: ``runtime_env(...)`` sets the
+named hook ``worker_setup`` and the settings as JSON in ``$KTAE_OPENRLHF``; the hook patches
+``openrlhf.trainer.ppo_trainer`` only in the process that imports it (the trainer actor), so vLLM
+engines and other workers import nothing more. The patch checks what it extends (``check_trainer_module``)
+and the trainer checks that it built KTAE's maker: a moved target fails at start-up. This module
+imports none of OpenRLHF. See docs/integrations.md.
 """
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.metadata
 import json
 import os
 import time
 from dataclasses import asdict
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from ..api import key_token_scores, token_advantage
 from .import_hooks import patch_on_import
-from .shared import AdapterSettings, column_values, correct_labels, settings_from_mapping, step_metrics
+from .shared import (AdapterSettings, check_version, column_values, correct_labels, missing_target,
+                     settings_from_mapping, step_metrics)
 
 #: environment variable ``worker_setup`` / ``install`` read the settings from (a JSON object).
 ENV_VAR = "KTAE_OPENRLHF"
@@ -32,19 +38,34 @@ ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "reinforce"
 ESTIMATOR_FLAG = "--algo.advantage.estimator"
 #: the module whose ``RemoteExperienceMaker`` the trainer builds.
 TRAINER_MODULE = "openrlhf.trainer.ppo_trainer"
+#: supported OpenRLHF: >= MIN_VERSION (the dotted ``--algo.advantage.*`` flags), < BELOW_VERSION; the
+#: tests run on the README test command's OpenRLHF and, in CI, again on MIN_VERSION.
+MIN_VERSION = "0.10.2"
+BELOW_VERSION = "0.12"
 #: ``worker_process_setup_hook`` in Ray's string form.
 SETUP_HOOK = f"{__name__}.worker_setup"
 #: environment OpenRLHF's ``train_ppo_ray`` gives Ray when it starts it; a user's own value wins.
 OPENRLHF_ENV_DEFAULTS = {"TOKENIZERS_PARALLELISM": "true", "NCCL_DEBUG": "WARN", "RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}
 
 
+def check_estimator(estimator: Any) -> str:
+    """``estimator`` when it is one of ``ESTIMATORS``; else ValueError naming OpenRLHF's flag."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"KTAE refines a group outcome advantage: pass {ESTIMATOR_FLAG} one of {ESTIMATORS} "
+                         f"(got {estimator!r})")
+    return estimator
+
+
 def add_key_token_scores(experiences: Sequence[Any], *, n_samples_per_prompt: int,
-                         settings: AdapterSettings = AdapterSettings(metrics="off")) -> Tensor:
+                         settings: AdapterSettings = AdapterSettings(metrics="off"),
+                         rewards: Sequence[Tensor] | None = None) -> Tensor:
     """Add ``weight * score`` to each experience's ``advantages`` in place; returns the float32
     ``[B, A_max]`` score term of the experiences' rows in order (0 off the action mask).
 
+    ``rewards``: each experience's ``[b]`` rewards before OpenRLHF shaped them in place (length
+    penalties), as ``KTAEExperienceMakerMixin`` captures them; None: the experiences' ``rewards``.
     Correct / wrong (``> correct_threshold``), in order of preference: ``info[settings.correct_key]``
-    (e.g. a reward function's extra field), OpenRLHF's binary task ``scores``, the shaped ``rewards``.
+    (e.g. a reward function's extra field), OpenRLHF's binary task ``scores``, those ``rewards``.
     ``settings.metrics`` adds the step's ``ktae/*`` metrics to every experience's ``info``.
     """
     if n_samples_per_prompt < 1:
@@ -55,7 +76,7 @@ def add_key_token_scores(experiences: Sequence[Any], *, n_samples_per_prompt: in
     width = max(widths, default=0)
     ids = torch.cat([_pad(e.sequences[:, e.sequences.shape[1] - a:], width) for e, a in zip(experiences, widths)])
     mask = torch.cat([_pad(e.action_mask.bool(), width) for e in experiences])
-    rewards = torch.cat([e.rewards.reshape(-1) for e in experiences])
+    rewards = torch.cat([r.reshape(-1) for r in (rewards if rewards is not None else [e.rewards for e in experiences])])
     labels = correct_labels(rewards, config.correct_threshold, [
         (str(settings.correct_key), _concat([column_values(e.info, settings.correct_key) for e in experiences])),
         ("scores", _concat([getattr(e, "scores", None) for e in experiences])),
@@ -93,20 +114,21 @@ def _pad(t: Tensor, width: int) -> Tensor:
 
 
 class KTAEExperienceMakerMixin:
-    """``class Maker(KTAEExperienceMakerMixin, RemoteExperienceMaker)``: OpenRLHF's advantages, then
-    ``add_key_token_scores`` with the class attribute ``ktae_settings``."""
+    """``class Maker(KTAEExperienceMakerMixin, RemoteExperienceMaker)``: checks the estimator when built
+    (at start-up); OpenRLHF's advantages, then ``add_key_token_scores`` with the class attribute
+    ``ktae_settings``, labelling by the rewards as they came in (before OpenRLHF's length penalties)."""
 
     ktae_settings: AdapterSettings = AdapterSettings()
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        check_estimator(self.strategy.args.algo.advantage.estimator)  # type: ignore[attr-defined]
+
     def compute_advantages_and_returns(self, experiences: list, *args: Any, **kwargs: Any) -> list:
+        unshaped = [e.rewards.detach().clone() for e in experiences]  # OpenRLHF shapes them in place
         experiences = super().compute_advantages_and_returns(experiences, *args, **kwargs)  # type: ignore[misc]
-        args_ = self.strategy.args
-        estimator = args_.algo.advantage.estimator
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"KTAE needs a group outcome estimator, one of {ESTIMATORS}; "
-                             f"--algo.advantage.estimator is {estimator!r}")
-        add_key_token_scores(experiences, n_samples_per_prompt=args_.rollout.n_samples_per_prompt,
-                             settings=self.ktae_settings)
+        add_key_token_scores(experiences, n_samples_per_prompt=self.strategy.args.rollout.n_samples_per_prompt,  # type: ignore[attr-defined]
+                             settings=self.ktae_settings, rewards=unshaped)
         return experiences
 
 
@@ -131,15 +153,69 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> AdapterSettin
     return settings_from_mapping(section, where=f"${ENV_VAR}")
 
 
+def installed_version() -> str | None:
+    """OpenRLHF's installed version (its package metadata; nothing is imported), or None without it."""
+    try:
+        return importlib.metadata.version("openrlhf")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_trainer_module(ppo_trainer: Any = None) -> str:
+    """Check OpenRLHF's version against the supported range and that ``ppo_trainer`` (the imported
+    ``openrlhf.trainer.ppo_trainer``; imported when None) still has what KTAE extends: the class
+    ``RemoteExperienceMaker`` with ``compute_advantages_and_returns`` and ``BasePPOTrainer``. Returns
+    the version ("unknown" without package metadata); raises ``FrameworkMismatchError`` naming it."""
+    version = installed_version()
+    if version is not None:
+        check_version("OpenRLHF", version, MIN_VERSION, BELOW_VERSION)
+    version = version or "unknown"
+    module = importlib.import_module(TRAINER_MODULE) if ppo_trainer is None else ppo_trainer
+    maker = getattr(module, "RemoteExperienceMaker", None)
+    if not isinstance(maker, type) or not callable(getattr(maker, "compute_advantages_and_returns", None)):
+        raise missing_target("OpenRLHF", version, f"{TRAINER_MODULE} has no class RemoteExperienceMaker with a "
+                             "compute_advantages_and_returns method",
+                             "the experience-maker class that BasePPOTrainer.__init__ builds by that name there")
+    if not isinstance(getattr(module, "BasePPOTrainer", None), type):
+        raise missing_target("OpenRLHF", version, f"{TRAINER_MODULE} has no class BasePPOTrainer",
+                             "the trainer base class whose __init__ builds self.experience_maker")
+    return version
+
+
 def patch_trainer_module(ppo_trainer: Any, settings: AdapterSettings) -> type:
-    """Replace ``ppo_trainer.RemoteExperienceMaker`` with a KTAE subclass of OpenRLHF's; returns it."""
+    """Replace ``ppo_trainer.RemoteExperienceMaker`` with a KTAE subclass of OpenRLHF's, and make
+    ``BasePPOTrainer.__init__`` check that it built that class; returns the class. Raises
+    ``FrameworkMismatchError`` where OpenRLHF moved what this extends (``check_trainer_module``)."""
+    version = check_trainer_module(ppo_trainer)
     base = ppo_trainer.RemoteExperienceMaker
     if issubclass(base, KTAEExperienceMakerMixin):  # patched before: rebuild on OpenRLHF's class
         base = base.__bases__[1]
     maker = type("KTAERemoteExperienceMaker", (KTAEExperienceMakerMixin, base),
                  {"ktae_settings": settings, "__module__": __name__})
     ppo_trainer.RemoteExperienceMaker = maker
+    trainer = ppo_trainer.BasePPOTrainer
+    trainer.__init__ = _checking_maker(trainer.__init__, version)
     return maker
+
+
+def _checking_maker(init: Callable[..., None], version: str) -> Callable[..., None]:
+    """``BasePPOTrainer.__init__`` that raises unless it built KTAE's experience maker (an OpenRLHF that
+    builds its maker another way would otherwise train without KTAE, silently)."""
+    if getattr(init, "ktae_checked", False):
+        return init
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        maker = getattr(self, "experience_maker", None)
+        if not isinstance(maker, KTAEExperienceMakerMixin):
+            raise missing_target("OpenRLHF", version, f"BasePPOTrainer.__init__ built self.experience_maker as "
+                                 f"{type(maker).__name__}, not KTAE's subclass of RemoteExperienceMaker",
+                                 f"BasePPOTrainer.__init__ to build it through the name RemoteExperienceMaker "
+                                 f"of {TRAINER_MODULE}")
+
+    __init__.ktae_checked = True  # type: ignore[attr-defined]
+    return __init__
 
 
 def install(settings: AdapterSettings | None = None) -> None:

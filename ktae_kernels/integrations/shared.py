@@ -5,7 +5,9 @@ Framework-free, so it runs and is tested anywhere.
 """
 from __future__ import annotations
 
+import re
 import time
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Sequence
 
@@ -82,6 +84,41 @@ def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
         return AdapterSettings(KTAEConfig(**values), backend, metrics, correct_key)
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: {err}") from None
+
+
+# ------------------------------------------------------------------------------ framework versions
+class FrameworkMismatchError(RuntimeError):
+    """The installed framework is not what the adapter was built for: a version below the supported
+    range, or a class or method the adapter extends is gone. Raised at start-up, naming both."""
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """The numeric release part of a version string: "0.11.2.post1+cu128" -> (0, 11, 2)."""
+    match = re.match(r"\d+(\.\d+)*", str(version).strip())
+    if match is None:
+        raise ValueError(f"not a version number: {version!r}")
+    return tuple(int(part) for part in match.group(0).split("."))
+
+
+def check_version(framework: str, version: str, minimum: str, below: str) -> None:
+    """Raise ``FrameworkMismatchError`` when ``version`` of ``framework`` is older than ``minimum``
+    (features the adapter needs are missing); warn (RuntimeWarning) when it is ``below`` or newer:
+    the adapter is tested on ``>= minimum, < below`` only, and a moved patch target fails on its own."""
+    supported = f">= {minimum}, < {below}"
+    if version_tuple(version) < version_tuple(minimum):
+        raise FrameworkMismatchError(f"KTAE supports {framework} {supported}; found {framework} {version}: "
+                                     f"upgrade {framework}")
+    if version_tuple(version) >= version_tuple(below):
+        warnings.warn(f"KTAE is tested with {framework} {supported}; found {framework} {version}. The patch "
+                      f"targets are checked at start-up, but results have not been compared on this version",
+                      RuntimeWarning, stacklevel=2)
+
+
+def missing_target(framework: str, version: str, missing: str, expected: str) -> FrameworkMismatchError:
+    """The error for a patch target ``missing`` from ``framework`` ``version``: what KTAE expected there."""
+    return FrameworkMismatchError(f"{framework} {version}: {missing}. KTAE expected {expected}; this {framework} "
+                                  f"moved it, so KTAE cannot run (training would run without KTAE). Use a "
+                                  f"{framework} version KTAE supports, or update ktae_kernels")
 
 
 # ------------------------------------------------------------------------------ groups and baseline

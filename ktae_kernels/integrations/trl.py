@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
+import trl
 from torch import Tensor
 from trl import GRPOTrainer
 
@@ -22,7 +23,8 @@ from ..api import key_token_scores
 from ..config import KTAEConfig
 from ..metrics import ktae_metrics
 from .gathered import grpo_groups, grpo_token_advantages
-from .shared import AdapterSettings, Labels, check_metrics_mode, correct_labels, rollout_baseline, step_metrics
+from .shared import (AdapterSettings, Labels, check_metrics_mode, check_version, correct_labels, missing_target,
+                     rollout_baseline, step_metrics)
 
 __all__ = ["KTAEGRPOMixin", "KTAEGRPOTrainer", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
 
@@ -30,6 +32,23 @@ __all__ = ["KTAEGRPOMixin", "KTAEGRPOTrainer", "grpo_token_advantages", "liger_l
 TOKEN_METRICS = ("ktae/score_abs_mean", "ktae/key_token_share")
 #: extra key of the ``_generate_and_score_completions`` output: the ``[B]`` rollout advantages ``A_i``.
 ROLLOUT_KEY = "ktae_rollout_advantages"
+#: supported TRL: >= MIN_VERSION (the ``GRPOTrainer`` contract of 1.x), < BELOW_VERSION.
+MIN_VERSION, BELOW_VERSION = "1.0", "2"
+#: the ``GRPOTrainer`` methods the mixin overrides, and what KTAE expects each to be.
+OVERRIDDEN = {"_generate_and_score_completions": "the method that returns a step's rewards, completion ids and "
+                                                 "(B,) advantages (KTAE replaces them with (B, T) ones)",
+              "_calculate_rewards": "the method that returns the gathered rewards per reward function"}
+
+
+def check_trainer_class(trainer_cls: type) -> None:
+    """Check TRL's version against the supported range and that ``trainer_cls`` (a ``GRPOTrainer``
+    (sub)class, without the mixin) still has the methods KTAE overrides: without them the overrides
+    would never run and training would go on without KTAE. Raises ``FrameworkMismatchError``."""
+    version = str(trl.__version__)
+    check_version("TRL", version, MIN_VERSION, BELOW_VERSION)
+    for name, expected in OVERRIDDEN.items():
+        if not callable(getattr(trainer_cls, name, None)):
+            raise missing_target("TRL", version, f"{trainer_cls.__name__} has no method {name}", expected)
 
 
 def liger_loss_takes_sequence_advantages(trainer_cls: type = GRPOTrainer) -> bool:
@@ -52,6 +71,7 @@ class KTAEGRPOMixin:
     def __init__(self, *args: Any, ktae_config: KTAEConfig | None = None, ktae_backend: str = "auto",
                  ktae_use_trl_advantage: bool = True, ktae_metrics: str = "advantages",
                  ktae_correct_reward_funcs: Sequence[str] | None = None, **kwargs: Any) -> None:
+        check_trainer_class(type(self).__mro__[type(self).__mro__.index(KTAEGRPOMixin) + 1])
         training_args = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs).arguments.get("args")
         if (training_args is not None and getattr(training_args, "use_liger_kernel", False)
                 and liger_loss_takes_sequence_advantages(type(self))):

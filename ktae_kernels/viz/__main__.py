@@ -12,6 +12,8 @@ index)``. For example::
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,20 +61,77 @@ def load_batch(path: str | Path, *, allow_pickle: bool = False) -> tuple[tuple[A
 
 
 def load_tokenizer(path: str) -> Any:
-    """A Hugging Face tokenizer (``transformers.AutoTokenizer.from_pretrained(path)``)."""
+    """A Hugging Face tokenizer: from a local folder, else (a hub name) from the Hugging Face cache, else
+    downloaded. Raises ValueError in one line, at once, where none of those can work here (no such
+    folder, or the name is not cached and the hub is off or unreachable): pass a local folder then."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
         raise ImportError('--tokenizer needs transformers: pip install "ktae_kernels[train]"') from None
-    return AutoTokenizer.from_pretrained(path)
+    local = ("pass a local folder that holds the tokenizer's files (tokenizer.json, tokenizer_config.json), "
+             "e.g. one saved with tokenizer.save_pretrained(folder) on a machine with network")
+    if os.path.isdir(path):
+        return _tokenizer_or_error(AutoTokenizer, path, "this folder")
+    if os.path.isabs(path) or path.startswith((".", "~")) or path.count("/") > 1:
+        raise ValueError(f"--tokenizer {path!r}: no such folder; {local}")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):  # not in the Hugging Face cache
+        pass
+    unreachable = _hub_unreachable(path)
+    if unreachable is not None:
+        raise ValueError(f"--tokenizer {path!r} is neither a local folder nor in the Hugging Face cache, and {unreachable}; "
+                         f"{local}")
+    return _tokenizer_or_error(AutoTokenizer, path, "the Hugging Face hub")
+
+
+def _tokenizer_or_error(auto: Any, path: str, where: str) -> Any:
+    """``auto.from_pretrained(path)``, or ValueError with the first line of its error."""
+    try:
+        return auto.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"--tokenizer {path!r}: cannot load a tokenizer from {where}: {first}") from None
+
+
+def _hub_unreachable(name: str, timeout: float = 5.0) -> str | None:
+    """Why the Hugging Face hub cannot serve ``name`` now (offline mode, no connection), or None: one
+    short metadata request, so that a machine without network fails at once instead of after retries."""
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants
+    except ImportError:
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return "the hub is switched off here (HF_HUB_OFFLINE)"
+    try:
+        huggingface_hub.model_info(name, timeout=timeout)
+    except Exception as err:  # noqa: BLE001 - a connection failure is told apart below; others go on
+        if _is_connection_error(err):
+            return f"the Hugging Face hub cannot be reached ({type(err).__name__})"
+    return None
+
+
+def _is_connection_error(err: BaseException) -> bool:
+    """Whether ``err`` (from huggingface_hub's HTTP client, httpx or requests) is a failed connection or
+    a timeout rather than an answer from the hub."""
+    kinds = [ConnectionError, TimeoutError]
+    for module, names in (("httpx", ("TransportError",)), ("requests", ("ConnectionError", "Timeout"))):
+        try:
+            imported = importlib.import_module(module)
+        except ImportError:
+            continue
+        kinds += [getattr(imported, n) for n in names if hasattr(imported, n)]
+    return isinstance(err, tuple(kinds))
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ktae_kernels.viz", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("batch", metavar="BATCH_FILE", type=Path, help="torch.save file of the batch (see above)")
-    p.add_argument("--tokenizer", metavar="PATH", help="Hugging Face tokenizer (folder or hub name) to decode "
-                                                       "tokens; without it tokens show as [id]")
+    p.add_argument("--tokenizer", metavar="PATH", help="Hugging Face tokenizer to decode tokens: a local folder (or "
+                                                       "a hub name, cached or downloaded); without it tokens "
+                                                       "show as [id]")
     p.add_argument("-o", "--out", type=Path, default=Path("report.html"), help="HTML report (default: report.html)")
     p.add_argument("--png", type=Path, default=None, help="also write a PNG summary here (needs matplotlib)")
     p.add_argument("--groups", type=int, default=8, metavar="N",

@@ -6,7 +6,8 @@ verl's own trainer (any v1 ``trainer.v1.trainer_mode`` or the legacy trainer). I
 registers the estimator and patches verl's trainers as they are imported; verl imports it through the
 ``verl.plugins`` entry point (>= 0.9) or ``VERL_USE_EXTERNAL_MODULES=ktae_kernels.integrations.verl``.
 ``python -m ktae_kernels.integrations.verl --check [overrides]`` checks both before a launch.
-Modules: ``settings`` (the section), ``estimator``, ``trainers`` (wrappers), ``loading``, ``check``.
+Modules: ``framework`` (what KTAE expects of verl), ``settings`` (the section), ``estimator``, ``trainers``
+(wrappers), ``loading``, ``check``.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from torch import Tensor
 from ...api import key_token_scores, token_advantage
 from ...validation import float64_row_sums
 from ..shared import AdapterSettings, column_values, correct_labels, rollout_baseline, step_metrics
+from .framework import raise_if_moved
 from .settings import ktae_settings
 
 #: label source name of verl's task score ``token_level_scores`` (the reward before any KL penalty).
@@ -76,6 +77,7 @@ def compute_ktae_advantage(token_level_rewards: Tensor, response_mask: Tensor, i
     responses = responses if responses is not None else step.responses
     scores = token_level_scores if token_level_scores is not None else step.scores
     if responses is None:
+        raise_if_moved()
         raise ValueError(
             "the 'ktae' estimator needs the response token ids, which verl does not pass to estimators. Import "
             "ktae_kernels.integrations.verl before verl's trainer (automatic with verl >= 0.9 and ktae_kernels "

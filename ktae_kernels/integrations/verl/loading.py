@@ -6,7 +6,9 @@ from __future__ import annotations
 from verl.trainer.ppo import core_algos
 
 from ..import_hooks import patch_on_import
+from ..shared import missing_target
 from .estimator import compute_ktae_advantage
+from .framework import MIN_VERSION, verl_version
 from .settings import ESTIMATOR
 from .trainers import PATCHES
 
@@ -17,8 +19,12 @@ def install_patches() -> None:
 
 
 def register() -> None:
-    """Register "ktae" with verl. Idempotent, also across a reload; raises ValueError only when another
-    package registered a different estimator under "ktae"."""
+    """Register "ktae" with verl. Idempotent, also across a reload; raises ValueError when another
+    package registered a different estimator under "ktae", and ``FrameworkMismatchError`` when this
+    verl has no estimator registry."""
+    if not callable(getattr(core_algos, "register_adv_est", None)):
+        raise missing_target("verl", verl_version(), "verl.trainer.ppo.core_algos has no register_adv_est",
+                             f"verl's estimator registry (verl >= {MIN_VERSION})")
     existing = core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR)
     if existing is not None and existing is not compute_ktae_advantage:
         if getattr(existing, "__qualname__", None) != compute_ktae_advantage.__qualname__ or \

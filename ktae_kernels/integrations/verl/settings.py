@@ -6,15 +6,10 @@ import difflib
 from typing import Any
 
 from ..shared import AdapterSettings, settings_from_mapping
+from .framework import check_framework, config_get
 
 ESTIMATOR = "ktae"
 SECTION = "algorithm.ktae"
-
-
-def _get(config: Any, key: str, default: Any = None) -> Any:
-    """``config[key]`` of a DictConfig, dict or dataclass config (verl's AlgoConfig), else ``default``."""
-    get = getattr(config, "get", None)
-    return get(key, default) if get is not None else getattr(config, key, default)
 
 
 def ktae_settings(config: Any) -> AdapterSettings:
@@ -23,8 +18,8 @@ def ktae_settings(config: Any) -> AdapterSettings:
     Raises ValueError naming ``algorithm.ktae`` for an unknown key or a bad value."""
     if config is None:
         return settings_from_mapping(None, where=SECTION)
-    norm = _get(config, "norm_adv_by_std_in_grpo", True)
-    return settings_from_mapping(_get(config, "ktae"), where=SECTION, default_baseline=None if norm else "mean")
+    norm = config_get(config, "norm_adv_by_std_in_grpo", True)
+    return settings_from_mapping(config_get(config, "ktae"), where=SECTION, default_baseline=None if norm else "mean")
 
 
 def is_ktae(adv_estimator: Any) -> bool:
@@ -49,10 +44,12 @@ def _check_estimator_name(name: str) -> None:
 
 def check_trainer_config(config: Any) -> AdapterSettings | None:
     """Check the KTAE part of verl's whole trainer config; the settings, or None unless
-    ``algorithm.adv_estimator`` is "ktae". Called by the wrapped ``validate_config`` at start-up and by
+    ``algorithm.adv_estimator`` is "ktae". For "ktae" it also checks the installed verl
+    (``framework.check_framework``: the version, and the trainer the config runs still has what KTAE
+    wraps). Called by the wrapped ``validate_config`` at start-up and by
     ``python -m ktae_kernels.integrations.verl --check``; call it in a custom launcher."""
-    algorithm = _get(config, "algorithm")
-    estimator = _get(algorithm, "adv_estimator") if algorithm is not None else None
+    algorithm = config_get(config, "algorithm")
+    estimator = config_get(algorithm, "adv_estimator") if algorithm is not None else None
     if estimator is not None and not is_ktae(estimator):
         _check_estimator_name(str(getattr(estimator, "value", estimator)))
     if algorithm is None or not is_ktae(estimator):
@@ -62,4 +59,6 @@ def check_trainer_config(config: Any) -> AdapterSettings | None:
         raise ValueError(f"algorithm.{typos[0]} looks like a misspelled {SECTION} section (KTAE reads its settings "
                          f"from {SECTION} only): rename it, e.g. +{SECTION}.weight=... instead of "
                          f"+algorithm.{typos[0]}.weight=...")
-    return ktae_settings(algorithm)
+    settings = ktae_settings(algorithm)
+    check_framework(config)
+    return settings

@@ -1,7 +1,10 @@
 """Wrappers of the places verl's trainers build the estimator's inputs, for "ktae" only: v1
 ``PPOTrainer._compute_advantage`` (every v1 mode inherits it), the legacy ``compute_advantage`` and
 ``compute_data_metrics``, and ``validate_config`` (the settings are checked at start-up).
-``PATCHES`` maps each verl module to the patch applied when it is imported."""
+``PATCHES`` maps each verl module to the patch applied when it is imported.
+
+A patch whose target verl moved records it in ``framework.PATCH_PROBLEMS`` instead of raising (see
+``framework``)."""
 from __future__ import annotations
 
 import functools
@@ -10,6 +13,7 @@ from typing import Any, Callable
 from torch import Tensor
 
 from .estimator import StepInputs, fit_width, provide_step
+from .framework import CONFIG_MODULE, LEGACY_MODULE, PATCH_PROBLEMS, TARGETS, V1_MODULE, attribute
 from .settings import check_trainer_config, is_ktae
 
 #: the v1 TransferQueue fields the estimator needs beside those verl fetches itself.
@@ -103,25 +107,34 @@ def with_ktae_check(validate_config: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def _patch_v1(trainer_base: Any) -> None:
+def _patched(module: Any, wrap: Callable[[Any], None]) -> None:
+    """Apply ``wrap`` to ``module``'s target, or record in ``PATCH_PROBLEMS`` that verl moved it."""
+    name = module.__name__
+    if not callable(attribute(module, TARGETS[name][0])):
+        PATCH_PROBLEMS[name] = f"{name} has no {TARGETS[name][0]}"
+        return
+    PATCH_PROBLEMS.pop(name, None)
+    wrap(module)
+
+
+def _wrap_v1(trainer_base: Any) -> None:
     cls = trainer_base.PPOTrainer
     cls._compute_advantage = wrap_v1_compute_advantage(cls._compute_advantage, lambda: trainer_base.tq)
 
 
-def _patch_legacy(ray_trainer: Any) -> None:
+def _wrap_legacy(ray_trainer: Any) -> None:
     ray_trainer.compute_advantage = with_responses(ray_trainer.compute_advantage)
     if hasattr(ray_trainer, "compute_data_metrics"):
         ray_trainer.compute_data_metrics = with_ktae_metrics(ray_trainer.compute_data_metrics)
 
 
-def _patch_config(config_module: Any) -> None:
-    if hasattr(config_module, "validate_config"):
-        config_module.validate_config = with_ktae_check(config_module.validate_config)
+def _wrap_config(config_module: Any) -> None:
+    config_module.validate_config = with_ktae_check(config_module.validate_config)
 
 
 #: module -> patch applied right after verl imports it (or at once, when it already has).
 PATCHES: dict[str, Callable[[Any], None]] = {
-    "verl.trainer.ppo.v1.trainer_base": _patch_v1,
-    "verl.trainer.ppo.ray_trainer": _patch_legacy,
-    "verl.utils.config": _patch_config,
+    V1_MODULE: lambda module: _patched(module, _wrap_v1),
+    LEGACY_MODULE: lambda module: _patched(module, _wrap_legacy),
+    CONFIG_MODULE: lambda module: _patched(module, _wrap_config),
 }
