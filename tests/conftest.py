@@ -3,8 +3,9 @@
 ``triton.jit`` reads TRITON_INTERPRET when a kernel is defined, so it is set here, before any test
 module imports ``ktae_kernels.backends.triton``. An explicit TRITON_INTERPRET in the environment wins.
 
-Every test starts with the GPU backends' runtime state cleared (``DeviceState.clear``: no cached grid,
-no learnt table size), so that a test's table sizes and blocks per SM do not depend on the tests before it.
+Every test starts with no table size learnt by the GPU backends (``DeviceState.clear``), so that a
+test's table sizes and blocks per SM do not depend on the tests before it. Their cached tensors (the
+statistics grids: the same values whoever made them) stay, as in a training run.
 """
 import os
 
@@ -20,7 +21,7 @@ def fresh_device_state():
     from ktae_kernels.backends import device
 
     for state in device.states():
-        state.clear()
+        state.clear(cached=False)
 
 
 @pytest.fixture(params=["cuda"] if torch.cuda.is_available() else

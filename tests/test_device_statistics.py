@@ -94,6 +94,8 @@ def test_grids_are_made_once_per_device_and_parameters(device):
     assert values.shape == (5, grid_size(16)) and values.device.type == device.type
     state.grid(counting, 0.5, 1.0, 16)
     assert runs == [16, 16]
+    state.clear(cached=False)  # the lessons only
+    assert state.grid(counting, 1.0, 1.0, 16) is values
     state.clear()
     assert state.grid(counting, 1.0, 1.0, 16) is not values and runs == [16, 16, 16]
 

@@ -104,10 +104,12 @@ class DeviceState:
         self._cached = _Lru(self.CACHED)
         self._learnt = _Lru(self.LEARNT)
 
-    def clear(self) -> None:
-        """Forget every cached tensor and every lesson (the next calls size their tables from scratch)."""
-        self._cached = _Lru(self.CACHED)
+    def clear(self, cached: bool = True) -> None:
+        """Forget what earlier calls taught (the next calls size their tables from scratch) and, with
+        ``cached``, every cached tensor (the next calls make them again)."""
         self._learnt = _Lru(self.LEARNT)
+        if cached:
+            self._cached = _Lru(self.CACHED)
 
     def cached(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """The value ``make()`` (a tensor or a tuple of them, on this device) once made for ``key``."""
