@@ -6,7 +6,7 @@ each kernel's registers, spill stores and loads, and static shared memory. The T
 also scanned for atomics whose result a kernel uses in a layout that replicates tensor elements over
 threads (before Triton 3.5 only one replica received the result, triton-lang/triton#7402).
 
-    python -m bench.compile_report [--out report.json]     # (TRITON_INTERPRET must be unset)
+    python tests/compile_report.py [--out report.json]     # (TRITON_INTERPRET must be unset)
 
 tests/test_triton_compile.py and tests/test_cuda_compile.py run it and hold the numbers to their rules.
 """
@@ -265,4 +265,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # the package, when run as a script from the clone
     sys.exit(main())

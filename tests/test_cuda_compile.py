@@ -1,5 +1,5 @@
 """The CUDA kernels compile with this machine's nvcc for sm_80 and sm_90, without a GPU, warnings as
-errors (C++17 and C++20), and ptxas -v (bench/compile_report.py) shows:
+errors (C++17 and C++20), and ptxas -v (tests/compile_report.py) shows:
 - no register spills in the kernels of the shared-memory path (the scan and groups passes, the
   shared-table passes, the statistics kernel); the global-memory passes may spill (they run only for
   the groups a shared table cannot hold);
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.compile_report import ARCHS, _demangled, cuda_command, nvcc, ptxas_report
+from compile_report import ARCHS, _demangled, cuda_command, nvcc, ptxas_report
 from build_cache import cached_run
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"

@@ -234,7 +234,7 @@ def test_shared_memory_stays_within_the_opt_in_limit(arch):
     """Every shared pass the host sizes fits the device's opt-in limit per block (sm_80: 163 KB, sm_90:
     227 KB), for one or two blocks per SM, whatever the layout learnt; the kernels declare no static
     shared memory (tests/test_cuda_compile.py)."""
-    from bench.compile_report import OPT_IN_SHARED
+    from compile_report import OPT_IN_SHARED
     from ktae_kernels import KTAEConfig
 
     limit = OPT_IN_SHARED[arch]

@@ -1,5 +1,5 @@
 """Every Triton kernel variant the backend launches compiles for sm_80 and sm_90 without a GPU
-(bench/compile_report.py: Triton's compiler, then ptxas -v), and holds to these rules:
+(tests/compile_report.py: Triton's compiler, then ptxas -v), and holds to these rules:
 - no atomic whose result a kernel uses has a layout that replicates tensor elements over threads
   (before Triton 3.5 only one replica received the result, triton-lang/triton#7402; the interpreter
   cannot show it), and the scan does flag that pattern;
@@ -20,13 +20,13 @@ from build_cache import cached_run
 
 triton = pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = sorted((ROOT / "ktae_kernels" / "backends" / "triton").glob("*.py")) + [ROOT / "bench" / "compile_report.py"]
+SOURCES = sorted((ROOT / "ktae_kernels" / "backends" / "triton").glob("*.py")) + [ROOT / "tests" / "compile_report.py"]
 
 
 @pytest.fixture(scope="module")
 def report():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "bench.compile_report", "--only", "triton"]
+    cmd = [sys.executable, str(ROOT / "tests" / "compile_report.py"), "--only", "triton"]
     done = cached_run("triton-compile", cmd, SOURCES, key_extra=triton.__version__, env=env, cwd=ROOT)
     assert done["returncode"] == 0, done["stderr"][-4000:]
     return json.loads(done["stdout"])["triton"]
