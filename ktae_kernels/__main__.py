@@ -15,8 +15,7 @@ from . import KTAEConfig, available_backends, key_token_scores, token_advantage
 
 #: the demo's lines are shorter than this, so a terminal never wraps one.
 WIDTH = 99
-#: the command and duration the demo suggests next (measured on 2 cores, 2026-12-03: 22-29 s idle,
-#: up to 4 min with three busy processes beside it).
+#: the command the demo suggests next (its duration: docs/benchmarks.md).
 NEXT_BENCH = "python -m bench --quick"
 
 #: the tokens ``demo_batch`` plants first in every correct / every wrong rollout.
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"Wrote {write_png(args.png, responses, mask, rewards, index, config=config, title=title)}")
     if not (args.report or args.png):
         print("See these key tokens coloured: python -m ktae_kernels --report demo.html --png demo.png")
-    print(f"Next: `{NEXT_BENCH}` (about 30 s on 2 idle cores) times every backend against the scipy\n"
+    print(f"Next: `{NEXT_BENCH}` (under a minute) times every backend against the scipy\n"
           "reference, the upstream-style loop and the memory floor; `python -m bench` runs the full grid.")
 
 
