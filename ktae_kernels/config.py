@@ -39,9 +39,6 @@ class KTAEConfig:
         "none" (the reward itself).
     eps: added to the group std in the "grpo" baseline.
     fisher: "exact" (scipy's two-sided test in float64) or "upstream" (the published float32 code).
-    threads: OpenMP threads of the native CPU kernel (``backend="cpu"``), at most; None:
-        ``torch.get_num_threads()``. Small batches use fewer (one per group at most). It does not change
-        the result, and statistics caches ignore it.
 
     Raises:
         ValueError: a field is out of range or of the wrong type (the message names the field).
@@ -64,7 +61,6 @@ class KTAEConfig:
     baseline: Baseline = "grpo"
     eps: float = 1e-6
     fisher: FisherMode = "exact"
-    threads: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         _check_real("alpha", self.alpha, minimum=0.0)
@@ -89,16 +85,7 @@ class KTAEConfig:
             raise ValueError(f"KTAEConfig.baseline must be one of {BASELINES}, got {self.baseline!r}")
         if self.fisher not in FISHER_MODES:
             raise ValueError(f"KTAEConfig.fisher must be one of {FISHER_MODES}, got {self.fisher!r}")
-        if self.threads is not None:
-            object.__setattr__(self, "threads", _check_threads(self.threads))
         object.__setattr__(self, "ignore_token_ids", _normalise_ids(self.ignore_token_ids))
-
-
-def _check_threads(threads: object) -> int:
-    """``threads`` as a Python int >= 1."""
-    if isinstance(threads, bool) or not hasattr(threads, "__index__") or int(threads) < 1:  # type: ignore[call-overload]
-        raise ValueError(f"KTAEConfig.threads must be None or an int >= 1, got {threads!r}")
-    return int(threads)  # type: ignore[call-overload]
 
 
 def _normalise_ids(ids: object) -> tuple[int, ...]:

@@ -87,18 +87,26 @@ class ExecutionOptions:
     """How ``token_advantage`` / ``key_token_scores`` / a plan run: per-backend knobs that never change
     the result. ``ExecutionOptions()`` is every backend's default.
 
+    threads: OpenMP threads of the native CPU kernel (``backend="cpu"``), at most; None:
+        ``torch.get_num_threads()``. Small batches use fewer (one per group at most).
     cuda: ``CudaTuning``. triton: ``TritonTuning``.
 
     Example:
         >>> from ktae_kernels import ExecutionOptions, TritonTuning
-        >>> ExecutionOptions(triton=TritonTuning(first_guess=0.01)).triton.probe_limit
+        >>> ExecutionOptions(threads=4, triton=TritonTuning(first_guess=0.01)).triton.probe_limit
         256
     """
 
+    threads: int | None = None
     cuda: CudaTuning = field(default_factory=CudaTuning)
     triton: TritonTuning = field(default_factory=TritonTuning)
 
     def __post_init__(self) -> None:
+        if self.threads is not None:
+            threads = self.threads
+            if isinstance(threads, bool) or not hasattr(threads, "__index__") or int(threads) < 1:
+                raise ValueError(f"ExecutionOptions.threads must be None or an int >= 1, got {threads!r}")
+            object.__setattr__(self, "threads", int(threads))
         if not isinstance(self.cuda, CudaTuning):
             raise ValueError(f"ExecutionOptions.cuda must be a CudaTuning, got {self.cuda!r}")
         if not isinstance(self.triton, TritonTuning):

@@ -11,7 +11,7 @@ import torch
 
 import ktae_kernels.backends.cpu as cpu
 from cases import assert_scores_match, make_batch
-from ktae_kernels import KTAEConfig, key_token_scores, method, token_advantage
+from ktae_kernels import ExecutionOptions, KTAEConfig, key_token_scores, method, token_advantage
 
 pytestmark = pytest.mark.skipif(cpu.unavailable_reason() is not None and not os.environ.get("CI"),
                                 reason="the native CPU kernel is not built (CI requires it)")
@@ -131,7 +131,7 @@ def _shape_batch(name: str):
 def test_shape_classes_match_reference_at_every_thread_count(name):
     batch = _shape_batch(name)
     expected = token_advantage(*batch, backend="reference")
-    results = [token_advantage(*batch, config=KTAEConfig(threads=n), backend="cpu") for n in (1, 2, 3)]
+    results = [token_advantage(*batch, options=ExecutionOptions(threads=n), backend="cpu") for n in (1, 2, 3)]
     torch.testing.assert_close(results[0], expected, rtol=0, atol=1e-6)
     assert all(torch.equal(results[0], r) for r in results[1:]), "the result depends on the thread count"
 
@@ -177,7 +177,8 @@ def test_hash_table_adversarial_ids(name):
                  key_token_scores(responses, mask, rewards, index, backend="cpu"))
     expected = token_advantage(responses, mask, rewards, index, backend="reference")
     for threads in (1, 2):
-        got = token_advantage(responses, mask, rewards, index, config=KTAEConfig(threads=threads), backend="cpu")
+        got = token_advantage(responses, mask, rewards, index, options=ExecutionOptions(threads=threads),
+                               backend="cpu")
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
@@ -226,8 +227,8 @@ def test_counting_paths_match_torch_bitwise(mask, ids, length):
     config = KTAEConfig(ignore_token_ids=(1, DENSE_IDS + 1, MAX_ID))  # ignored ids in both maps
     expected = token_advantage(responses, masks, rewards, index, config=config, backend="torch")
     for threads in (1, 2):
-        got = token_advantage(responses, masks, rewards, index, config=KTAEConfig(
-            ignore_token_ids=config.ignore_token_ids, threads=threads), backend="cpu")
+        got = token_advantage(responses, masks, rewards, index, config=config,
+                              options=ExecutionOptions(threads=threads), backend="cpu")
         assert torch.equal(got, expected), f"{threads} threads"
     torch.testing.assert_close(expected, token_advantage(responses, masks, rewards, index, config=config,
                                                          backend="reference"), rtol=0, atol=1e-6)
@@ -282,7 +283,8 @@ def test_random_batches_match_torch_bitwise_on_both_counting_paths():
                         weight=[1.0, -0.7, 2.5][case % 3], use_tf=case % 5 != 0)
         expected = token_advantage(*batch, config=KTAEConfig(**settings), backend="torch")
         for threads in (1, 2):
-            got = token_advantage(*batch, config=KTAEConfig(threads=threads, **settings), backend="cpu")
+            got = token_advantage(*batch, config=KTAEConfig(**settings),
+                                  options=ExecutionOptions(threads=threads), backend="cpu")
             assert torch.equal(got, expected), (case, threads)
 
 
@@ -366,7 +368,7 @@ def test_hash_table_is_empty_between_groups_of_any_size():
     index = torch.as_tensor(np.repeat(np.arange(len(sizes)), sizes), dtype=torch.int64)
     expected = token_advantage(responses, mask, rewards, index, backend="torch")
     for _ in range(2):  # the second call reuses the grown table
-        assert torch.equal(token_advantage(responses, mask, rewards, index, config=KTAEConfig(threads=1),
+        assert torch.equal(token_advantage(responses, mask, rewards, index, options=ExecutionOptions(threads=1),
                                            backend="cpu"), expected)
     assert_scores_match(key_token_scores(responses, mask, rewards, index, backend="reference"),
                         key_token_scores(responses, mask, rewards, index, backend="cpu"))
@@ -375,13 +377,15 @@ def test_hash_table_is_empty_between_groups_of_any_size():
 # ---------------------------------------------------------------------------------------------- threads
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
 def test_threads_setting_is_validated(value):
-    with pytest.raises(ValueError, match="threads"):
-        KTAEConfig(threads=value)
+    with pytest.raises(ValueError, match="ExecutionOptions.threads"):
+        ExecutionOptions(threads=value)
 
 
-def test_threads_setting_does_not_split_caches():
-    assert KTAEConfig(threads=3) == KTAEConfig() and hash(KTAEConfig(threads=3)) == hash(KTAEConfig())
-    assert KTAEConfig(threads=np.int64(2)).threads == 2
+def test_threads_are_an_execution_option_not_a_hyper_parameter():
+    """The method's config has no thread count (results never depend on it); the options carry it."""
+    assert ExecutionOptions(threads=np.int64(2)).threads == 2
+    with pytest.raises(TypeError, match="threads"):
+        KTAEConfig(threads=3)
 
 
 def test_kernel_threads(monkeypatch):
@@ -389,12 +393,12 @@ def test_kernel_threads(monkeypatch):
 
     normal = normalise_batch(*make_batch(np.random.default_rng(0), [4] * 8, 10, 50))
     monkeypatch.setattr(cpu, "POSITIONS_PER_THREAD", 1)
-    assert cpu.kernel_threads(normal, KTAEConfig(threads=3)) == 3
-    assert cpu.kernel_threads(normal, KTAEConfig(threads=64)) == 8  # one group per thread at most
+    assert cpu.kernel_threads(normal, 3) == 3
+    assert cpu.kernel_threads(normal, 64) == 8  # one group per thread at most
     monkeypatch.setattr(torch, "get_num_threads", lambda: 5)
-    assert cpu.kernel_threads(normal, KTAEConfig()) == 5
+    assert cpu.kernel_threads(normal, None) == 5
     monkeypatch.setattr(cpu, "POSITIONS_PER_THREAD", 1 << 30)
-    assert cpu.kernel_threads(normal, KTAEConfig(threads=4)) == 1  # a small batch: one thread
+    assert cpu.kernel_threads(normal, 4) == 1  # a small batch: one thread
 
 
 # ---------------------------------------------------------------------------------------------- binding

@@ -13,7 +13,7 @@ def test_demo_lines_fit_a_terminal_and_point_to_the_quick_bench(capsys, tmp_path
     out = capsys.readouterr().out
     too_long = [line for line in out.splitlines() if len(line) > WIDTH]
     assert WIDTH < 100 and not too_long, too_long
-    assert f"Next: `{NEXT_BENCH}` (about" in out and NEXT_BENCH == "python -m bench --quick"
+    assert f"Next: `{NEXT_BENCH}` (" in out and NEXT_BENCH == "python -m bench --quick"
     assert not re.search(r"-0\.0+\b(?!\d)", out), "a negative zero is printed"
     assert (tmp_path / "demo.html").stat().st_size > 1000
 

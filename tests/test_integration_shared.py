@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
+from ktae_kernels import ExecutionOptions, KTAEConfig, key_token_scores, token_advantage
 from ktae_kernels.integrations import shared
 from ktae_kernels.metrics import ktae_metrics
 
@@ -30,7 +30,7 @@ def test_settings_name_the_section_and_the_expected_keys():
     assert s == shared.AdapterSettings(KTAEConfig(alpha=2.0, ignore_token_ids=(7,), baseline="mean"), "auto", "scores",
                                        None)
     with pytest.raises(ValueError, match=r"sec has unknown keys \['alhpa'\]; expected KTAEConfig fields .* or one of "
-                                         r"\['backend', 'metrics', 'correct_key'\]"):
+                                         r"\['backend', 'metrics', 'correct_key', 'threads'\]"):
         shared.settings_from_mapping({"alhpa": 1}, where="sec")
     with pytest.raises(ValueError, match="sec.metrics must be one of"):
         shared.settings_from_mapping({"metrics": "all"}, where="sec")
@@ -90,10 +90,11 @@ def test_metrics_by_mode_with_threads_and_label_source():
         assert values["ktae/time_ms"] > 0
 
 
-def test_threads_follow_the_config():
-    """``ktae/threads``: ``config.threads`` when set, else torch's count."""
-    assert shared.threads_used(KTAEConfig()) == torch.get_num_threads()
-    assert shared.threads_used(types.SimpleNamespace(threads=3)) == 3
-    assert shared.threads_used(types.SimpleNamespace(threads=None)) == torch.get_num_threads()
+def test_threads_follow_the_settings():
+    """``ktae/threads``: the settings' ``threads`` (``ExecutionOptions.threads``) when set, else torch's count."""
+    assert shared.threads_used(ExecutionOptions()) == torch.get_num_threads()
+    assert shared.threads_used(ExecutionOptions(threads=3)) == 3
     settings = shared.settings_from_mapping({"threads": 2}, where="sec")
-    assert shared.threads_used(settings.config) == 2
+    assert settings.options.threads == 2 and shared.threads_used(settings.options) == 2
+    with pytest.raises(ValueError, match="sec: ExecutionOptions.threads must be None or an int >= 1"):
+        shared.settings_from_mapping({"threads": 0}, where="sec")

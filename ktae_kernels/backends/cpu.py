@@ -4,7 +4,7 @@ groups (``method.group_counts``, ``[B]``-sized) -> for small groups, the statist
 groups can have (``method.full_grid_statistics``, cached per group shape and config) -> one kernel
 call that, per group and on one thread, counts the tokens into a table indexed by token id, scores
 each distinct id from its table's statistics plus its BM25 term, and writes the group's advantages
-while its ids are still in cache. Groups run in parallel on ``config.threads`` threads (default
+while its ids are still in cache. Groups run in parallel on ``ExecutionOptions.threads`` threads (default
 ``torch.get_num_threads()``; fewer for small batches); the result does not depend on the thread count.
 
 When the full grid of tables is large (big groups), the kernel computes the statistics of each
@@ -86,11 +86,12 @@ def _unit_column_stride(t: Tensor) -> Tensor:
 POSITIONS_PER_THREAD = 1 << 16
 
 
-def kernel_threads(batch: Batch, config: KTAEConfig) -> int:
-    """The kernel's OpenMP threads: ``config.threads`` (default ``torch.get_num_threads()``), fewer for
-    small batches (at most one per group and per ``POSITIONS_PER_THREAD`` positions)."""
+def kernel_threads(batch: Batch, threads: int | None) -> int:
+    """The kernel's OpenMP threads: ``threads`` (``ExecutionOptions.threads``; None:
+    ``torch.get_num_threads()``), fewer for small batches (at most one per group and per
+    ``POSITIONS_PER_THREAD`` positions)."""
     B, L = batch.responses.shape
-    wanted = torch.get_num_threads() if config.threads is None else config.threads
+    wanted = torch.get_num_threads() if threads is None else threads
     return max(1, min(wanted, batch.n_groups, B * L // POSITIONS_PER_THREAD))
 
 
@@ -106,7 +107,7 @@ def _raise_bad_ids(batch: Batch) -> None:
     raise AssertionError("the CPU kernel flagged a token id out of range that the API check accepts")
 
 
-def _list_rows(inputs: _Inputs, config: KTAEConfig) -> tuple[method.Rows, Tensor, Tensor]:
+def _list_rows(inputs: _Inputs, threads: int) -> tuple[method.Rows, Tensor, Tensor]:
     """Every group's rows, sorted by (group, token), and ``T_c, T_w`` (int64 ``[n_groups]``)."""
     batch = inputs.batch
     n = batch.n_groups
@@ -115,7 +116,7 @@ def _list_rows(inputs: _Inputs, config: KTAEConfig) -> tuple[method.Rows, Tensor
     cols = torch.empty(5, int(per_group.sum()), dtype=torch.int64)
     totals = torch.zeros(3, n, dtype=torch.int64)
     if not load_extension().rows(inputs.arrays(), _host(offset), _host(cols), _host(totals),
-                                 threads=kernel_threads(batch, config)):
+                                 threads=threads):
         _raise_bad_ids(batch)
     n_rows, T_c, T_w = totals.unbind(0)
     shift = offset - (torch.cumsum(n_rows, 0) - n_rows)  # group g's rows start at offset[g] in `cols`
@@ -125,7 +126,8 @@ def _list_rows(inputs: _Inputs, config: KTAEConfig) -> tuple[method.Rows, Tensor
     return method.Rows(group=group, token=token, a=a, b=b, f_c=f_c, f_w=f_w), T_c, T_w
 
 
-def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -> tuple[np.ndarray, ...] | None:
+def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig,
+              threads: int) -> tuple[np.ndarray, ...] | None:
     """The kernel's ``grid`` argument (``offset, stride, strength, h``): the whole grid of tables when it
     is small (``method.full_grid_statistics``); None (the kernel computes and memoises the tables it
     meets) for big groups in exact mode; in upstream mode the tables of the rows listed first."""
@@ -134,7 +136,7 @@ def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig) -
         return full.offset, full.stride, full.strength, full.h
     if config.fisher == "exact":
         return None
-    rows, _, _ = _list_rows(inputs, config)
+    rows, _, _ = _list_rows(inputs, threads)
     grid, stats, _ = method.row_statistics(rows, counts.n_c, counts.n_w, config)
     return _host(grid.offset), _host(grid.stride), _host(stats.strength), _host(stats.h)
 
@@ -149,13 +151,13 @@ def _method(config: KTAEConfig):
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None,
                     options: ExecutionOptions = DEFAULT_OPTIONS) -> Tensor:
     counts = method.group_counts(batch, config)
-    threads = kernel_threads(batch, config)
+    threads = kernel_threads(batch, options.threads)
     if out is None:
         out = new_output(batch.responses.shape, threads)
     if batch.n_groups == 0 or batch.responses.shape[1] == 0:
         return out.zero_()
     inputs = _Inputs(batch, counts)
-    grid = _grid_for(inputs, counts, config)
+    grid = _grid_for(inputs, counts, config, threads)
     base = method.rollout_advantage(batch.rewards, batch.group, counts.size, config, given).contiguous()
     ignore = _ignored_ids(config.ignore_token_ids)
     ok = load_extension().advantage(inputs.arrays(), _host(base), ignore, _host(out), _method(config), grid=grid,
@@ -189,5 +191,5 @@ def release_output_pool() -> int:
 
 def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions = DEFAULT_OPTIONS) -> KeyTokenScores:
     counts = method.group_counts(batch, config)
-    rows, T_c, T_w = _list_rows(_Inputs(batch, counts), config)
+    rows, T_c, T_w = _list_rows(_Inputs(batch, counts), kernel_threads(batch, options.threads))
     return method.score_rows(rows, counts.n_c, counts.n_w, T_c, T_w, config, batch.group_labels)

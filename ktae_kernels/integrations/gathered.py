@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..api import token_advantage
 from ..config import KTAEConfig
+from ..options import ExecutionOptions
 
 
 def grpo_groups(rewards_per_func: Tensor, reward_weights: Tensor, *, num_generations: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -29,7 +30,7 @@ def grpo_groups(rewards_per_func: Tensor, reward_weights: Tensor, *, num_generat
 def grpo_token_advantages(completion_ids: Tensor, loss_mask: Tensor, rewards_per_func: Tensor, reward_weights: Tensor,
                           advantages: Tensor | None, *, process_index: int, num_generations: int,
                           config: KTAEConfig, backend: str = "auto", process_group: Any = None,
-                          correct: Tensor | None = None) -> Tensor:
+                          correct: Tensor | None = None, options: ExecutionOptions | None = None) -> Tensor:
     """float32 ``[B, T]`` KTAE advantages of this process's rows in TRL's layout.
 
     Args:
@@ -42,6 +43,7 @@ def grpo_token_advantages(completion_ids: Tensor, loss_mask: Tensor, rewards_per
             gathered batch, and a group is ``num_generations`` consecutive gathered rows.
         process_group: the group of all processes when there are several, else None.
         correct: bool ``[N]`` labels of the gathered rows; None: weighted reward > ``correct_threshold``.
+        options: as ``token_advantage``.
     Rows that no reward function scored (all NaN) get advantage 0 and take no part in any group.
     """
     B = completion_ids.shape[0]
@@ -51,4 +53,4 @@ def grpo_token_advantages(completion_ids: Tensor, loss_mask: Tensor, rewards_per
     mask = loss_mask.bool() & ~unscorable[own, None].to(loss_mask.device)
     return token_advantage(completion_ids, mask, rewards[own], group[own], config=config, backend=backend,
                            rollout_advantage=advantages, process_group=process_group,
-                           correct=None if correct is None else correct[own])
+                           correct=None if correct is None else correct[own], options=options)

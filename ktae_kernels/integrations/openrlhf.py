@@ -84,14 +84,14 @@ def add_key_token_scores(experiences: Sequence[Any], *, n_samples_per_prompt: in
     group = torch.tensor([i // n_samples_per_prompt for e in experiences for i in e.index], dtype=torch.int64)
     zero = torch.zeros(rewards.shape[0], dtype=torch.float64)
     term = token_advantage(ids, mask, rewards, group, config=config, backend=settings.backend, rollout_advantage=zero,
-                           correct=labels.correct)
+                           correct=labels.correct, options=settings.options)
     start = 0
     for e, a in zip(experiences, widths):
         rows = term[start:start + e.action_mask.shape[0], :a]
         e.advantages = e.advantages + rows.to(e.advantages.device, e.advantages.dtype)
         start += rows.shape[0]
     scores = lambda: key_token_scores(ids, mask, rewards, group, config=config, backend=settings.backend,  # noqa: E731
-                                      correct=labels.correct)
+                                      correct=labels.correct, options=settings.options)
     values = step_metrics(settings, labels, started, scores=scores, advantages=term, mask=mask,
                           rollout_advantage=zero, group=group)
     for e in experiences:
@@ -138,7 +138,7 @@ def settings_json(settings: AdapterSettings) -> str:
     values = asdict(settings.config)
     values["ignore_token_ids"] = list(values["ignore_token_ids"])
     return json.dumps({**values, "backend": settings.backend, "metrics": settings.metrics,
-                       "correct_key": settings.correct_key})
+                       "correct_key": settings.correct_key, "threads": settings.options.threads})
 
 
 def settings_from_env(environ: Mapping[str, str] | None = None) -> AdapterSettings:

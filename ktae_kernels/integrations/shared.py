@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .. import method
 from ..config import KTAEConfig
+from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
 from ..types import KeyTokenScores
 from ..validation import dense_group_ids
@@ -24,26 +25,31 @@ from ..validation import dense_group_ids
 #: what an adapter logs under ``ktae/``: "advantages" (default: derived from the advantages, no extra
 #: pass), "scores" (one more ``key_token_scores`` call, adds ``distinct_tokens_per_group``) or "off".
 METRICS_MODES = ("advantages", "scores", "off")
-#: keys of a framework's "ktae" settings section besides the KTAEConfig fields.
-EXTRA_KEYS = ("backend", "metrics", "correct_key")
+#: keys of a framework's "ktae" settings section besides the KTAEConfig fields (``threads``:
+#: ``ExecutionOptions.threads``).
+EXTRA_KEYS = ("backend", "metrics", "correct_key", "threads")
 #: label source used when no task-correctness record is present: the reward the advantage is built on.
 REWARD_SOURCE = "reward"
 
 
 @dataclass(frozen=True)
 class AdapterSettings:
-    """A framework's KTAE settings: the method's ``config``, the ``backend``, the ``metrics`` mode and
+    """A framework's KTAE settings: the method's ``config``, the ``backend``, the ``metrics`` mode,
     ``correct_key``, the per-rollout record of task correctness to label rollouts by when the framework
-    has it (verl's ``reward_extra_info``, OpenRLHF's ``experience.info``; None: never)."""
+    has it (verl's ``reward_extra_info``, OpenRLHF's ``experience.info``; None: never), and the calls'
+    ``options`` (``ExecutionOptions``: the native kernel's threads)."""
 
     config: KTAEConfig = KTAEConfig()
     backend: str = "auto"
     metrics: str = "advantages"
     correct_key: str | None = "acc"
+    options: ExecutionOptions = ExecutionOptions()
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, KTAEConfig):
             raise ValueError(f"`config` must be a KTAEConfig, got {type(self.config).__name__}")
+        if not isinstance(self.options, ExecutionOptions):
+            raise ValueError(f"`options` must be an ExecutionOptions, got {type(self.options).__name__}")
         check_metrics_mode(self.metrics)
         if self.correct_key is not None and not (isinstance(self.correct_key, str) and self.correct_key):
             raise ValueError(f"`correct_key` must be a non-empty string or None, got {self.correct_key!r}")
@@ -60,8 +66,9 @@ def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
                           default_baseline: str | None = None) -> AdapterSettings:
     """``AdapterSettings`` from a framework's settings mapping (dict, OmegaConf DictConfig).
 
-    Keys: any ``KTAEConfig`` field, plus ``backend`` ("auto"), ``metrics`` ("advantages") and
-    ``correct_key`` ("acc"). ``default_baseline`` applies when the mapping names no ``baseline``.
+    Keys: any ``KTAEConfig`` field, plus ``backend`` ("auto"), ``metrics`` ("advantages"),
+    ``correct_key`` ("acc") and ``threads`` (``ExecutionOptions.threads``, None). ``default_baseline``
+    applies when the mapping names no ``baseline``.
     ``where`` names the section in error messages (every error is a ValueError).
     """
     if section is not None and not hasattr(section, "keys"):
@@ -75,13 +82,14 @@ def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
     backend = str(values.pop("backend", "auto"))
     metrics = check_metrics_mode(values.pop("metrics", "advantages"), f"{where}.metrics")
     correct_key = values.pop("correct_key", "acc")
+    threads = values.pop("threads", None)
     if default_baseline is not None:
         values.setdefault("baseline", default_baseline)
     if "ignore_token_ids" in values:
         ids = values["ignore_token_ids"]
         values["ignore_token_ids"] = (ids,) if isinstance(ids, int) else tuple(ids)
     try:
-        return AdapterSettings(KTAEConfig(**values), backend, metrics, correct_key)
+        return AdapterSettings(KTAEConfig(**values), backend, metrics, correct_key, ExecutionOptions(threads=threads))
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: {err}") from None
 
@@ -174,9 +182,9 @@ def column_values(columns: Mapping[str, Any] | None, key: str | None) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- metrics
-def threads_used(config: KTAEConfig) -> int:
-    """Thread count of the native CPU kernel: ``config.threads`` when set, else torch's."""
-    return config.threads or torch.get_num_threads()
+def threads_used(options: ExecutionOptions) -> int:
+    """Thread count of the native CPU kernel: ``options.threads`` when set, else torch's."""
+    return options.threads or torch.get_num_threads()
 
 
 def step_metrics(settings: AdapterSettings, labels: Labels, started: float, *,
@@ -197,6 +205,6 @@ def step_metrics(settings: AdapterSettings, labels: Labels, started: float, *,
         values = ktae_metrics(advantages=advantages, mask=mask, rollout_advantage=rollout_advantage, group=group,
                               correct=labels.correct, weight=settings.config.weight)
     values["ktae/time_ms"] = 1000.0 * (time.perf_counter() - started)
-    values["ktae/threads"] = float(threads_used(settings.config))
+    values["ktae/threads"] = float(threads_used(settings.options))
     values[f"ktae/label_source/{labels.source}"] = 1.0
     return values

@@ -21,6 +21,7 @@ from trl import GRPOTrainer
 
 from ..api import key_token_scores
 from ..config import KTAEConfig
+from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
 from .gathered import grpo_groups, grpo_token_advantages
 from .shared import (AdapterSettings, Labels, check_metrics_mode, check_version, correct_labels, missing_target,
@@ -63,14 +64,16 @@ class KTAEGRPOMixin:
     Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto"),
     ``ktae_use_trl_advantage`` (True: ``A_i`` is TRL's own advantage, following its ``scale_rewards``
     and ``multi_objective_aggregation``; False: ``ktae_config.baseline`` on the weighted reward),
-    ``ktae_metrics`` ("advantages", "scores" or "off") and ``ktae_correct_reward_funcs`` (names of the
+    ``ktae_metrics`` ("advantages", "scores" or "off"), ``ktae_correct_reward_funcs`` (names of the
     reward functions that define correctness, e.g. ``["accuracy"]``: a rollout is correct when their
-    weighted sum is > ``ktae_config.correct_threshold``; None: the weighted sum of all of them).
+    weighted sum is > ``ktae_config.correct_threshold``; None: the weighted sum of all of them) and
+    ``ktae_options`` (``ExecutionOptions``: how the kernels run; defaults when None).
     """
 
     def __init__(self, *args: Any, ktae_config: KTAEConfig | None = None, ktae_backend: str = "auto",
                  ktae_use_trl_advantage: bool = True, ktae_metrics: str = "advantages",
-                 ktae_correct_reward_funcs: Sequence[str] | None = None, **kwargs: Any) -> None:
+                 ktae_correct_reward_funcs: Sequence[str] | None = None, ktae_options: ExecutionOptions | None = None,
+                 **kwargs: Any) -> None:
         check_trainer_class(type(self).__mro__[type(self).__mro__.index(KTAEGRPOMixin) + 1])
         training_args = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs).arguments.get("args")
         if (training_args is not None and getattr(training_args, "use_liger_kernel", False)
@@ -83,7 +86,8 @@ class KTAEGRPOMixin:
         if isinstance(ktae_correct_reward_funcs, str):
             ktae_correct_reward_funcs = [ktae_correct_reward_funcs]
         check_metrics_mode(ktae_metrics, "`ktae_metrics`")
-        self.ktae_settings = AdapterSettings(ktae_config or KTAEConfig(), ktae_backend, ktae_metrics)
+        self.ktae_settings = AdapterSettings(ktae_config or KTAEConfig(), ktae_backend, ktae_metrics,
+                                             options=ktae_options or ExecutionOptions())
         self.ktae_use_trl_advantage = ktae_use_trl_advantage
         self._ktae_rewards_per_func: Tensor | None = None
         self._ktae_sequence_advantages: Tensor | None = None
@@ -133,7 +137,7 @@ class KTAEGRPOMixin:
             rollout_advantage, process_index=self.accelerator.process_index,
             num_generations=self._ktae_num_generations(), config=self.ktae_config,
             backend=self.ktae_settings.backend, process_group=dist.group.WORLD if several else None,
-            correct=self.ktae_labels().correct,
+            correct=self.ktae_labels().correct, options=self.ktae_settings.options,
         )
 
     def ktae_labels(self) -> Labels:
@@ -188,7 +192,7 @@ class KTAEGRPOMixin:
         scored = mask.bool() & ~unscorable[own, None].to(mask.device)
         scores = lambda: key_token_scores(output["completion_ids"], scored, rewards[own], group[own],  # noqa: E731
                                           config=self.ktae_config, backend=self.ktae_settings.backend,
-                                          correct=local.correct)
+                                          correct=local.correct, options=self.ktae_settings.options)
         values = step_metrics(self.ktae_settings, local, started, scores=scores, advantages=advantages, mask=scored,
                               rollout_advantage=base, group=group[own])
         if values and self.accelerator.num_processes > 1:

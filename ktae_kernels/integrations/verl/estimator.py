@@ -116,15 +116,15 @@ def ktae_step(responses: Tensor, response_mask: Tensor, token_level_rewards: Ten
     if final is None:  # every row is its session's only output: the common case
         base = rollout_baseline(rewards, index, config)
         advantages = token_advantage(responses, mask, rewards, index, config=config, backend=backend,
-                                     rollout_advantage=base, correct=labels.correct)
+                                     rollout_advantage=base, correct=labels.correct, options=settings.options)
         kts = lambda: key_token_scores(responses, mask, rewards, index, config=config, backend=backend,  # noqa: E731
-                                       correct=labels.correct)
+                                       correct=labels.correct, options=settings.options)
     else:
         rows, session_final = final
         f_index = np.asarray(index)[rows.numpy()]
         base = rollout_baseline(rewards[rows], f_index, config)[session_final]
         kts = key_token_scores(responses[rows], mask[rows], rewards[rows], f_index, config=config, backend=backend,
-                               correct=labels.correct[rows])
+                               correct=labels.correct[rows], options=settings.options)
         advantages = kts.token_advantage(responses, mask, index, base, config.weight)
     metrics = step_metrics(settings, labels, started, scores=kts, advantages=advantages, mask=mask,
                            rollout_advantage=base, group=index)
