@@ -655,3 +655,30 @@ def test_a_group_needing_more_than_the_two_block_tables_takes_the_global_pass(em
     assert (after.blocks_per_sm, after.shared_bytes) == (2, need)
     torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, extension=emulator), want,
                                rtol=0.0, atol=1e-6)
+
+
+def test_a_group_whose_smallest_table_has_no_room_takes_the_global_pass(emulator):
+    """After groups of 25 rollouts holding 40 ids (64 packed slots learnt), the same (B, n_groups) with
+    a group of 97 rollouts: its 28-byte slots leave no room for even the 32 slots a group may take
+    in the shared pass, so the block leaves the group to the global pass before building anything, and
+    the result equals the reference."""
+    rng = np.random.default_rng(5)
+    B, L = 100, 16
+    mask = torch.as_tensor(rng.random((B, L)) >= 0.1)
+    rewards = torch.as_tensor((rng.random(B) < 0.5).astype(np.float32))
+    responses = torch.as_tensor(rng.integers(0, 40, size=(B, L)))
+    even = normalise_batch(responses, mask, rewards, torch.arange(B) // 25)
+    wide = normalise_batch(responses, mask, rewards, torch.repeat_interleave(torch.arange(4), torch.tensor([97, 1, 1, 1])))
+    few = ExecutionOptions(cuda=CudaTuning(max_threads=64))  # fewer emulated threads: quicker
+    torch.testing.assert_close(cuda.token_advantage(even, KTAEConfig(), None, options=few, extension=emulator),
+                               reference.token_advantage(even, KTAEConfig(), None), rtol=0.0, atol=1e-6)
+    plan = cuda.static_plan(emulator, wide, KTAEConfig(), few.cuda)
+    words = cuda.presence_words(97)
+    assert plan.blocks_per_sm == 2 and plan.max_capacity > cuda.MIN_CAPACITY and plan.fallback_blocks > 0
+    assert cuda.shared_table_bytes(cuda.MIN_CAPACITY, words) > plan.shared_bytes  # no room for the least table
+    out = torch.zeros(B, L, dtype=torch.float32)
+    alone = dataclasses.replace(plan, fallback_blocks=0, fallback_bytes=0)
+    views = cuda.workspace_views(cuda._enqueue(alone, wide, KTAEConfig(), None, out, None)[1], B, 4)
+    assert views["status"][0] == -1 and views["flags"][4] == 1  # left, counted as left
+    torch.testing.assert_close(cuda.token_advantage(wide, KTAEConfig(), None, options=few, extension=emulator),
+                               reference.token_advantage(wide, KTAEConfig(), None), rtol=0.0, atol=1e-6)

@@ -65,8 +65,6 @@ STATIC_FALLBACK_BYTES = 128 * 2**20
 ADVANTAGE_FLAGS = 6
 
 
-
-
 def max_keys(capacity: int) -> int:
     """Most distinct ids a table of ``capacity`` slots takes before it counts as overflowed (3/4)."""
     return capacity - capacity // 4
