@@ -143,3 +143,16 @@ def test_peak_memory_is_measured_after_every_timing_of_the_shape(monkeypatch):
     assert [r.peak_extra_bytes for r in results] == [123, None]  # per-group loops get no peak
     assert events.index("peak") > max(i for i, e in enumerate(events) if e in ("time", "floor"))
     assert events.count("peak") == 1
+
+
+def test_new_runs_write_to_the_ignored_folder_unless_told_otherwise():
+    """A plain run never adds files to the committed bench/results/: it needs --out bench/results."""
+    from pathlib import Path
+
+    from bench.__main__ import RESULTS_DIR, parse_args
+
+    assert parse_args([]).out == RESULTS_DIR == Path("bench-results")
+    assert parse_args(["--out", "bench/results"]).out == Path("bench/results")
+    root = Path(__file__).resolve().parents[1]
+    assert "bench-results/" in (root / ".gitignore").read_text().splitlines()
+    assert 'default=Path("bench-results")' in (root / "bench" / "gpu_check.py").read_text()
