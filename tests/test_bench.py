@@ -232,3 +232,36 @@ def test_a_row_not_timed_is_dashes_with_its_note():
     table = format_table([skipped])
     assert "skipped" in table and "[1] skipped: B*L" in table and "its numbered note says why" in table
     assert "x floor -" not in table
+
+
+def cited_result_files(text: str) -> set[str]:
+    """The ``bench/results/`` file names a text cites, its ``{1,2}`` and ``{1..6}`` expanded."""
+    names = set()
+    for name in re.findall(r"bench/results/([\w.{},-]+)", text):
+        choice = re.search(r"\{([^}]*)\}", name)
+        if choice is None:
+            names.add(name)
+            continue
+        body = choice.group(1)
+        if ".." in body:
+            low, high = body.split("..")
+            options = [str(i) for i in range(int(low), int(high) + 1)]
+        else:
+            options = body.split(",")
+        names |= {name[:choice.start()] + o + name[choice.end():] for o in options}
+    return names
+
+
+def test_committed_results_are_the_ones_the_docs_cite():
+    """bench/results/ is a known place: each file in it is cited by docs/benchmarks.md, each file a
+    doc cites is there, and it stays small."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    committed = {p.name for p in (root / "bench" / "results").iterdir()}
+    docs = [root / "README.md", root / "examples" / "README.md", *sorted((root / "docs").glob("*.md"))]
+    cited = {path.name: cited_result_files(path.read_text()) for path in docs}
+    assert len(committed) <= 15
+    assert cited["benchmarks.md"] == committed
+    missing = {doc: sorted(names - committed) for doc, names in cited.items() if names - committed}
+    assert not missing, missing
