@@ -196,7 +196,8 @@ def format_table(results: list[Result]) -> str:
             out += ["", f"{shape_title(r.shape)}{tokens}{floor}"]
         out.append(line(row))
         previous = r.shape
-    out += ["", *format_legend(keys)]
+    legend = format_legend(keys)
+    out += ["", *legend] if legend else []
     for i, n in enumerate(notes):
         out += textwrap.wrap(n, WIDTH, initial_indent=f"[{i + 1}] ", subsequent_indent=" " * (len(str(i + 1)) + 3))
     return "\n".join(out)
