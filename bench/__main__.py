@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     grid_name = "custom" if args.shape else args.preset
     stem = args.out / (f"{machine_slug(device)}-{today()}" + ("" if grid_name == "default" else f"-{grid_name}")
                        + (f"-{args.tag}" if args.tag else ""))
-    print(f"ktae_kernels bench: {len(shapes)} shapes ({grid_name} grid) on {device}: {', '.join(names)}")
+    batches = f"{len(shapes)} batch" + ("" if len(shapes) == 1 else "es")
+    print(f"ktae_kernels bench: {batches} ({grid_name} grid) on {device}: {', '.join(names)}")
     print(f"results: {stem}.json")
     load = load_average()
     if device.type == "cpu" and load is not None and load > 0.5:
