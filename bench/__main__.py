@@ -123,11 +123,13 @@ def main(argv: list[str] | None = None) -> int:
     grid_name = "custom" if args.shape else args.preset
     stem = args.out / (f"{machine_slug(device)}-{today()}" + ("" if grid_name == "default" else f"-{grid_name}")
                        + (f"-{args.tag}" if args.tag else ""))
-    print(f"ktae_kernels bench: {len(shapes)} shapes x {names} on {device} ({grid_name} grid) -> {stem}.json")
+    batches = f"{len(shapes)} batch" + ("" if len(shapes) == 1 else "es")
+    print(f"ktae_kernels bench: {batches} ({grid_name} grid) on {device}: {', '.join(names)}")
+    print(f"results: {stem}.json")
     load = load_average()
     if device.type == "cpu" and load is not None and load > 0.5:
-        print(f"note: the 1-minute load average is {load} on {os.cpu_count()} cores: other processes share the "
-              "CPU and the timings will be noisy")
+        print(f"note: the 1-minute load average is {load} on {os.cpu_count()} cores: other processes share\n"
+              "the CPU, and the timings will be noisy")
 
     start = time.perf_counter()
     head = {"schema": "ktae_kernels.bench/1",

@@ -67,7 +67,8 @@ REAL_RTOL = 1e-9
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--out", type=Path, default=Path("bench-results"),
+                   help="output folder (default ./bench-results/, git-ignored)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
     p.add_argument("--skip-timings", action="store_true")

@@ -13,7 +13,7 @@ import time
 import torch
 
 from bench.grid import PAPER_SHAPE
-from bench.report import format_ratio, format_time
+from bench.report import format_number, format_ratio, format_time
 from bench.runner import Result
 
 #: end-to-end target for the paper batch per device type: 2 CPU threads (the verl driver), one H200.
@@ -53,22 +53,24 @@ def paper_summary(results: list[Result], copy_gb_s: float | None, device: str = 
 
 
 def format_paper_summary(summary: dict) -> str:
-    """Human-readable lines of ``paper_summary``."""
+    """Human-readable lines of ``paper_summary`` (numbers in ``format_number``'s one format)."""
     s = summary["shape"]
+    shape = f"{s['G']} x {s['prompts']} x {s['L']}"
     io_gb = io_bytes(PAPER_SHAPE.positions) / 1e9
-    lines = [f"Paper batch (G={s['G']}, {s['prompts']} prompts, L={s['L']}; I/O floor {io_gb:.3f} GB; "
-             f"target {format_time(summary['target_s'])}; DAPO step {summary['dapo_step_s']:.0f} s)"]
+    lines = [f"Paper batch {shape} (G x P x L): I/O floor {format_number(io_gb)} GB, target "
+             f"{format_time(summary['target_s'])}, DAPO step {format_number(summary['dapo_step_s'])} s"]
     if not summary["backends"]:
-        lines.append(f"  not timed in this run: its shapes do not include it (add --shape "
-                     f"{s['G']}x{s['prompts']}x{s['L']}, or run the default grid)")
+        lines.append(f"  not timed in this run: add --shape {shape.replace(' ', '')}, or run the default grid")
     elif summary["copy_gb_s"]:
-        lines.append(f"  device copy bandwidth, measured in this run: {summary['copy_gb_s']:.0f} GB/s (read + write)")
+        lines.append(f"  device copy bandwidth, measured in this run: {format_number(summary['copy_gb_s'])} GB/s "
+                     "(read + write)")
     for name, row in summary["backends"].items():
         time = ("~" if row["extrapolated"] else "") + format_time(row["seconds"])
         target = "meets the target" if row["meets_target"] else f"{format_ratio(row['x_target'])} the target"
-        copy = f" ({100 * row['share_of_copy_bandwidth']:.3g}% of copy)" if row["share_of_copy_bandwidth"] else ""
-        lines.append(f"  {name:<15} {time:>10}  {target}; {row['achieved_gb_s']:.3g} GB/s{copy}; "
-                     f"{100 * row['share_of_dapo_step']:.3g}% of a DAPO step")
+        share = row["share_of_copy_bandwidth"]
+        copy = f" ({format_number(100 * share)}% of copy)" if share else ""
+        lines.append(f"  {name:<15} {time:>10}  {target}; {format_number(row['achieved_gb_s'])} GB/s{copy}; "
+                     f"{format_number(100 * row['share_of_dapo_step'])}% of a DAPO step")
     return "\n".join(lines)
 
 

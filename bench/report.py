@@ -5,22 +5,27 @@ groups); ``Mtok/s`` counts real (masked) response tokens; ``x ref`` / ``x upstre
 speed-ups against the scipy reference and the upstream-style loop on the same batch (``~`` when
 either side is extrapolated); ``x floor`` is the time over the machine's memory floor for the same
 batch, measured in the same run (``bench.floor``: one read of ids and mask, one float32 write; the
-fastest of its samples, ``bench.floor_stats``), ``-`` for batches too small to measure it, and
-``error`` where a time came out under the floor (a disturbed measurement, never a result);
-``peak MB`` is the extra memory of one call at its peak (output included); ``max|d| ref`` is the
-largest difference from the reference's advantages on the groups both ran.
+fastest of its samples, ``bench.floor_stats``), and ``error`` where a time came out under the floor
+(a disturbed measurement, never a result); ``peak MB`` is the extra memory of one call at its peak
+(output included); ``max|d| ref`` is the largest difference from the reference's advantages on the
+groups both ran. The table prints one block per batch (``G x P x L``, as ``--shape`` takes it), and
+under it a legend of every mark and dash its cells show (``LEGEND``), so that it reads alone.
 """
 from __future__ import annotations
 
 import json
 import math
+import textwrap
 from pathlib import Path
 
-from bench.contenders import UPSTREAM
+from bench.contenders import REUSE_OUT, UPSTREAM
+from bench.data import Shape
+from bench.floor_stats import MIN_FLOOR_POSITIONS
 from bench.runner import Result
 
-COLUMNS = ("G", "P", "L", "tokens", "backend", "time", "Mtok/s", "x ref", "x upstream", "x floor", "peak MB",
-           "max|d| ref", "note")
+COLUMNS = ("backend", "time", "Mtok/s", "x ref", "x upstream", "x floor", "peak MB", "max|d| ref", "note")
+#: the widest line the table and its notes aim for.
+WIDTH = 98
 
 
 def speedups(results: list[Result]) -> dict[tuple, dict]:
@@ -39,61 +44,162 @@ def speedups(results: list[Result]) -> dict[tuple, dict]:
     return out
 
 
+def format_number(value: float) -> str:
+    """The one number format of the bench's output: three significant digits in fixed point, whole
+    numbers from 100 up, thousands separated, no trailing zeros (``0.00902``, ``0.56``, ``63.2``,
+    ``100``, ``1,001``, ``21,532``; never ``1e+03``)."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(0, 2 - math.floor(math.log10(abs(value))))
+    text = f"{value:,.{decimals}f}"
+    if decimals and len(text.replace(",", "").replace(".", "").lstrip("-0")) > 3:
+        text = f"{value:,.{decimals - 1}f}"  # rounding carried into one more digit: 9.996 -> 10.00
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
 def format_time(seconds: float | None) -> str:
-    """Seconds as ``812 us``, ``12.3 ms``, ``4.56 s`` or ``2,260 s``."""
+    """Seconds as ``812 us``, ``12.3 ms``, ``4.56 s`` or ``2,260 s`` (``format_number``)."""
     if seconds is None:
         return "-"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} us"
-    if seconds < 1:
-        return f"{seconds * 1e3:.3g} ms"
-    return f"{seconds:.3g} s" if seconds < 100 else f"{seconds:,.0f} s"
+    if seconds < 0.9995e-3:
+        return f"{format_number(seconds * 1e6)} us"
+    if seconds < 0.9995:
+        return f"{format_number(seconds * 1e3)} ms"
+    return f"{format_number(seconds)} s"
 
 
 def format_ratio(value: float) -> str:
-    """``0.25x``, ``63.2x`` or ``1,130x``."""
-    return f"{value:.3g}x" if value < 1000 else f"{value:,.0f}x"
+    """``0.25x``, ``63.2x``, ``1,001x``: ``format_number`` and an ``x``, in every ratio column and in
+    the paper batch's summary."""
+    return format_number(value) + "x"
 
 
 def _speedup(value: float | None, extrapolated: bool) -> str:
     return "-" if value is None else ("~" if extrapolated else "") + format_ratio(value)
 
 
+def format_diff(value: float | None) -> str:
+    """``max|d| ref``: ``0`` when exact, else two digits in scientific notation (``1.9e-01``)."""
+    return "-" if value is None else "0" if value == 0 else f"{value:.1e}"
+
+
+def shape_title(shape: Shape) -> str:
+    """A batch as ``python -m bench --shape`` takes it: ``16 x 1024 x 3072`` (G x P x L)."""
+    return f"{shape.G} x {shape.prompts} x {shape.L}{shape.variant}"
+
+
+#: the notes printed under the table, in this order, each only when a printed cell needs it.
+LEGEND = {
+    "shape": ("G x P x L", "rollouts per group x prompts x padded response length (as --shape takes it)"),
+    "reuse_out": ("cpu+out", "the cpu backend writing into one out= buffer reused across calls, as a "
+                             "trainer can; cpu returns a new output at every call"),
+    "extrapolated": ("~", "extrapolated linearly from the first groups of the batch (per-group Python "
+                          "loops; the numbered note says how many)"),
+    "not_timed": ("-", "a row that was not timed: its numbered note says why"),
+    "no_reference": ("x ref -", "the reference did not run on this batch (not in --backends, skipped "
+                                "or failed); max|d| ref is '-' too"),
+    "no_upstream": ("x upstream -", "the upstream-style loop did not run on this batch"),
+    "floor_small": ("x floor -", f"batch under {MIN_FLOOR_POSITIONS:,} positions (B x L): its floor pass takes "
+                                 "microseconds, under the timer's noise, so it is not measured"),
+    "floor_extrapolated": ("x floor -", "an extrapolated time is not compared with the floor of the "
+                                        "whole batch"),
+    "floor_none": ("x floor -", "no floor in this run: it is measured on the CPU only, where the native "
+                                "floor pass builds, on a batch every backend ran"),
+    "floor_error": ("x floor error", "measured faster than the memory floor of the same batch, which no "
+                                     "code can be: other processes disturbed the timings. Rerun on a "
+                                     "quieter machine."),
+    "peak_loops": ("peak MB -", "not measured for the per-group Python loops (reference, "
+                                "upstream-style)"),
+    "peak_none": ("peak MB -", "the resident-set peak cannot be read here (/proc/self/clear_refs)"),
+    "peak_zero": ("peak MB 0", "under 0.5 MB"),
+    "diff_self": ("max|d| ref -", "on the reference's own row"),
+    "diff_upstream": ("max|d| ref", "on the upstream-style rows is expected: that loop runs "
+                                    "fisher=\"upstream\", the published float32 Fisher, against the exact "
+                                    "float64 reference (docs/fisher.md); the library backends' figure is the "
+                                    "check"),
+    "columns": ("columns", "what each one means: docs/benchmarks.md#columns"),
+}
+
+
+def _cells(r: Result, sp: dict) -> tuple[tuple[str, ...], set[str]]:
+    """The row of a result (without its note) and the legend keys its cells need."""
+    keys: set[str] = set()
+    if r.status != "ok":
+        return (r.backend, r.status, *["-"] * 6), {"not_timed"}
+    if r.extrapolated or sp["vs_reference_extrapolated"] or sp["vs_upstream_extrapolated"]:
+        keys.add("extrapolated")
+    if sp["vs_reference"] is None:
+        keys.add("no_reference")
+    if sp["vs_upstream"] is None:
+        keys.add("no_upstream")
+    if r.floor_error:
+        keys.add("floor_error")
+    elif r.x_floor is None:
+        keys.add("floor_extrapolated" if r.extrapolated else "floor_small"
+                 if r.shape.positions < MIN_FLOOR_POSITIONS else "floor_none")
+    if r.backend.endswith(REUSE_OUT):
+        keys.add("reuse_out")
+    if r.peak_extra_bytes is None:
+        keys.add("peak_loops" if r.backend in ("reference", UPSTREAM) else "peak_none")
+    elif round(r.peak_extra_bytes / 1e6) == 0:
+        keys.add("peak_zero")
+    if r.backend == "reference":
+        keys.add("diff_self")
+    elif r.backend == UPSTREAM and r.max_abs_diff_vs_reference is not None:
+        keys.add("diff_upstream")
+    time = ("~" if r.extrapolated else "") + format_time(r.seconds)
+    rate = format_number(r.tokens_per_s / 1e6) if r.tokens_per_s else "-"
+    floor = "error" if r.floor_error else format_ratio(r.x_floor) if r.x_floor else "-"
+    peak = f"{r.peak_extra_bytes / 1e6:,.0f}" if r.peak_extra_bytes is not None else "-"
+    return (r.backend, time, rate, _speedup(sp["vs_reference"], sp["vs_reference_extrapolated"]),
+            _speedup(sp["vs_upstream"], sp["vs_upstream_extrapolated"]), floor, peak,
+            format_diff(r.max_abs_diff_vs_reference)), keys
+
+
+def format_legend(keys: set[str], width: int = WIDTH) -> list[str]:
+    """The legend's lines for ``keys`` (see ``LEGEND``), in its order, wrapped to ``width``."""
+    chosen = [LEGEND[k] for k in LEGEND if k in keys]
+    if not chosen:
+        return []
+    pad = max(len(label) for label, _ in chosen) + 2
+    lines = []
+    for label, text in chosen:
+        lines += textwrap.wrap(text, width, initial_indent=label.ljust(pad), subsequent_indent=" " * pad)
+    return lines
+
+
 def format_table(results: list[Result]) -> str:
-    """A fixed-width text table, long notes moved to numbered footnotes."""
+    """A fixed-width text table, one block per batch (titled ``G x P x L``), then a legend of the
+    marks and dashes that its cells show, and the numbered notes of single cells."""
     ups = speedups(results)
     notes: list[str] = []
+    keys: set[str] = {"shape", "columns"} if results else set()
     rows = []
     for r in results:
-        sp = ups[(r.shape, r.backend)]
+        cells, cell_keys = _cells(r, ups[(r.shape, r.backend)])
+        keys |= cell_keys
         note = ""
         if r.note:
             if r.note not in notes:
                 notes.append(r.note)
             note = f"[{notes.index(r.note) + 1}]"
-        time = ("~" if r.extrapolated else "") + format_time(r.seconds) if r.status == "ok" else r.status
-        rate = f"{r.tokens_per_s / 1e6:.3g}" if r.tokens_per_s else "-"
-        diff = f"{r.max_abs_diff_vs_reference:.1e}" if r.max_abs_diff_vs_reference is not None else "-"
-        floor = "error" if r.floor_error else format_ratio(r.x_floor) if r.x_floor else "-"
-        peak = f"{r.peak_extra_bytes / 1e6:,.0f}" if r.peak_extra_bytes is not None else "-"
-        rows.append((str(r.shape.G), str(r.shape.prompts), f"{r.shape.L}{r.shape.variant}", f"{r.tokens:,}" if r.tokens else "-",
-                     r.backend, time, rate, _speedup(sp["vs_reference"], sp["vs_reference_extrapolated"]),
-                     _speedup(sp["vs_upstream"], sp["vs_upstream_extrapolated"]), floor, peak, diff, note))
+        rows.append((*cells, note))
     widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(COLUMNS)]
-    line = lambda cells: "  ".join(c.rjust(w) if i < 4 or 5 <= i <= 11 else c.ljust(w)  # noqa: E731
+    line = lambda cells: "  ".join(c.ljust(w) if i in (0, 8) else c.rjust(w)  # noqa: E731
                                    for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
     out = [line(COLUMNS), line(tuple("-" * w for w in widths))]
     previous = None
     for r, row in zip(results, rows):
-        if previous is not None and r.shape != previous:
-            out.append("")
+        if r.shape != previous:
+            floor = f"; memory floor {format_time(r.floor_s)}" if r.floor_s else ""
+            tokens = f": {r.tokens:,} real tokens" if r.tokens else ""
+            out += ["", f"{shape_title(r.shape)}{tokens}{floor}"]
         out.append(line(row))
         previous = r.shape
-    out += ["", "~ = extrapolated linearly from the first groups of the batch (per-group Python loops)."]
-    if any(r.floor_error for r in results):
-        out.append("x floor = error: measured faster than the memory floor of the same batch, which no code can "
-                   "be: other processes disturbed the timings. Rerun on a quieter machine.")
-    out += [f"[{i + 1}] {n}" for i, n in enumerate(notes)]
+    legend = format_legend(keys)
+    out += ["", *legend] if legend else []
+    for i, n in enumerate(notes):
+        out += textwrap.wrap(n, WIDTH, initial_indent=f"[{i + 1}] ", subsequent_indent=" " * (len(str(i + 1)) + 3))
     return "\n".join(out)
 
 
@@ -252,7 +358,7 @@ def markdown(payload: dict) -> str:
                 if n in cells else "-" for n in fast]
         diffs = [cells[n]["max_abs_diff_vs_reference"] for n in fast if n in cells]
         diffs = [d for d in diffs if d is not None]
-        diff = f"{max(diffs):.1e}" if diffs else "-"
+        diff = format_diff(max(diffs)) if diffs else "-"
         lines.append("| " + " | ".join([str(G), str(P), str(L), f"{tokens:,}", *times, *x_ref, *x_up, diff]) + " |")
     lines += ["", "`~`: extrapolated linearly from the first groups (per-group Python loops; the JSON says how "
               "many); `skipped`: over the run's caps (the JSON gives the reason); max abs diff vs ref: the "

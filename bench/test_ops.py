@@ -3,7 +3,7 @@
 Not part of the default test run (``testpaths = ["tests"]``); run them with::
 
     python -m pytest bench/ --benchmark-only
-    python -m pytest bench/ --benchmark-only --benchmark-json bench/results/ops.json
+    python -m pytest bench/ --benchmark-only --benchmark-json bench-results/ops.json
 
 On a CUDA machine every op runs on "cpu" and "cuda". Each test also checks its result: the library
 backends must reproduce the reference's advantages.

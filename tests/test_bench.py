@@ -143,3 +143,125 @@ def test_peak_memory_is_measured_after_every_timing_of_the_shape(monkeypatch):
     assert [r.peak_extra_bytes for r in results] == [123, None]  # per-group loops get no peak
     assert events.index("peak") > max(i for i, e in enumerate(events) if e in ("time", "floor"))
     assert events.count("peak") == 1
+
+
+def test_new_runs_write_to_the_ignored_folder_unless_told_otherwise():
+    """A plain run never adds files to the committed bench/results/: it needs --out bench/results."""
+    from pathlib import Path
+
+    from bench.__main__ import RESULTS_DIR, parse_args
+
+    assert parse_args([]).out == RESULTS_DIR == Path("bench-results")
+    assert parse_args(["--out", "bench/results"]).out == Path("bench/results")
+    root = Path(__file__).resolve().parents[1]
+    assert "bench-results/" in (root / ".gitignore").read_text().splitlines()
+    assert 'default=Path("bench-results")' in (root / "bench" / "gpu_check.py").read_text()
+
+
+@pytest.mark.parametrize("value, text", [
+    (0.00902, "0.00902x"), (0.5634, "0.563x"), (4.0, "4x"), (9.996, "10x"), (63.21, "63.2x"), (99.96, "100x"),
+    (999.7, "1,000x"), (1001.2, "1,001x"), (21532.4, "21,532x")])
+def test_every_ratio_has_one_format(value, text):
+    from bench.report import format_ratio
+    assert format_ratio(value) == text
+
+
+def test_times_rates_and_the_paper_summary_never_print_an_exponent():
+    from bench.grid import PAPER_SHAPE
+    from bench.paper import format_paper_summary, paper_summary
+    from bench.report import format_time
+
+    assert [format_time(s) for s in (81e-6, 999.7e-6, 12.34e-3, 0.9997, 2260.4)] == [
+        "81 us", "1 ms", "12.3 ms", "1 s", "2,260 s"]
+    loop = Result(PAPER_SHAPE, "upstream-style", "ok", tokens=21_000_000, seconds=2260.4, extrapolated=True)
+    text = format_paper_summary(paper_summary([loop, cell_on(PAPER_SHAPE, "cpu", 0.0525)], 1234.6, "cpu"))
+    assert "16 x 1024 x 3072" in text and "~2,260 s" in text and "22,604x the target" in text
+    assert "1,235 GB/s" in text and not re.search(r"\de[+-]\d", text)
+
+
+def cell_on(shape: Shape, backend: str, seconds: float, extrapolated: bool = False, **kw) -> Result:
+    groups = 4 if extrapolated else shape.prompts
+    return Result(shape, backend, "ok", f"extrapolated from 4 of {shape.prompts} groups" if extrapolated else "",
+                  tokens=shape.positions // 3, seconds=seconds, samples_s=[seconds], groups=groups,
+                  extrapolated=extrapolated, **kw)
+
+
+def quick_like_results() -> list[Result]:
+    """What ``python -m bench --quick`` prints for one small and one big batch, constructed."""
+    small, big = Shape(8, 1, 512), Shape(16, 64, 3072)
+    floor = dict(floor_s=8e-3, floor_samples_s=[8e-3])
+    return [
+        cell_on(small, "reference", 6.7e-3),
+        cell_on(small, "upstream-style", 0.61, max_abs_diff_vs_reference=0.19),
+        cell_on(small, "cpu", 162e-6, max_abs_diff_vs_reference=0.0, peak_extra_bytes=0),
+        cell_on(small, "cpu+out", 148e-6, max_abs_diff_vs_reference=0.0, peak_extra_bytes=0),
+        cell_on(big, "reference", 2.89, extrapolated=True, **floor),
+        cell_on(big, "upstream-style", 86.5, extrapolated=True, max_abs_diff_vs_reference=0.69, **floor),
+        cell_on(big, "cpu", 16e-3, max_abs_diff_vs_reference=0.0, peak_extra_bytes=15_000_000, **floor),
+        cell_on(big, "cpu+out", 0.086505, max_abs_diff_vs_reference=0.0, peak_extra_bytes=0, **floor),
+    ]
+
+
+def test_the_quick_table_explains_every_dash_and_the_upstream_difference():
+    table = format_table(quick_like_results())
+    lines = table.splitlines()
+    assert max(len(line) for line in lines) <= 100
+    assert "8 x 1 x 512: " in table and "16 x 64 x 3072: " in table and "memory floor 8 ms" in table
+    legend = "\n".join(lines[lines.index("", lines.index(next(l for l in lines if "cpu+out" in l and "16" not in l))):])
+    for needed in ("G x P x L", "~", "x floor -", "65,536 positions", "extrapolated time", "peak MB -",
+                   "per-group Python loops", "max|d| ref -", 'fisher="upstream"', "float32", "float64",
+                   "cpu+out", "peak MB 0"):
+        assert needed in legend, needed
+    # the quick grid's ratios, in one format: thousands separated, never 1e+03
+    assert "1,000x" in table and "e+" not in table and "1e" not in table
+    assert "0.19" not in table.split("max|d| ref")[0]  # the header comes before any value
+    assert "1.9e-01" in table and "6.9e-01" in table
+
+
+def test_the_legend_holds_only_the_notes_of_cells_printed():
+    big = Shape(16, 64, 3072)
+    table = format_table([cell_on(big, "cpu", 16e-3, floor_s=8e-3, floor_samples_s=[8e-3], peak_extra_bytes=15_000_000)])
+    for absent in ("~", "x floor -", "peak MB", "fisher", "cpu+out", "error"):
+        assert absent not in table.split("G x P x L")[1], absent
+    assert "x ref -" in table and "x upstream -" in table  # neither baseline ran
+    assert "2x" in table
+
+
+def test_a_row_not_timed_is_dashes_with_its_note():
+    skipped = Result(Shape(64, 1024, 8192), "cpu", "skipped", "skipped: B*L = 536,870,912 is over this run's cap")
+    table = format_table([skipped])
+    assert "skipped" in table and "[1] skipped: B*L" in table and "its numbered note says why" in table
+    assert "x floor -" not in table
+
+
+def cited_result_files(text: str) -> set[str]:
+    """The ``bench/results/`` file names a text cites, its ``{1,2}`` and ``{1..6}`` expanded."""
+    names = set()
+    for name in re.findall(r"bench/results/([\w.{},-]+)", text):
+        choice = re.search(r"\{([^}]*)\}", name)
+        if choice is None:
+            names.add(name)
+            continue
+        body = choice.group(1)
+        if ".." in body:
+            low, high = body.split("..")
+            options = [str(i) for i in range(int(low), int(high) + 1)]
+        else:
+            options = body.split(",")
+        names |= {name[:choice.start()] + o + name[choice.end():] for o in options}
+    return names
+
+
+def test_committed_results_are_the_ones_the_docs_cite():
+    """bench/results/ is a known place: each file in it is cited by docs/benchmarks.md, each file a
+    doc cites is there, and it stays small."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    committed = {p.name for p in (root / "bench" / "results").iterdir()}
+    docs = [root / "README.md", root / "examples" / "README.md", *sorted((root / "docs").glob("*.md"))]
+    cited = {path.name: cited_result_files(path.read_text()) for path in docs}
+    assert len(committed) <= 15
+    assert cited["benchmarks.md"] == committed
+    missing = {doc: sorted(names - committed) for doc, names in cited.items() if names - committed}
+    assert not missing, missing
