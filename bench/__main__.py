@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(ALL_NAMES)} (default: every one available here)")
     grid = p.add_mutually_exclusive_group()
     grid.add_argument("--preset", choices=sorted(PRESETS), default="default", help="shape grid (default: default)")
-    grid.add_argument("--quick", dest="preset", action="store_const", const="quick", help="small grid (8 shapes: about 30 s on 2 idle cores, minutes under load)")
+    grid.add_argument("--quick", dest="preset", action="store_const", const="quick", help="small grid (8 shapes: under 30 s on 2 idle cores, minutes under load)")
     grid.add_argument("--full", dest="preset", action="store_const", const="full", help="default grid, no caps")
     grid.add_argument("--sweep", dest="preset", action="store_const", const="sweep",
                       help="G=16, B=256..65536, L=512..8192 (for GPUs)")
