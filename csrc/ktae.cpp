@@ -20,6 +20,7 @@ using OptTensor = std::optional<Tensor>;
 
 void check(const Tensor& t, const char* name, at::ScalarType dtype, at::IntArrayRef shape,
            const at::Device& device) {
+  TORCH_CHECK(t.defined(), "ktae_kernels._C: `", name, "` must be set");
   TORCH_CHECK(t.scalar_type() == dtype, "ktae_kernels._C: `", name, "` must be ", dtype, ", got ",
               t.scalar_type());
   TORCH_CHECK(t.device() == device, "ktae_kernels._C: `", name, "` must be on ", device, ", got ",
@@ -41,11 +42,85 @@ T* ptr(const Tensor& t) {
 
 // `responses` on the device the kernels run on (the GPU, or the CPU under the emulator) and [B, L].
 void check_responses(const Tensor& responses) {
+  TORCH_CHECK(responses.defined(), "ktae_kernels._C: `responses` must be set");
   const at::DeviceType kind = ktae::runs_on_cpu() ? at::kCPU : at::kCUDA;
   TORCH_CHECK(responses.device().type() == kind, "ktae_kernels._C: tensors must be on ",
               at::DeviceTypeName(kind), ", got ", responses.device());
   TORCH_CHECK(responses.dim() == 2, "ktae_kernels._C: `responses` must be [B, L], got ", responses.sizes());
 }
+
+// The arguments of `launch` (one pass of the rows kernel), in three structs; ktae_kernels.h says
+// what each array holds.
+// The rollouts and their groups: responses int64 [B, L], mask bool [B, L], members int64 [B] (the
+// rollouts sorted by group), starts int64 [n_groups + 1], correct bool [B], group_counts int64
+// [4, n_groups]; written: bad_ids int64 [2], status int64 [n_groups]; rows mode: row_offset int64
+// [n_groups + 1], row_ints int64 [kRowInts, n_rows].
+struct GroupInputs {
+  Tensor responses, mask, members, starts, correct, group_counts, bad_ids, status;
+  OptTensor row_offset, row_ints;
+};
+
+// Where the pass keeps its tables: shared memory (`shared_capacity` slots, `packed` 12-byte slots),
+// or, with `shared_table` false, one slice of the global workspace per block (ws_*).
+struct TableArgs {
+  bool shared_table = true;
+  int64_t words = 1;
+  int64_t shared_capacity = 0;
+  bool packed = false;
+  OptTensor ws_keys, ws_counts, ws_presence, ws_offset, ws_capacity;
+};
+
+// One launch: kCount or kRows over the groups of `block_group` (int64 [n_items]) on `blocks` blocks
+// of `threads` threads with `shared_bytes` of dynamic shared memory, on the CUDA stream `stream`.
+struct PassArgs {
+  int64_t mode = 0;
+  Tensor block_group;
+  int64_t blocks = 1;
+  bool skip_done = false;
+  int64_t threads = 0;
+  int64_t shared_bytes = 0;
+  int64_t stream = 0;
+};
+
+// The arguments of `advantage` (token_advantage, every pass), in three structs.
+// The batch and where the results go: responses, mask, group (dense ids), members (sorted by group),
+// rewards float64 [B], correct (caller labels, bool [B]) and given (rollout advantage, float64 [B])
+// when given; workspace int64 (ktae::advantage_layout, its head the flags) and out float32 [B, L].
+struct AdvantageInputs {
+  Tensor responses, mask, group, members, rewards;
+  OptTensor correct, given;
+  int64_t n_groups = 0;
+  Tensor workspace, out;
+};
+
+// Where the scores come from and the method's scalars: the device grid (table_values float64
+// [2, size] for groups of up to grid_bound rollouts) and log_factorial (groups past it), or the
+// given rows (row_offset, given_token, given_score: fisher="upstream"); the ignored ids; params =
+// [alpha, beta, k1, b, top, weight]; constants = [log_rtol, log_err, p_one, ln2]; the baseline code.
+struct Scoring {
+  OptTensor table_values;
+  int64_t grid_bound = 0;
+  OptTensor log_factorial, row_offset, given_token, given_score;
+  Tensor ignore_ids;
+  std::vector<double> params, constants;
+  bool use_tf = true;
+  double threshold = 0.0;
+  int64_t baseline = 0;
+  double eps = 0.0;
+};
+
+// The launch shape: the shared pass's bytes and slot cap, the global pass's blocks and workspace
+// bytes, whether the shared pass records each position's slot, threads per block, the stream.
+struct AdvantageLaunch {
+  int64_t shared_bytes = 0;
+  int64_t max_capacity = 2;
+  bool allow_packed = true;
+  int64_t fallback_blocks = 0;
+  int64_t fallback_bytes = 0;
+  bool slot_index = false;
+  int64_t threads = 0;
+  int64_t stream = 0;
+};
 
 // The scoring constants every table kernel reads: params = [alpha, beta, k1, b, top, weight], use_tf.
 void set_scoring(ktae::KernelArgs& args, const std::vector<double>& params, bool use_tf) {
@@ -61,96 +136,89 @@ void set_scoring(ktae::KernelArgs& args, const std::vector<double>& params, bool
 
 // One pass of the rows kernel over the groups in `block_group` (see ktae_kernels.h for each
 // argument): kCount, or kRows. Optional tensors are needed only by some modes / table kinds.
-void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tensor& mask,
-            const Tensor& members, const Tensor& starts, const Tensor& correct,
-            const Tensor& group_counts, const Tensor& block_group, int64_t blocks, bool skip_done,
-            int64_t words, int64_t shared_capacity, bool packed,
-            const OptTensor& ws_keys, const OptTensor& ws_counts, const OptTensor& ws_presence,
-            const OptTensor& ws_offset, const OptTensor& ws_capacity, const Tensor& bad_ids, const Tensor& status,
-            const OptTensor& row_offset, const OptTensor& row_ints, int64_t threads, int64_t shared_bytes,
-            int64_t stream) {
-  TORCH_CHECK(mode == ktae::kCount || mode == ktae::kRows,
-              "ktae_kernels._C: `mode` must be 0 (count) or 1 (rows), got ", mode);
-  check_responses(responses);
-  const at::Device device = responses.device();
-  const int64_t B = responses.size(0), L = responses.size(1);
-  const int64_t n_groups = starts.numel() - 1;
-  const int64_t n_items = block_group.numel();
+void launch(const PassArgs& pass, const GroupInputs& in, const TableArgs& table) {
+  TORCH_CHECK(pass.mode == ktae::kCount || pass.mode == ktae::kRows,
+              "ktae_kernels._C: `mode` must be 0 (count) or 1 (rows), got ", pass.mode);
+  check_responses(in.responses);
+  const at::Device device = in.responses.device();
+  const int64_t B = in.responses.size(0), L = in.responses.size(1);
+  const int64_t n_groups = in.starts.numel() - 1;
+  const int64_t n_items = pass.block_group.numel();
   TORCH_CHECK(n_groups >= 0, "ktae_kernels._C: `starts` must hold n_groups + 1 offsets");
-  check(responses, "responses", at::kLong, {B, L}, device);
-  check(mask, "mask", at::kBool, {B, L}, device);
-  check(members, "members", at::kLong, {B}, device);
-  check(starts, "starts", at::kLong, {n_groups + 1}, device);
-  check(correct, "correct", at::kBool, {B}, device);
-  check(group_counts, "group_counts", at::kLong, {4, n_groups}, device);
-  check(block_group, "block_group", at::kLong, {n_items}, device);
-  check(status, "status", at::kLong, {n_groups}, device);
-  check(bad_ids, "bad_ids", at::kLong, {2}, device);
-  TORCH_CHECK(blocks >= 1 && blocks <= std::max<int64_t>(n_items, 1) && blocks <= std::numeric_limits<int32_t>::max(),
-              "ktae_kernels._C: `blocks` must be in [1, len(block_group)], got ", blocks);
-  TORCH_CHECK(words >= 1, "ktae_kernels._C: `words` must be >= 1, got ", words);
-  TORCH_CHECK(threads >= 32 && threads <= ktae::kMaxThreads && threads % 32 == 0,
-              "ktae_kernels._C: `threads` must be a multiple of 32 in [32, ", ktae::kMaxThreads, "], got ", threads);
+  check(in.responses, "responses", at::kLong, {B, L}, device);
+  check(in.mask, "mask", at::kBool, {B, L}, device);
+  check(in.members, "members", at::kLong, {B}, device);
+  check(in.starts, "starts", at::kLong, {n_groups + 1}, device);
+  check(in.correct, "correct", at::kBool, {B}, device);
+  check(in.group_counts, "group_counts", at::kLong, {4, n_groups}, device);
+  check(pass.block_group, "block_group", at::kLong, {n_items}, device);
+  check(in.status, "status", at::kLong, {n_groups}, device);
+  check(in.bad_ids, "bad_ids", at::kLong, {2}, device);
+  TORCH_CHECK(pass.blocks >= 1 && pass.blocks <= std::max<int64_t>(n_items, 1) && pass.blocks <= std::numeric_limits<int32_t>::max(),
+              "ktae_kernels._C: `blocks` must be in [1, len(block_group)], got ", pass.blocks);
+  TORCH_CHECK(table.words >= 1, "ktae_kernels._C: `words` must be >= 1, got ", table.words);
+  TORCH_CHECK(pass.threads >= 32 && pass.threads <= ktae::kMaxThreads && pass.threads % 32 == 0,
+              "ktae_kernels._C: `threads` must be a multiple of 32 in [32, ", ktae::kMaxThreads, "], got ", pass.threads);
 
   ktae::KernelArgs args{};
-  args.responses = ptr<int64_t>(responses);
-  args.mask = ptr<bool>(mask);
+  args.responses = ptr<int64_t>(in.responses);
+  args.mask = ptr<bool>(in.mask);
   args.length = L;
-  args.members = ptr<int64_t>(members);
-  args.starts = ptr<int64_t>(starts);
-  args.correct = ptr<bool>(correct);
-  args.group_counts = ptr<int64_t>(group_counts);
+  args.members = ptr<int64_t>(in.members);
+  args.starts = ptr<int64_t>(in.starts);
+  args.correct = ptr<bool>(in.correct);
+  args.group_counts = ptr<int64_t>(in.group_counts);
   args.n_groups = n_groups;
-  args.block_group = ptr<int64_t>(block_group);
+  args.block_group = ptr<int64_t>(pass.block_group);
   args.n_items = n_items;
-  args.skip_done = skip_done;
-  args.words = static_cast<int32_t>(words);
-  args.status = ptr<int64_t>(status);
-  args.bad_ids = reinterpret_cast<long long*>(ptr<int64_t>(bad_ids));
+  args.skip_done = pass.skip_done;
+  args.words = static_cast<int32_t>(table.words);
+  args.status = ptr<int64_t>(in.status);
+  args.bad_ids = reinterpret_cast<long long*>(ptr<int64_t>(in.bad_ids));
 
-  if (shared_table) {
-    TORCH_CHECK(shared_capacity >= 2 && (shared_capacity & (shared_capacity - 1)) == 0,
-                "ktae_kernels._C: `shared_capacity` must be a power of two >= 2, got ", shared_capacity);
-    TORCH_CHECK(!packed || words == 1, "ktae_kernels._C: `packed` tables need `words` == 1");
-    TORCH_CHECK(shared_bytes >= ktae::shared_table_bytes(shared_capacity, words, packed),
+  if (table.shared_table) {
+    TORCH_CHECK(table.shared_capacity >= 2 && (table.shared_capacity & (table.shared_capacity - 1)) == 0,
+                "ktae_kernels._C: `shared_capacity` must be a power of two >= 2, got ", table.shared_capacity);
+    TORCH_CHECK(!table.packed || table.words == 1, "ktae_kernels._C: `packed` tables need `words` == 1");
+    TORCH_CHECK(pass.shared_bytes >= ktae::shared_table_bytes(table.shared_capacity, table.words, table.packed),
                 "ktae_kernels._C: `shared_bytes` is too small for the shared table");
-    args.shared_capacity = shared_capacity;
-    args.packed = packed;
+    args.shared_capacity = table.shared_capacity;
+    args.packed = table.packed;
   } else {
     const char* when = "for a global-memory table";
-    const Tensor& keys = required(ws_keys, "ws_keys", when);
+    const Tensor& keys = required(table.ws_keys, "ws_keys", when);
     const int64_t slots = keys.numel();
     check(keys, "ws_keys", at::kInt, {slots}, device);
-    if (mode != ktae::kCount) {  // counting reads and writes keys only
-      check(required(ws_counts, "ws_counts", when), "ws_counts", at::kLong, {slots}, device);
-      check(required(ws_presence, "ws_presence", when), "ws_presence", at::kInt, {slots * words}, device);
+    if (pass.mode != ktae::kCount) {  // counting reads and writes keys only
+      check(required(table.ws_counts, "ws_counts", when), "ws_counts", at::kLong, {slots}, device);
+      check(required(table.ws_presence, "ws_presence", when), "ws_presence", at::kInt, {slots * table.words}, device);
     }
-    check(required(ws_offset, "ws_offset", when), "ws_offset", at::kLong, {n_items}, device);
-    check(required(ws_capacity, "ws_capacity", when), "ws_capacity", at::kLong, {n_items}, device);
-    TORCH_CHECK(shared_bytes >= ktae::header_bytes(words), "ktae_kernels._C: `shared_bytes` is too small");
+    check(required(table.ws_offset, "ws_offset", when), "ws_offset", at::kLong, {n_items}, device);
+    check(required(table.ws_capacity, "ws_capacity", when), "ws_capacity", at::kLong, {n_items}, device);
+    TORCH_CHECK(pass.shared_bytes >= ktae::header_bytes(table.words), "ktae_kernels._C: `shared_bytes` is too small");
     args.ws_keys = reinterpret_cast<uint32_t*>(ptr<int32_t>(keys));
-    if (mode != ktae::kCount) {
-      args.ws_counts = reinterpret_cast<unsigned long long*>(ptr<int64_t>(*ws_counts));
-      args.ws_presence = reinterpret_cast<uint32_t*>(ptr<int32_t>(*ws_presence));
+    if (pass.mode != ktae::kCount) {
+      args.ws_counts = reinterpret_cast<unsigned long long*>(ptr<int64_t>(*table.ws_counts));
+      args.ws_presence = reinterpret_cast<uint32_t*>(ptr<int32_t>(*table.ws_presence));
     }
-    args.ws_offset = ptr<int64_t>(*ws_offset);
-    args.ws_capacity = ptr<int64_t>(*ws_capacity);
+    args.ws_offset = ptr<int64_t>(*table.ws_offset);
+    args.ws_capacity = ptr<int64_t>(*table.ws_capacity);
   }
 
-  if (mode == ktae::kRows) {
+  if (pass.mode == ktae::kRows) {
     const char* when = "in rows mode";
-    const int64_t n_rows = required(row_ints, "row_ints", when).size(-1);
-    check(required(row_offset, "row_offset", when), "row_offset", at::kLong, {n_groups + 1}, device);
-    check(*row_ints, "row_ints", at::kLong, {ktae::kRowInts, n_rows}, device);
-    args.row_offset = ptr<int64_t>(*row_offset);
-    args.row_ints = ptr<int64_t>(*row_ints);
+    const int64_t n_rows = required(in.row_ints, "row_ints", when).size(-1);
+    check(required(in.row_offset, "row_offset", when), "row_offset", at::kLong, {n_groups + 1}, device);
+    check(*in.row_ints, "row_ints", at::kLong, {ktae::kRowInts, n_rows}, device);
+    args.row_offset = ptr<int64_t>(*in.row_offset);
+    args.row_ints = ptr<int64_t>(*in.row_ints);
     args.n_rows = n_rows;
   }
 
   if (n_items == 0) return;
-  const int err = ktae::launch_group_kernel(args, static_cast<ktae::Mode>(mode), shared_table, blocks,
-                                            static_cast<int>(threads), shared_bytes,
-                                            reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  const int err = ktae::launch_group_kernel(args, static_cast<ktae::Mode>(pass.mode), table.shared_table, pass.blocks,
+                                            static_cast<int>(pass.threads), pass.shared_bytes,
+                                            reinterpret_cast<void*>(static_cast<intptr_t>(pass.stream)));
   TORCH_CHECK(err == 0, "ktae_kernels._C: kernel launch failed: ", ktae::error_string(err));
 }
 
@@ -159,90 +227,82 @@ void launch(int64_t mode, bool shared_table, const Tensor& responses, const Tens
 // workspace (int64, ktae::advantage_layout) is written; its first entries are the flags
 // (ktae::kAdvantageFlags). The scores come from table_values (the device grid) and log_factorial
 // (groups past it), or from the given rows (row_offset, given_token, given_score: fisher="upstream").
-void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group, const Tensor& members,
-               const Tensor& rewards, const OptTensor& correct, const OptTensor& given,
-               const OptTensor& table_values, int64_t grid_bound, const OptTensor& log_factorial,
-               const OptTensor& row_offset, const OptTensor& given_token, const OptTensor& given_score,
-               const Tensor& ignore_ids, const Tensor& workspace, const Tensor& out, int64_t n_groups,
-               const std::vector<double>& params, bool use_tf, double threshold, int64_t baseline, double eps,
-               const std::vector<double>& constants, int64_t shared_bytes, int64_t max_capacity,
-               bool allow_packed, int64_t fallback_blocks, int64_t fallback_bytes, bool slot_index,
-               int64_t threads, int64_t stream) {
-  check_responses(responses);
-  const at::Device device = responses.device();
-  const int64_t B = responses.size(0), L = responses.size(1);
-  TORCH_CHECK(n_groups >= 0, "ktae_kernels._C: `n_groups` must be >= 0");
-  check(responses, "responses", at::kLong, {B, L}, device);
-  check(mask, "mask", at::kBool, {B, L}, device);
-  check(group, "group", at::kLong, {B}, device);
-  check(members, "members", at::kLong, {B}, device);
-  check(rewards, "rewards", at::kDouble, {B}, device);
-  check(ignore_ids, "ignore_ids", at::kLong, {ignore_ids.numel()}, device);
-  check(out, "out", at::kFloat, {B, L}, device);
-  if (correct.has_value()) check(*correct, "correct", at::kBool, {B}, device);
-  if (given.has_value()) check(*given, "given", at::kDouble, {B}, device);
-  TORCH_CHECK(baseline >= ktae::kBaselineGrpo && baseline <= ktae::kBaselineGiven,
-              "ktae_kernels._C: `baseline` must be 0 (grpo), 1 (mean), 2 (none) or 3 (given), got ", baseline);
-  TORCH_CHECK((baseline == ktae::kBaselineGiven) == given.has_value(),
+void advantage(const AdvantageInputs& in, const Scoring& scoring, const AdvantageLaunch& shape) {
+  check_responses(in.responses);
+  const at::Device device = in.responses.device();
+  const int64_t B = in.responses.size(0), L = in.responses.size(1);
+  TORCH_CHECK(in.n_groups >= 0, "ktae_kernels._C: `n_groups` must be >= 0");
+  check(in.responses, "responses", at::kLong, {B, L}, device);
+  check(in.mask, "mask", at::kBool, {B, L}, device);
+  check(in.group, "group", at::kLong, {B}, device);
+  check(in.members, "members", at::kLong, {B}, device);
+  check(in.rewards, "rewards", at::kDouble, {B}, device);
+  check(scoring.ignore_ids, "ignore_ids", at::kLong, {scoring.ignore_ids.numel()}, device);
+  check(in.out, "out", at::kFloat, {B, L}, device);
+  if (in.correct.has_value()) check(*in.correct, "correct", at::kBool, {B}, device);
+  if (in.given.has_value()) check(*in.given, "given", at::kDouble, {B}, device);
+  TORCH_CHECK(scoring.baseline >= ktae::kBaselineGrpo && scoring.baseline <= ktae::kBaselineGiven,
+              "ktae_kernels._C: `baseline` must be 0 (grpo), 1 (mean), 2 (none) or 3 (given), got ", scoring.baseline);
+  TORCH_CHECK((scoring.baseline == ktae::kBaselineGiven) == in.given.has_value(),
               "ktae_kernels._C: `given` goes with baseline 3 (given), and only with it");
-  TORCH_CHECK(constants.size() == 4, "ktae_kernels._C: `constants` must be [log_rtol, log_err, p_one, ln2]");
-  TORCH_CHECK(threads >= 32 && threads <= ktae::kMaxThreads && threads % 32 == 0,
-              "ktae_kernels._C: `threads` must be a multiple of 32 in [32, ", ktae::kMaxThreads, "], got ", threads);
-  TORCH_CHECK(max_capacity >= 2 && (max_capacity & (max_capacity - 1)) == 0,
-              "ktae_kernels._C: `max_capacity` must be a power of two >= 2, got ", max_capacity);
-  TORCH_CHECK(shared_bytes >= 0 && fallback_blocks >= 0 && fallback_bytes >= 0,
+  TORCH_CHECK(scoring.constants.size() == 4, "ktae_kernels._C: `constants` must be [log_rtol, log_err, p_one, ln2]");
+  TORCH_CHECK(shape.threads >= 32 && shape.threads <= ktae::kMaxThreads && shape.threads % 32 == 0,
+              "ktae_kernels._C: `threads` must be a multiple of 32 in [32, ", ktae::kMaxThreads, "], got ", shape.threads);
+  TORCH_CHECK(shape.max_capacity >= 2 && (shape.max_capacity & (shape.max_capacity - 1)) == 0,
+              "ktae_kernels._C: `max_capacity` must be a power of two >= 2, got ", shape.max_capacity);
+  TORCH_CHECK(shape.shared_bytes >= 0 && shape.fallback_blocks >= 0 && shape.fallback_bytes >= 0,
               "ktae_kernels._C: `shared_bytes`, `fallback_blocks` and `fallback_bytes` must be >= 0");
-  TORCH_CHECK(shared_bytes > 0 || fallback_blocks > 0 || n_groups == 0,
+  TORCH_CHECK(shape.shared_bytes > 0 || shape.fallback_blocks > 0 || in.n_groups == 0,
               "ktae_kernels._C: no pass would take the groups (shared_bytes and fallback_blocks are 0)");
-  TORCH_CHECK(fallback_blocks == 0 || fallback_bytes / fallback_blocks >= 64,
+  TORCH_CHECK(shape.fallback_blocks == 0 || shape.fallback_bytes / shape.fallback_blocks >= 64,
               "ktae_kernels._C: `fallback_bytes` gives each of the `fallback_blocks` less than 64 bytes");
-  const ktae::AdvantageLayout layout = ktae::advantage_layout(B, n_groups, fallback_bytes, slot_index ? B * L : 0);
-  check(workspace, "workspace", at::kLong, {workspace.numel()}, device);
-  TORCH_CHECK(workspace.numel() >= layout.total, "ktae_kernels._C: `workspace` must hold ", layout.total,
-              " int64, got ", workspace.numel());
+  const ktae::AdvantageLayout layout = ktae::advantage_layout(B, in.n_groups, shape.fallback_bytes, shape.slot_index ? B * L : 0);
+  check(in.workspace, "workspace", at::kLong, {in.workspace.numel()}, device);
+  TORCH_CHECK(in.workspace.numel() >= layout.total, "ktae_kernels._C: `workspace` must hold ", layout.total,
+              " int64, got ", in.workspace.numel());
   int64_t lf_size = 0;
-  if (log_factorial.has_value()) {
-    check(*log_factorial, "log_factorial", at::kDouble, {log_factorial->numel()}, device);
-    lf_size = log_factorial->numel();
+  if (scoring.log_factorial.has_value()) {
+    check(*scoring.log_factorial, "log_factorial", at::kDouble, {scoring.log_factorial->numel()}, device);
+    lf_size = scoring.log_factorial->numel();
   }
   // the largest group has at most B - n_groups + 1 rollouts; its statistics need log(k!) up to there
-  const int64_t largest = n_groups > 0 ? B - n_groups + 1 : 0;
+  const int64_t largest = in.n_groups > 0 ? B - in.n_groups + 1 : 0;
   int64_t table_size = 0;
-  if (table_values.has_value()) {
-    TORCH_CHECK(table_values->dim() == 2, "ktae_kernels._C: `table_values` must be [2, size], got ", table_values->sizes());
-    check(*table_values, "table_values", at::kDouble, {2, table_values->size(1)}, device);
-    table_size = table_values->size(1);
+  if (scoring.table_values.has_value()) {
+    TORCH_CHECK(scoring.table_values->dim() == 2, "ktae_kernels._C: `table_values` must be [2, size], got ", scoring.table_values->sizes());
+    check(*scoring.table_values, "table_values", at::kDouble, {2, scoring.table_values->size(1)}, device);
+    table_size = scoring.table_values->size(1);
     // every table of a group of up to grid_bound rollouts: C(grid_bound + 4, 4) entries
-    const int64_t b = grid_bound;
+    const int64_t b = scoring.grid_bound;
     TORCH_CHECK(b >= 0 && table_size >= (b + 4) * (b + 3) / 2 * (b + 2) / 3 * (b + 1) / 4,
-                "ktae_kernels._C: `table_values` is too small for `grid_bound` ", grid_bound);
+                "ktae_kernels._C: `table_values` is too small for `grid_bound` ", scoring.grid_bound);
   }
-  TORCH_CHECK(given_token.has_value() == given_score.has_value() && given_token.has_value() == row_offset.has_value(),
+  TORCH_CHECK(scoring.given_token.has_value() == scoring.given_score.has_value() && scoring.given_token.has_value() == scoring.row_offset.has_value(),
               "ktae_kernels._C: `row_offset`, `given_token` and `given_score` go together");
-  if (given_token.has_value()) {
-    const int64_t n_rows = given_token->numel();
-    check(*given_token, "given_token", at::kLong, {n_rows}, device);
-    check(*given_score, "given_score", at::kDouble, {n_rows}, device);
-    check(*row_offset, "row_offset", at::kLong, {n_groups + 1}, device);
-  } else if (!table_values.has_value() || largest > grid_bound) {
+  if (scoring.given_token.has_value()) {
+    const int64_t n_rows = scoring.given_token->numel();
+    check(*scoring.given_token, "given_token", at::kLong, {n_rows}, device);
+    check(*scoring.given_score, "given_score", at::kDouble, {n_rows}, device);
+    check(*scoring.row_offset, "row_offset", at::kLong, {in.n_groups + 1}, device);
+  } else if (!scoring.table_values.has_value() || largest > scoring.grid_bound) {
     TORCH_CHECK(lf_size > largest, "ktae_kernels._C: `log_factorial` must hold log(k!) up to B - n_groups + 1 = ",
                 largest, " (groups past the grid), got ", lf_size, " entries");
   }
 
-  int64_t* ws = workspace.data_ptr<int64_t>();
+  int64_t* ws = in.workspace.data_ptr<int64_t>();
   ktae::PrepareArgs prep{};
-  prep.responses = ptr<int64_t>(responses);
-  prep.mask = ptr<bool>(mask);
+  prep.responses = ptr<int64_t>(in.responses);
+  prep.mask = ptr<bool>(in.mask);
   prep.B = B;
   prep.L = L;
-  prep.group = ptr<int64_t>(group);
-  prep.members = ptr<int64_t>(members);
-  prep.n_groups = n_groups;
-  prep.rewards = ptr<double>(rewards);
-  prep.given_correct = correct.has_value() ? ptr<bool>(*correct) : nullptr;
-  prep.threshold = threshold;
-  prep.baseline = static_cast<int>(baseline);
-  prep.eps = eps;
+  prep.group = ptr<int64_t>(in.group);
+  prep.members = ptr<int64_t>(in.members);
+  prep.n_groups = in.n_groups;
+  prep.rewards = ptr<double>(in.rewards);
+  prep.given_correct = in.correct.has_value() ? ptr<bool>(*in.correct) : nullptr;
+  prep.threshold = scoring.threshold;
+  prep.baseline = static_cast<int>(scoring.baseline);
+  prep.eps = scoring.eps;
   prep.bad_ids = reinterpret_cast<long long*>(ws);
   prep.most_tokens = prep.bad_ids + 5;
   prep.lengths = ws + layout.lengths;
@@ -250,7 +310,7 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
   prep.correct = reinterpret_cast<bool*>(ws + layout.correct);
   prep.starts = ws + layout.starts;
   prep.group_counts = ws + layout.group_counts;
-  prep.base = given.has_value() ? nullptr : reinterpret_cast<double*>(ws + layout.base);
+  prep.base = in.given.has_value() ? nullptr : reinterpret_cast<double*>(ws + layout.base);
   prep.status = ws + layout.status;
 
   ktae::KernelArgs args{};
@@ -261,45 +321,45 @@ void advantage(const Tensor& responses, const Tensor& mask, const Tensor& group,
   args.starts = prep.starts;
   args.correct = prep.correct;
   args.group_counts = prep.group_counts;
-  args.n_groups = n_groups;
-  args.table_values = table_values.has_value() ? ptr<double>(*table_values) : nullptr;
+  args.n_groups = in.n_groups;
+  args.table_values = scoring.table_values.has_value() ? ptr<double>(*scoring.table_values) : nullptr;
   args.table_size = table_size;
-  args.grid_bound = static_cast<int32_t>(std::min<int64_t>(grid_bound, std::numeric_limits<int32_t>::max()));
-  args.log_factorial = lf_size ? ptr<double>(*log_factorial) : nullptr;
+  args.grid_bound = static_cast<int32_t>(std::min<int64_t>(scoring.grid_bound, std::numeric_limits<int32_t>::max()));
+  args.log_factorial = lf_size ? ptr<double>(*scoring.log_factorial) : nullptr;
   args.lf_size = lf_size;
-  args.log_rtol = constants[0];
-  args.log_err = constants[1];
-  args.p_one = constants[2];
-  args.ln2 = constants[3];
-  args.ignore_ids = ptr<int64_t>(ignore_ids);
-  args.n_ignore = ignore_ids.numel();
-  args.n_items = n_groups;
+  args.log_rtol = scoring.constants[0];
+  args.log_err = scoring.constants[1];
+  args.p_one = scoring.constants[2];
+  args.ln2 = scoring.constants[3];
+  args.ignore_ids = ptr<int64_t>(scoring.ignore_ids);
+  args.n_ignore = scoring.ignore_ids.numel();
+  args.n_items = in.n_groups;
   args.words = 1;
-  set_scoring(args, params, use_tf);
+  set_scoring(args, scoring.params, scoring.use_tf);
   args.bad_ids = prep.bad_ids;
   args.status = ws + layout.status;
-  args.base = given.has_value() ? ptr<double>(*given) : prep.base;
-  args.advantage = ptr<float>(out);
-  if (given_token.has_value()) {
+  args.base = in.given.has_value() ? ptr<double>(*in.given) : prep.base;
+  args.advantage = ptr<float>(in.out);
+  if (scoring.given_token.has_value()) {
     args.use_given = true;
-    args.row_offset = ptr<int64_t>(*row_offset);
-    args.given_token = ptr<int64_t>(*given_token);
-    args.given_score = ptr<double>(*given_score);
-    args.n_rows = given_token->numel();
+    args.row_offset = ptr<int64_t>(*scoring.row_offset);
+    args.given_token = ptr<int64_t>(*scoring.given_token);
+    args.given_score = ptr<double>(*scoring.given_score);
+    args.n_rows = scoring.given_token->numel();
   }
   args.extent = prep.extent;
-  args.shared_bytes = shared_bytes;
-  args.max_capacity = max_capacity;
+  args.shared_bytes = shape.shared_bytes;
+  args.max_capacity = shape.max_capacity;
   args.largest_keys = prep.bad_ids + 2;
   args.shared_need = prep.bad_ids + 3;
   args.left = prep.bad_ids + 4;
   args.most_tokens = prep.most_tokens;
-  args.allow_packed = allow_packed;
+  args.allow_packed = shape.allow_packed;
   args.ws_bytes = reinterpret_cast<unsigned char*>(ws + layout.tables);
-  args.ws_slice_bytes = fallback_blocks ? fallback_bytes / fallback_blocks / 8 * 8 : 0;
-  args.slot_index = slot_index ? reinterpret_cast<uint16_t*>(ws + layout.slot_index) : nullptr;
-  const int err = ktae::launch_advantage(prep, args, static_cast<int>(threads), fallback_blocks,
-                                         reinterpret_cast<void*>(static_cast<intptr_t>(stream)));
+  args.ws_slice_bytes = shape.fallback_blocks ? shape.fallback_bytes / shape.fallback_blocks / 8 * 8 : 0;
+  args.slot_index = shape.slot_index ? reinterpret_cast<uint16_t*>(ws + layout.slot_index) : nullptr;
+  const int err = ktae::launch_advantage(prep, args, static_cast<int>(shape.threads), shape.fallback_blocks,
+                                         reinterpret_cast<void*>(static_cast<intptr_t>(shape.stream)));
   TORCH_CHECK(err == 0, "ktae_kernels._C: kernel launch failed: ", ktae::error_string(err));
 }
 
@@ -346,30 +406,64 @@ int64_t max_shared_bytes(int64_t device) {
   return bytes;
 }
 
+// A struct of arguments as a Python class: default-constructed, its fields set by name (a misspelt
+// field raises AttributeError).
+template <class T>
+pybind11::class_<T> bind_struct(pybind11::module_& m, const char* name, const char* doc) {
+  return pybind11::class_<T>(m, name, doc).def(pybind11::init<>());
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   m.doc() = "KTAE group kernels (csrc/): one thread block per group of rollouts.";
-  m.def("launch", &launch, "One pass of the rows kernel (see csrc/ktae_kernels.h).", py::arg("mode"),
-        py::arg("shared_table"), py::arg("responses"), py::arg("mask"), py::arg("members"),
-        py::arg("starts"), py::arg("correct"), py::arg("group_counts"), py::arg("block_group"), py::arg("blocks"),
-        py::arg("skip_done"), py::arg("words"), py::arg("shared_capacity"), py::arg("packed"),
-        py::arg("ws_keys"), py::arg("ws_counts"), py::arg("ws_presence"), py::arg("ws_offset"),
-        py::arg("ws_capacity"), py::arg("bad_ids"), py::arg("status"), py::arg("row_offset"), py::arg("row_ints"),
-        py::arg("threads"), py::arg("shared_bytes"), py::arg("stream"));
+  bind_struct<GroupInputs>(m, "GroupInputs", "The rollouts and groups a rows-kernel pass reads (csrc/ktae.cpp).")
+      .def_readwrite("responses", &GroupInputs::responses).def_readwrite("mask", &GroupInputs::mask)
+      .def_readwrite("members", &GroupInputs::members).def_readwrite("starts", &GroupInputs::starts)
+      .def_readwrite("correct", &GroupInputs::correct).def_readwrite("group_counts", &GroupInputs::group_counts)
+      .def_readwrite("bad_ids", &GroupInputs::bad_ids).def_readwrite("status", &GroupInputs::status)
+      .def_readwrite("row_offset", &GroupInputs::row_offset).def_readwrite("row_ints", &GroupInputs::row_ints);
+  bind_struct<TableArgs>(m, "TableArgs", "Where a rows-kernel pass keeps its tables (csrc/ktae.cpp).")
+      .def_readwrite("shared_table", &TableArgs::shared_table).def_readwrite("words", &TableArgs::words)
+      .def_readwrite("shared_capacity", &TableArgs::shared_capacity).def_readwrite("packed", &TableArgs::packed)
+      .def_readwrite("ws_keys", &TableArgs::ws_keys).def_readwrite("ws_counts", &TableArgs::ws_counts)
+      .def_readwrite("ws_presence", &TableArgs::ws_presence).def_readwrite("ws_offset", &TableArgs::ws_offset)
+      .def_readwrite("ws_capacity", &TableArgs::ws_capacity);
+  bind_struct<PassArgs>(m, "PassArgs", "One launch of the rows kernel (csrc/ktae.cpp).")
+      .def_readwrite("mode", &PassArgs::mode).def_readwrite("block_group", &PassArgs::block_group)
+      .def_readwrite("blocks", &PassArgs::blocks).def_readwrite("skip_done", &PassArgs::skip_done)
+      .def_readwrite("threads", &PassArgs::threads).def_readwrite("shared_bytes", &PassArgs::shared_bytes)
+      .def_readwrite("stream", &PassArgs::stream);
+  bind_struct<AdvantageInputs>(m, "AdvantageInputs", "The batch and outputs of `advantage` (csrc/ktae.cpp).")
+      .def_readwrite("responses", &AdvantageInputs::responses).def_readwrite("mask", &AdvantageInputs::mask)
+      .def_readwrite("group", &AdvantageInputs::group).def_readwrite("members", &AdvantageInputs::members)
+      .def_readwrite("rewards", &AdvantageInputs::rewards).def_readwrite("correct", &AdvantageInputs::correct)
+      .def_readwrite("given", &AdvantageInputs::given).def_readwrite("n_groups", &AdvantageInputs::n_groups)
+      .def_readwrite("workspace", &AdvantageInputs::workspace).def_readwrite("out", &AdvantageInputs::out);
+  bind_struct<Scoring>(m, "Scoring", "Where `advantage`'s scores come from, and the method's scalars.")
+      .def_readwrite("table_values", &Scoring::table_values).def_readwrite("grid_bound", &Scoring::grid_bound)
+      .def_readwrite("log_factorial", &Scoring::log_factorial).def_readwrite("row_offset", &Scoring::row_offset)
+      .def_readwrite("given_token", &Scoring::given_token).def_readwrite("given_score", &Scoring::given_score)
+      .def_readwrite("ignore_ids", &Scoring::ignore_ids).def_readwrite("params", &Scoring::params)
+      .def_readwrite("constants", &Scoring::constants).def_readwrite("use_tf", &Scoring::use_tf)
+      .def_readwrite("threshold", &Scoring::threshold).def_readwrite("baseline", &Scoring::baseline)
+      .def_readwrite("eps", &Scoring::eps);
+  bind_struct<AdvantageLaunch>(m, "AdvantageLaunch", "The launch shape of `advantage` (csrc/ktae.cpp).")
+      .def_readwrite("shared_bytes", &AdvantageLaunch::shared_bytes)
+      .def_readwrite("max_capacity", &AdvantageLaunch::max_capacity)
+      .def_readwrite("allow_packed", &AdvantageLaunch::allow_packed)
+      .def_readwrite("fallback_blocks", &AdvantageLaunch::fallback_blocks)
+      .def_readwrite("fallback_bytes", &AdvantageLaunch::fallback_bytes)
+      .def_readwrite("slot_index", &AdvantageLaunch::slot_index).def_readwrite("threads", &AdvantageLaunch::threads)
+      .def_readwrite("stream", &AdvantageLaunch::stream);
+  m.def("launch", &launch, "One pass of the rows kernel (see csrc/ktae_kernels.h).", py::arg("pass"),
+        py::arg("inputs"), py::arg("table"));
   m.def("table_statistics", &table_statistics, "Per-table statistics of a grid (see csrc/ktae_kernels.h).",
         py::arg("cells"), py::arg("log_factorial"), py::arg("angle"), py::arg("constants"), py::arg("out"),
         py::arg("stream"));
   m.def("advantage", &advantage, "token_advantage with static-bound sizing (see ktae::launch_advantage).",
-        py::arg("responses"), py::arg("mask"), py::arg("group"), py::arg("members"), py::arg("rewards"),
-        py::arg("correct"), py::arg("given"), py::arg("table_values"), py::arg("grid_bound"),
-        py::arg("log_factorial"), py::arg("row_offset"), py::arg("given_token"), py::arg("given_score"),
-        py::arg("ignore_ids"), py::arg("workspace"), py::arg("out"),
-        py::arg("n_groups"), py::arg("params"), py::arg("use_tf"), py::arg("threshold"), py::arg("baseline"),
-        py::arg("eps"), py::arg("constants"), py::arg("shared_bytes"), py::arg("max_capacity"),
-        py::arg("allow_packed"), py::arg("fallback_blocks"), py::arg("fallback_bytes"), py::arg("slot_index"),
-        py::arg("threads"), py::arg("stream"));
+        py::arg("inputs"), py::arg("scoring"), py::arg("shape"));
   m.def("advantage_workspace_size", &advantage_workspace_size, py::arg("B"), py::arg("n_groups"),
         py::arg("fallback_bytes"), py::arg("index_positions") = 0);
   m.attr("MIN_CAPACITY") = ktae::kMinCapacity;

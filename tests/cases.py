@@ -39,6 +39,11 @@ def make_batch(rng: np.random.Generator, group_sizes, length: int, vocab: int, *
             torch.as_tensor(rewards), torch.as_tensor(index, dtype=torch.int64))
 
 
+def as_uids(index, prefix: str = "u"):
+    """Group ids as the uid strings verl and the adapters see (numpy object ``[B]``)."""
+    return np.array([f"{prefix}{int(g)}" for g in index], dtype=object)
+
+
 def random_cases(seed: int = 0, small: bool = False):
     """Named random batches: G in {2, 4, 16, 64}, small and large vocabularies, mixed group sizes."""
     rng = np.random.default_rng(seed)

@@ -26,8 +26,9 @@ def fresh_device_state():
 
 @pytest.fixture(params=["cuda"] if torch.cuda.is_available() else
                 ["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
-def triton_device(request):
-    """The device the Triton kernels run on here: CUDA, else the CPU under the interpreter."""
+def device(request):
+    """The device the Triton kernels run on here: CUDA, else the CPU under the interpreter (tests that
+    take it are skipped where neither is)."""
     return torch.device(request.param)
 
 

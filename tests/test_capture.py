@@ -175,9 +175,10 @@ def _launched(module: str, monkeypatch):
         if module == "emulated_cuda":
             advantage = emulated_cuda.EXTENSION.advantage
 
-            def recording(**kwargs):
-                read.extend(v for v in kwargs.values() if isinstance(v, torch.Tensor))
-                return advantage(**kwargs)
+            def recording(*structs):
+                fields = (getattr(s, name) for s in structs for name in dir(s) if not name.startswith("_"))
+                read.extend(v for v in fields if isinstance(v, torch.Tensor))
+                return advantage(*structs)
 
             m.setattr(emulated_cuda.EXTENSION, "advantage", recording)
         else:

@@ -17,6 +17,7 @@ from ktae_kernels import (BackendUnavailableError, CudaTuning, ExecutionOptions,
 from ktae_kernels.backends import cuda
 from ktae_kernels.validation import normalise_batch
 from ktae_kernels.registry import get_backend
+from cuda_recorder import Recorder
 from cases import (adversarial_cases, assert_replays_match_torch, assert_scores_match, cuda_graph_of, ragged_batch,
                    random_cases)
 
@@ -48,25 +49,6 @@ def expected(case, config: KTAEConfig):
 
 def _on_gpu(*tensors):
     return [t.cuda() for t in tensors]
-
-
-class Recorder:
-    """The extension, with every launch's (mode, shared_table) recorded."""
-
-    def __init__(self, ext) -> None:
-        self.ext, self.launches = ext, []
-
-    def __getattr__(self, name: str):
-        return getattr(self.ext, name)
-
-    def launch(self, **kwargs) -> None:
-        self.launches.append((kwargs["mode"], kwargs["shared_table"]))
-        self.ext.launch(**kwargs)
-
-    def advantage(self, **kwargs) -> None:
-        """token_advantage's static-bound call: ("advantage", shared pass, global-pass blocks)."""
-        self.launches.append(("advantage", kwargs["shared_bytes"] > 0, kwargs["fallback_blocks"]))
-        self.ext.advantage(**kwargs)
 
 
 @needs_gpu

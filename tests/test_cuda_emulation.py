@@ -10,7 +10,6 @@ The build is cached (tests/emulator.py). Marked slow (``-m "not slow"`` skips it
 from __future__ import annotations
 
 import dataclasses
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -20,33 +19,9 @@ from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig, method, refer
 from ktae_kernels.backends import cuda, device as device_state
 from ktae_kernels.validation import normalise_batch
 from cases import adversarial_cases, assert_scores_match, distinct_and_repeated_groups, make_batch, random_cases
+from cuda_recorder import Recorder
 
 pytestmark = pytest.mark.slow
-
-class Recorder:
-    """The extension, with every launch's (mode, shared_table, groups) recorded, and each static-bound
-    call's (shared bytes, threads) in ``shapes``."""
-
-    def __init__(self, ext: ModuleType) -> None:
-        self.ext, self.launches, self.shapes, self.tables, self.given_rows = ext, [], [], [], []
-
-    def __getattr__(self, name: str):
-        return getattr(self.ext, name)
-
-    def launch(self, **kwargs) -> None:
-        self.launches.append((kwargs["mode"], kwargs["shared_table"], kwargs["block_group"].tolist()))
-        self.ext.launch(**kwargs)
-
-    def advantage(self, **kwargs) -> None:
-        """The static-bound token_advantage: one call, recorded as ("advantage", shared pass, fallback
-        blocks); in ``tables`` whether it got the grid and the log-factorials, in ``given_rows`` how many
-        rows' scores it was given."""
-        self.launches.append(("advantage", kwargs["shared_bytes"] > 0, kwargs["fallback_blocks"]))
-        self.shapes.append((kwargs["shared_bytes"], kwargs["threads"]))
-        self.tables.append((kwargs["table_values"] is not None, kwargs["log_factorial"] is not None))
-        if kwargs["given_token"] is not None:
-            self.given_rows.append(kwargs["given_token"].numel())
-        self.ext.advantage(**kwargs)
 
 
 def wide_groups_case():
@@ -205,24 +180,41 @@ def test_binding_rejects_bad_arguments_naming_them(emulator):
     batch = normalise_batch(responses, mask, rewards, index)
     plan = cuda._prepare(emulator, batch, KTAEConfig(), CudaTuning())
     status = torch.empty(batch.n_groups, dtype=torch.int64)
-    groups = torch.arange(batch.n_groups)
-    common = dict(plan.common, block_group=groups, blocks=batch.n_groups, skip_done=False,
-                  shared_bytes=cuda.shared_table_bytes(plan.capacity, plan.words, plan.common["packed"]),
-                  **dict.fromkeys(cuda._OPTIONAL))
+    n = batch.n_groups
+
+    def launch(mode=cuda.COUNT, shared_table=True, **changes):
+        """One count pass over every group, the fields in ``changes`` replaced."""
+        pass_ = cuda.fill(emulator.PassArgs(), mode=mode, block_group=torch.arange(n), blocks=n, skip_done=False,
+                          threads=plan.threads, stream=0,
+                          shared_bytes=cuda.shared_table_bytes(plan.capacity, plan.words, plan.packed))
+        inputs = cuda.fill(emulator.GroupInputs(), status=status, **plan.inputs)
+        table = cuda.fill(emulator.TableArgs(), shared_table=shared_table, words=plan.words,
+                          shared_capacity=plan.capacity, packed=plan.packed)
+        inputs = changes.pop("inputs", inputs)
+        for name, value in changes.items():
+            cuda.fill(next(s for s in (pass_, inputs, table) if hasattr(s, name)), **{name: value})
+        emulator.launch(pass_, inputs, table)
+
     with pytest.raises(RuntimeError, match="`status` must be Long"):
-        emulator.launch(mode=cuda.COUNT, shared_table=True, status=status.int(), **common)
+        launch(status=status.int())
     with pytest.raises(RuntimeError, match="`mask` must have shape"):
-        emulator.launch(mode=cuda.COUNT, shared_table=True, status=status, **dict(common, mask=batch.mask[:, :-1]))
+        launch(mask=batch.mask[:, :-1])
     with pytest.raises(RuntimeError, match=r"`mode` must be 0 \(count\) or 1 \(rows\), got 2"):
-        emulator.launch(mode=2, shared_table=True, status=status, **common)
+        launch(mode=2)
     with pytest.raises(RuntimeError, match="`row_ints` is required in rows mode"):
-        emulator.launch(mode=cuda.ROWS, shared_table=True, status=status, **common)
+        launch(mode=cuda.ROWS)
     with pytest.raises(RuntimeError, match="`ws_keys` is required for a global-memory table"):
-        emulator.launch(mode=cuda.COUNT, shared_table=False, status=status, **common)
+        launch(shared_table=False)
     with pytest.raises(RuntimeError, match="`threads` must be a multiple of 32"):
-        emulator.launch(mode=cuda.COUNT, shared_table=True, status=status, **dict(common, threads=48))
+        launch(threads=48)
     with pytest.raises(RuntimeError, match="`blocks` must be in"):
-        emulator.launch(mode=cuda.COUNT, shared_table=True, status=status, **dict(common, blocks=batch.n_groups + 1))
+        launch(blocks=n + 1)
+    with pytest.raises(RuntimeError, match="`group_counts` must be set"):  # a field left unset
+        launch(**{"inputs": cuda.fill(emulator.GroupInputs(), status=status, **{
+            k: v for k, v in plan.inputs.items() if k != "group_counts"})})
+    with pytest.raises(AttributeError):
+        cuda.fill(emulator.PassArgs(), block=1)  # a misspelt field
+    launch()  # and the unchanged call runs
 
 
 def test_table_slots_is_checked(emulator):
@@ -274,7 +266,7 @@ def test_slot_layouts_and_two_blocks_per_sm(emulator, name, packed, blocks_per_s
     tuning = CudaTuning(packed=packed, blocks_per_sm=blocks_per_sm)
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda._prepare(emulator, batch, KTAEConfig(), tuning).common["packed"] == packed
+    assert cuda._prepare(emulator, batch, KTAEConfig(), tuning).packed == packed
     check(emulator, name, batch, KTAEConfig(), options=ExecutionOptions(cuda=tuning))
     check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=16, packed=packed,
                                                                    blocks_per_sm=blocks_per_sm))
@@ -284,13 +276,13 @@ def test_packed_slots_only_where_counts_fit_16_bits(emulator):
     B, L = 2, 33_000  # 66,000 masked tokens in one group: f_c could pass 2^16 - 1
     big = normalise_batch(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
                           torch.tensor([1.0, 0.0]), torch.zeros(B, dtype=torch.int64))
-    assert not cuda._prepare(emulator, big, KTAEConfig(), CudaTuning()).common["packed"]
+    assert not cuda._prepare(emulator, big, KTAEConfig(), CudaTuning()).packed
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G40-two-words")
     wide = normalise_batch(responses, mask, rewards, index)  # two presence words
-    assert not cuda._prepare(emulator, wide, KTAEConfig(), CudaTuning()).common["packed"]
+    assert not cuda._prepare(emulator, wide, KTAEConfig(), CudaTuning()).packed
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda._prepare(emulator, batch, KTAEConfig(), CudaTuning()).common["packed"]
+    assert cuda._prepare(emulator, batch, KTAEConfig(), CudaTuning()).packed
 
 
 @pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (0.5, 2.0)])

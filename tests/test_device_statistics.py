@@ -42,11 +42,6 @@ def test_grid_bound_buckets_by_powers_of_two_up_to_the_limit():
 triton = pytest.importorskip("triton")
 
 
-@pytest.fixture
-def device(triton_device):
-    return triton_device
-
-
 CONFIGS = [KTAEConfig(), KTAEConfig(alpha=0.5, beta=2.0)]
 
 

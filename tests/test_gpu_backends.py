@@ -4,9 +4,11 @@ kernels against the GPU's own tables. (bench/gpu.sh's dry run: tests/test_gpu_sc
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from cases import make_batch
 from ktae_kernels import token_advantage
 from ktae_kernels.registry import available_backends
 
@@ -15,13 +17,7 @@ needs_gpu = pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and t
 
 
 def _batch(device, groups=6, G=16, L=1024, vocab=20_000, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    B = groups * G
-    responses = torch.randint(0, vocab, (B, L), generator=gen)
-    mask = torch.arange(L)[None, :] < torch.randint(1, L + 1, (B, 1), generator=gen)
-    rewards = (torch.rand(B, generator=gen) < 0.5).float()
-    index = torch.arange(B) // G
-    return [t.to(device) for t in (responses, mask, rewards, index)]
+    return [t.to(device) for t in make_batch(np.random.default_rng(seed), [G] * groups, L, vocab)]
 
 
 @needs_gpu

@@ -5,18 +5,16 @@ import numpy as np
 import pytest
 import torch
 
+from cases import as_uids, make_batch
 from ktae_kernels import KTAEConfig, key_token_scores, token_advantage
 from ktae_kernels.metrics import METRIC_NAMES, ktae_metrics
 
 
 def _batch(seed=0, groups=5, G=6, L=12, vocab=9):
-    g = torch.Generator().manual_seed(seed)
-    responses = torch.randint(0, vocab, (groups * G, L), generator=g)
-    mask = torch.arange(L)[None, :] < torch.randint(1, L + 1, (groups * G, 1), generator=g)
-    rewards = torch.randint(0, 2, (groups * G,), generator=g).float()
-    rewards[:G] = 1.0  # one all-correct group
-    index = np.array([f"u{i // G}" for i in range(groups * G)], dtype=object)
-    return responses, mask, rewards, index
+    """``cases.make_batch`` with uid strings and one all-correct group."""
+    responses, mask, rewards, index = make_batch(np.random.default_rng(seed), [G] * groups, L, vocab)
+    rewards[:G] = 1.0
+    return responses, mask, rewards, as_uids(index)
 
 
 def _brute(responses, mask, rewards, index, config):

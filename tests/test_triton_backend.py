@@ -22,11 +22,6 @@ CONFIGS = {
 }
 
 
-@pytest.fixture
-def device(triton_device):
-    return triton_device.type
-
-
 def on(device, *tensors):
     return [t.to(device) for t in tensors]
 
@@ -37,11 +32,11 @@ def check_against_reference(responses, mask, rewards, index, config, device, giv
                               rollout_advantage=given)
     r, m, w, i = on(device, responses, mask, rewards, index)
     actual = key_token_scores(r, m, w, i, config=config, backend="triton", options=options)
-    assert actual.score.device.type == device
+    assert actual.score.device.type == device.type
     assert_scores_match(expected, actual)
     adv = token_advantage(r, m, w, i, config=config, backend="triton", options=options,
                           rollout_advantage=None if given is None else given.to(device))
-    assert adv.dtype == torch.float32 and adv.device.type == device
+    assert adv.dtype == torch.float32 and adv.device.type == device.type
     torch.testing.assert_close(adv.cpu(), adv_ref, rtol=0, atol=1e-6)
 
 

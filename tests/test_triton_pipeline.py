@@ -19,11 +19,6 @@ TUNING = TritonTuning()
 
 
 @pytest.fixture
-def device(triton_device):
-    return triton_device
-
-
-@pytest.fixture
 def tries(monkeypatch):
     """The sizes of every table build, in order (one per try)."""
     built = []

@@ -218,19 +218,23 @@ def load_extension() -> ModuleType:
 class _Plan:
     """One call's inputs in kernel layout and its launch geometry.
 
-    common: the ``launch`` arguments every pass shares. largest: rollouts of the largest group.
-    max_tokens: masked tokens of the largest group (a bound of every group's distinct ids).
-    capacity: slots of the shared tables (0: none).
+    inputs: the ``GroupInputs`` fields every pass shares (but ``status``). largest: rollouts of the
+    largest group. max_tokens: masked tokens of the largest group (a bound of every group's distinct
+    ids). words: presence words a slot. capacity: slots of the shared tables. packed: 12-byte slots.
+    threads: per block. stream: the CUDA stream handle (0 on the CPU emulator).
     """
 
     ext: ModuleType
-    common: dict
+    inputs: dict
     stats: method.GroupStats
     n_groups: int
     max_tokens: int
     largest: int
     words: int
     capacity: int
+    packed: bool
+    threads: int
+    stream: int
 
 
 def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTuning) -> _Plan:
@@ -251,7 +255,7 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTuni
     else:
         capacity = _check_table_slots(tuning.table_slots, words, opt_in, packed)
     max_threads = most_threads(tuning.max_threads, blocks_per_sm)
-    common = dict(
+    inputs = dict(
         responses=batch.responses.contiguous(),
         mask=batch.mask.contiguous(),
         members=torch.argsort(batch.group, stable=True),
@@ -259,13 +263,21 @@ def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTuni
         correct=stats.correct.contiguous(),
         group_counts=torch.stack([stats.n_c, stats.n_w, stats.T_c, stats.T_w]).contiguous(),
         bad_ids=torch.zeros(2, dtype=torch.int64, device=device),  # written by the kernels
-        words=words,
-        shared_capacity=capacity,
-        packed=packed,
-        threads=block_threads(batch.responses.shape[1], max_threads),
-        stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0,
     )
-    return _Plan(ext, common, stats, n, max_tokens, max_size, words, capacity)
+    return _Plan(ext, inputs, stats, n, max_tokens, max_size, words, capacity, packed,
+                 block_threads(batch.responses.shape[1], max_threads), _stream(device))
+
+
+def _stream(device: torch.device) -> int:
+    """The current CUDA stream's handle on ``device`` (0 on the CPU: the emulator)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def fill(struct: object, **fields: object) -> object:
+    """``struct`` (an argument class of ``ktae_kernels._C``) with ``fields`` set by name."""
+    for name, value in fields.items():
+        setattr(struct, name, value)
+    return struct
 
 
 def _read_sizes(size: Tensor, group_tokens: Tensor) -> list[int]:
@@ -281,44 +293,42 @@ def _check_table_slots(slots: int, words: int, limit: int, packed: bool) -> int:
     return slots
 
 
-_OPTIONAL = ("ws_keys", "ws_counts", "ws_presence", "ws_offset", "ws_capacity", "row_offset", "row_ints")
-
-
 def _launch(plan: _Plan, mode: int, groups: Tensor, status: Tensor, *, capacity: Tensor | None = None,
-            widest: int = 0, **outputs: Tensor | None) -> None:
+            widest: int = 0, **rows: Tensor) -> None:
     """One kernel pass over ``groups`` (int64 ``[n_items]`` on the device): one block per group with
     shared-memory tables, or, with ``capacity`` (int64 ``[n_items]``, each group's table slots, at
     most ``widest``), a fallback over global-memory tables that skips the groups whose ``status``
     is already set: at most ``FALLBACK_BLOCKS`` blocks, each reusing one slice of the workspace for
-    its groups ``i, i + blocks, ...``."""
+    its groups ``i, i + blocks, ...``. ``rows``: ``row_offset`` and ``row_ints`` in rows mode."""
     n_items = groups.shape[0]
     if not n_items:
         return
     device = status.device
-    args: dict[str, object] = dict.fromkeys(_OPTIONAL)
-    args.update(outputs)
+    ext = plan.ext
+    table = fill(ext.TableArgs(), shared_table=capacity is None, words=plan.words, shared_capacity=plan.capacity,
+                 packed=plan.packed)
     if capacity is None:
         blocks, skip_done = n_items, False
-        shared_bytes = shared_table_bytes(plan.capacity, plan.words, plan.common["packed"])
+        shared_bytes = shared_table_bytes(plan.capacity, plan.words, plan.packed)
     else:
         keys_only = mode == COUNT
         blocks = fallback_blocks(n_items, widest, plan.words, keys_only)
         slots = blocks * widest
-        args.update(
-            ws_keys=torch.empty(slots, dtype=torch.int32, device=device),
-            ws_counts=None if keys_only else torch.empty(slots, dtype=torch.int64, device=device),
-            ws_presence=None if keys_only else torch.empty(slots * plan.words, dtype=torch.int32, device=device),
-            ws_offset=torch.arange(n_items, device=device) % blocks * widest,
-            ws_capacity=capacity,
-        )
+        fill(table,
+             ws_keys=torch.empty(slots, dtype=torch.int32, device=device),
+             ws_counts=None if keys_only else torch.empty(slots, dtype=torch.int64, device=device),
+             ws_presence=None if keys_only else torch.empty(slots * plan.words, dtype=torch.int32, device=device),
+             ws_offset=torch.arange(n_items, device=device) % blocks * widest,
+             ws_capacity=capacity)
         skip_done = True
         shared_bytes = header_bytes(plan.words)
-    plan.ext.launch(mode=mode, shared_table=capacity is None, block_group=groups, blocks=blocks,
-                    skip_done=skip_done, status=status, shared_bytes=shared_bytes, **plan.common, **args)
+    pass_ = fill(ext.PassArgs(), mode=mode, block_group=groups, blocks=blocks, skip_done=skip_done,
+                 threads=plan.threads, shared_bytes=shared_bytes, stream=plan.stream)
+    ext.launch(pass_, fill(ext.GroupInputs(), status=status, **plan.inputs, **rows), table)
 
 
 def _new_status(plan: _Plan) -> Tensor:
-    return torch.full((plan.n_groups,), -1, dtype=torch.int64, device=plan.common["starts"].device)
+    return torch.full((plan.n_groups,), -1, dtype=torch.int64, device=plan.inputs["starts"].device)
 
 
 def _bounded_pass(plan: _Plan, mode: int, **outputs: Tensor | None) -> Tensor:
@@ -355,11 +365,11 @@ def _listed_pass(plan: _Plan, mode: int, distinct: list[int], fits: list[int], *
 
 def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> KeyTokenScores:
     """The rows (a count pass, one read of the rows' sizes, a rows pass), scored by ``method.score_rows``."""
-    device = plan.common["starts"].device
+    device = plan.inputs["starts"].device
     counts = _bounded_pass(plan, COUNT)
     row_offset = torch.zeros(plan.n_groups + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=row_offset[1:])
-    *host_counts, low, excess = torch.cat([counts, plan.common["bad_ids"]]).tolist()  # sizes the rows
+    *host_counts, low, excess = torch.cat([counts, plan.inputs["bad_ids"]]).tolist()  # sizes the rows
     check_id_range(low, MAX_TOKEN_ID + excess)
     n_rows = sum(host_counts)
     ints = torch.empty(8, n_rows, dtype=torch.int64, device=device)
@@ -527,19 +537,21 @@ def _enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor |
     positions = B * L if plan.slot_index else 0
     workspace = torch.empty(advantage_workspace_size(B, n, plan.fallback_bytes, positions), dtype=torch.int64,
                             device=device)
-    plan.ext.advantage(
-        responses=batch.responses.contiguous(), mask=batch.mask.contiguous(), group=batch.group.contiguous(),
-        members=torch.argsort(batch.group, stable=True), rewards=batch.rewards.contiguous(),
-        correct=None if batch.correct is None else batch.correct.contiguous(),
-        given=None if given is None else given.contiguous(), table_values=values, grid_bound=plan.bound or 0,
-        log_factorial=log_factorial, **(rows or dict(row_offset=None, given_token=None, given_score=None)),
-        ignore_ids=ignore, workspace=workspace, out=out, n_groups=n,
-        params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight], use_tf=config.use_tf,
-        threshold=config.correct_threshold, baseline=baseline_code(config, given), eps=config.eps,
-        constants=statistics_constants(config.alpha, config.beta)[:4], shared_bytes=plan.shared_bytes,
-        max_capacity=plan.max_capacity, allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks,
-        fallback_bytes=plan.fallback_bytes, slot_index=plan.slot_index, threads=plan.threads,
-        stream=torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    ext = plan.ext
+    inputs = fill(ext.AdvantageInputs(), responses=batch.responses.contiguous(), mask=batch.mask.contiguous(),
+                  group=batch.group.contiguous(), members=torch.argsort(batch.group, stable=True),
+                  rewards=batch.rewards.contiguous(),
+                  correct=None if batch.correct is None else batch.correct.contiguous(),
+                  given=None if given is None else given.contiguous(), n_groups=n, workspace=workspace, out=out)
+    scoring = fill(ext.Scoring(), table_values=values, grid_bound=plan.bound or 0, log_factorial=log_factorial,
+                   ignore_ids=ignore, params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight],
+                   constants=statistics_constants(config.alpha, config.beta)[:4], use_tf=config.use_tf,
+                   threshold=config.correct_threshold, baseline=baseline_code(config, given), eps=config.eps,
+                   **(rows or {}))
+    shape = fill(ext.AdvantageLaunch(), shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
+                 allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks, fallback_bytes=plan.fallback_bytes,
+                 slot_index=plan.slot_index, threads=plan.threads, stream=_stream(device))
+    ext.advantage(inputs, scoring, shape)
     return out, workspace
 
 
