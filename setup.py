@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 
 from setuptools import Extension, setup
@@ -40,6 +41,12 @@ def _flag(name: str) -> bool:
     return value in ("1", "true", "yes", "on")
 
 
+def old_archs(arch_list: str) -> list[str]:
+    """The entries of a TORCH_CUDA_ARCH_LIST ("8.0;9.0a", "8.6+PTX 10.0f") below ``MIN_ARCH``."""
+    numbers = ((entry, re.match(r"\d+\.\d+", entry)) for entry in arch_list.replace(";", " ").split())
+    return [entry for entry, number in numbers if number and float(number.group()) < MIN_ARCH]
+
+
 def _build_problem() -> str | None:
     """None when the extension can be built here, else the reason it cannot."""
     try:
@@ -52,8 +59,7 @@ def _build_problem() -> str | None:
         return f"torch {torch.__version__} is a CPU-only build"
     if cpp_extension.CUDA_HOME is None:
         return "no CUDA toolkit found (put nvcc on PATH or set CUDA_HOME)"
-    old = [a for a in os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(";", " ").split()
-           if a[0].isdigit() and float(a.split("+")[0]) < MIN_ARCH]
+    old = old_archs(os.environ.get("TORCH_CUDA_ARCH_LIST", ""))
     if old:
         return f"TORCH_CUDA_ARCH_LIST names {old}; the kernels need compute capability >= {MIN_ARCH}"
     return None
@@ -150,4 +156,5 @@ def _setup_arguments() -> dict:
             "cmdclass": {"build_ext": _with_openmp_fallback(base)}}
 
 
-setup(**_setup_arguments())
+if __name__ == "__main__":  # also under pip: setuptools runs this file as __main__
+    setup(**_setup_arguments())

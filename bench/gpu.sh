@@ -7,7 +7,8 @@
 #             pip install -e . --no-build-isolation
 #   check     bench/gpu_check.py: the paper batch's correctness and timings of cuda and triton against
 #             torch first, then the other checks (streams, graphs, overflow, races, big groups, tuning)
-#   tests     the tests that need a GPU: pytest -v -ra --durations=20, each test at most 60 s
+#   tests     the tests that need a GPU (KTAE_GPU_TESTS: other test files, e.g. for a rerun):
+#             pytest -v -ra --durations=20, each test at most 60 s
 #   bench     what time is left: the paper batch through python -m bench (torch, triton, cuda)
 # Nothing that runs without a GPU runs here (the interpreter and emulator tests, the compile report).
 # After every stage, what the run has so far is copied to $OUT when it is set (the lending tool's
@@ -89,8 +90,8 @@ build() {
   "$PY" -c "import ktae_kernels._C, ktae_kernels as k; print('backends on cuda:', k.available_backends('cuda'))"
 }
 
-GPU_TESTS="tests/test_gpu_backends.py tests/test_cuda_backend.py tests/test_plan.py tests/test_triton_backend.py
-  tests/test_triton_pipeline.py tests/test_device_statistics.py"
+GPU_TESTS=${KTAE_GPU_TESTS:-"tests/test_gpu_backends.py tests/test_cuda_backend.py tests/test_plan.py
+  tests/test_triton_backend.py tests/test_triton_pipeline.py tests/test_device_statistics.py"}
 export -f versions build
 export PY
 

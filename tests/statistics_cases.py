@@ -82,7 +82,7 @@ def with_last_bit_noise(grid: GridTables, seed: int = 0) -> GridTables:
     g = torch.Generator().manual_seed(seed)
 
     def nudge(t: Tensor, share: float) -> Tensor:
-        hit = (torch.rand(t.shape, generator=g) < share) & (t != 0)
+        hit = (torch.rand(t.shape, generator=g) < share) & (t.cpu() != 0)  # drawn on the CPU, as `g`
         towards = torch.where(torch.rand(t.shape, generator=g) < 0.5, math.inf, -math.inf).to(t.dtype)
         return torch.where(hit.to(t.device), torch.nextafter(t, towards.to(t.device)), t)
 

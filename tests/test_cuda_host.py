@@ -1,6 +1,7 @@
 """The CUDA backend's host-side logic, on the CPU: table sizing, launch geometry, setup.py switches."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -87,6 +88,16 @@ def test_setup_skips_the_extension_without_cuda_and_fails_when_forced():
     forced = _setup_version(KTAE_FORCE_CUDA_BUILD="1")
     assert forced.returncode != 0
     assert "KTAE_FORCE_CUDA_BUILD=1 but the CUDA extension cannot be built" in forced.stderr
+
+
+def test_setup_reads_every_arch_list_spelling():
+    """TORCH_CUDA_ARCH_LIST entries with a suffix ("9.0a", as CUDA images set it, "10.0f", "8.6+PTX")
+    are read by their number; names torch knows ("Hopper") pass."""
+    spec = importlib.util.spec_from_file_location("ktae_setup", ROOT / "setup.py")
+    setup_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup_module)  # defines the functions; setup() runs only as __main__
+    assert setup_module.old_archs("9.0a;10.0f 8.6+PTX Hopper 12.0") == []
+    assert setup_module.old_archs("6.1;7.0 5.2+PTX") == ["6.1", "5.2+PTX"]
 
 
 def test_big_groups_keep_many_fallback_blocks():
