@@ -722,6 +722,21 @@ __global__ void __launch_bounds__(kMaxThreads) dynamic_kernel(const KernelArgs a
   }
 }
 
+// The sum of a warp's 64-bit integers, on every lane.
+__device__ __forceinline__ long long warp_sum(long long value) {
+  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(kFullWarp, value, offset);
+  return value;
+}
+
+// The largest of a warp's 64-bit integers, on every lane.
+__device__ __forceinline__ long long warp_max(long long value) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const long long other = __shfl_xor_sync(kFullWarp, value, offset);
+    value = other > value ? other : value;
+  }
+  return value;
+}
+
 // Scan pass, one block per rollout: masked tokens, extent (last masked position + 1) and the ids out
 // of [0, 2^31) under the mask (bad_ids). Four block-wide accumulators in dynamic shared memory.
 __global__ void __launch_bounds__(kMaxThreads) scan_kernel(const PrepareArgs args) {
@@ -746,11 +761,16 @@ __global__ void __launch_bounds__(kMaxThreads) scan_kernel(const PrepareArgs arg
       low = id < low ? id : low;
       high = id > high ? id : high;
     }
-    if (mine) {
+    // a warp's totals first, then one shared atomic per warp: every thread of the block updates the
+    // same two words, and atomics on one shared address serialise. Every lane gets here (blockDim is
+    // a multiple of 32).
+    mine = static_cast<unsigned long long>(warp_sum(static_cast<long long>(mine)));
+    last = warp_max(last);
+    if ((threadIdx.x & 31) == 0 && mine) {
       atomicAdd(count, mine);
       atomicMax(acc + 1, last);
     }
-    if (low < 0) atomicMin(acc + 2, low);
+    if (low < 0) atomicMin(acc + 2, low);  // bad ids only: rare
     if (high > kMaxTokenId) atomicMax(acc + 3, high - kMaxTokenId);
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -783,12 +803,6 @@ __global__ void groups_kernel(const PrepareArgs args) {
   if (B == 0) {
     for (int64_t h = tid; h <= n; h += stride) args.starts[h] = 0;
   }
-}
-
-// The sum of a warp's 64-bit integers, on every lane.
-__device__ __forceinline__ long long warp_sum(long long value) {
-  for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(kFullWarp, value, offset);
-  return value;
 }
 
 // `sum` plus the first `count` lanes' `value`, in lane order, on every lane (so that a float sum
