@@ -1,8 +1,9 @@
 """The backend registry: ``backend=`` name -> ``BackendSpec``, availability, and the "auto" order.
 
-"auto" order: on CPU tensors the native ``cpu`` kernel, then ``torch``. On CUDA tensors ``torch``
-only, until the Triton and CUDA kernels pass their tests on GPU hardware; ``backend="triton"`` /
-``"cuda"`` select them explicitly. ``reference`` is never chosen automatically.
+"auto" order: on CPU tensors the native ``cpu`` kernel, then ``torch``. On CUDA tensors ``cuda`` (when
+its extension is built), then ``triton``, then ``torch``: the order of their paper-batch times on an
+H200, where all three pass the GPU tests (docs/benchmarks.md). ``reference`` is never chosen
+automatically.
 """
 from __future__ import annotations
 
@@ -157,8 +158,8 @@ register_backend(BackendSpec("reference", "ktae_kernels.reference", ("cpu", "cud
 register_backend(BackendSpec("cpu", "ktae_kernels.backends.cpu", ("cpu",), _cpu_unavailable,
                              {"cpu": 0}, checks_token_ids=True))
 register_backend(BackendSpec("torch", "ktae_kernels.backends.torch", ("cpu", "cuda"), _always,
-                             {"cpu": 1, "cuda": 0}))
+                             {"cpu": 1, "cuda": 2}))
 register_backend(BackendSpec("triton", "ktae_kernels.backends.triton", ("cpu", "cuda"), _triton_unavailable,
-                             checks_token_ids=True, capturable=True))
+                             {"cuda": 1}, checks_token_ids=True, capturable=True))
 register_backend(BackendSpec("cuda", "ktae_kernels.backends.cuda", ("cuda",), _cuda_unavailable,
-                             checks_token_ids=True, capturable=True))
+                             {"cuda": 0}, checks_token_ids=True, capturable=True))

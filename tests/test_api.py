@@ -1,10 +1,12 @@
 """Public API: accepted input forms, output contract, and clear errors on bad input."""
+import sys
+
 import numpy as np
 import pytest
 import torch
 
 from ktae_kernels import BackendUnavailableError, KTAEConfig, available_backends, key_token_scores, token_advantage
-from ktae_kernels.registry import get_backend
+from ktae_kernels.registry import get_backend, resolve
 
 
 @pytest.fixture
@@ -227,10 +229,25 @@ def test_auto_on_cpu_prefers_the_native_kernel(monkeypatch):
     assert get_backend("auto", "cpu").__name__ == "ktae_kernels.backends.torch"
 
 
-def test_auto_on_cuda_is_torch_until_the_gpu_kernels_pass_on_hardware(monkeypatch):
-    """With CUDA faked available: "auto" never picks triton or cuda (they have not run on a GPU yet)."""
+def test_auto_on_cuda_picks_the_fastest_gpu_kernel_there(monkeypatch):
+    """With CUDA faked available: "auto" takes cuda when its extension is built, else triton (warning
+    once that cuda is missing), else torch: the order of their paper-batch times on an H200."""
+    import types
+
+    import ktae_kernels.registry as registry
+    from ktae_kernels.backends import cuda
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert get_backend("auto", "cuda").__name__ == "ktae_kernels.backends.torch"
+    monkeypatch.setattr(registry, "_WARNED", set())
+    monkeypatch.setitem(sys.modules, "triton", types.ModuleType("triton"))  # importable
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda: None)
+    assert resolve("auto", "cuda").name == "cuda"
+    monkeypatch.setattr(cuda, "unavailable_reason", lambda: "not built")
+    with pytest.warns(RuntimeWarning, match="runs the slower 'triton' backend on cuda tensors: backend 'cuda' "
+                                            "is unavailable: not built"):
+        assert resolve("auto", "cuda").name == "triton"
+    monkeypatch.setitem(sys.modules, "triton", None)  # not installed
+    assert resolve("auto", "cuda").name == "torch"
 
 
 def test_rocm_has_no_gpu_kernels(monkeypatch):
