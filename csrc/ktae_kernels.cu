@@ -34,6 +34,7 @@
 #else
 #define KTAE_NOINLINE __noinline__
 #include <atomic>
+#include <mutex>
 
 #include <cuda_runtime.h>
 #define KTAE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
@@ -604,11 +605,20 @@ __device__ void process_group(const KernelArgs& args, unsigned char* smem, int64
   write_rows(args, t, g, n_keys, correct_bits, group_counts(args, g));
 }
 
-// A bad input stops every table pass before it writes (the host raises; `out` stays as it was): an id
-// out of range, or a group past kMaxGroupTokens.
+// A bad input stops every table pass before it writes (the host raises; `out` stays as it was, or,
+// for a replay of a captured call, holds NaN): an id out of range, or a group past kMaxGroupTokens.
 __device__ __forceinline__ bool bad_input(const KernelArgs& args) {
   const auto* flags = reinterpret_cast<const volatile long long*>(args.bad_ids);
   return flags[0] != 0 || flags[1] != 0 || *reinterpret_cast<const volatile long long*>(args.most_tokens) != 0;
+}
+
+// NaN at every position of group g's rollouts (nan_on_error after a bad input: a replay's `out` must
+// not keep the previous replay's values).
+__device__ void fill_group_nan(const KernelArgs& args, int64_t g) {
+  const int64_t first = args.starts[g], positions = (args.starts[g + 1] - first) * args.length;
+  for (int64_t i = threadIdx.x; i < positions; i += blockDim.x) {
+    args.advantage[args.members[first + i / args.length] * args.length + i % args.length] = NAN;
+  }
 }
 
 // One group of the static-bound advantage pipeline (launch_advantage), every choice made here: the
@@ -617,11 +627,15 @@ __device__ __forceinline__ bool bad_input(const KernelArgs& args) {
 // it has seen), up to what the block's shared memory (or global slice) holds. The shared pass gives
 // up on a group that overflows (status -1, nothing written); the global pass redoes it, splitting
 // its ids into 2, 4, ... hash partitions until each fits its slice, a partition's positions written
-// after its table is complete. Nothing at all is written after a bad input (bad_input).
+// after its table is complete. Nothing at all is written after a bad input (bad_input), but NaN with
+// nan_on_error, by the first pass that takes every group.
 template <bool kSharedTable>
 __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int64_t g) {
   auto* state = reinterpret_cast<BlockState*>(smem);
-  if (bad_input(args)) return;
+  if (bad_input(args)) {
+    if (args.nan_on_error && (kSharedTable || args.shared_bytes == 0)) fill_group_nan(args, g);
+    return;
+  }
   if (!kSharedTable && args.status[g] >= 0) return;
   const int64_t first = args.starts[g];
   const int group_size = static_cast<int>(args.starts[g + 1] - first);
@@ -917,17 +931,28 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
+// The dynamic shared memory limit each kernel has been given, per device: the four rows-kernel
+// variants (kMode * 2 + kSharedTable) and the two advantage passes (4 + kSharedTable). Raised under
+// the lock, read without it; clear_launch_state forgets them (the next launch sets its limit again).
+constexpr int kLimitedKernels = 6;
+std::atomic<int64_t> g_allowed[kLimitedKernels][kMaxDevices] = {};
+std::mutex g_allow_mutex;
+
 // Raises `kernel`'s dynamic shared memory limit to `bytes` on the current device, once per size
-// increase (so that a call inside a CUDA graph capture, after a warm-up, sets nothing). `allowed`:
-// the kernel's own record, per device (every kernel has the same type, so each launcher keeps one).
+// increase (so that a call inside a CUDA graph capture, after a warm-up, sets nothing). `which`: the
+// kernel's row of g_allowed. Two threads never lower each other's limit: the check, the set and the
+// record happen under one lock, and a limit only grows.
 template <class Kernel>
-cudaError_t allow_shared(Kernel kernel, int64_t bytes, std::atomic<int64_t> (&allowed)[kMaxDevices]) {
+cudaError_t allow_shared(Kernel kernel, int which, int64_t bytes) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= 0 && device < kMaxDevices && allowed[device].load() >= bytes) return cudaSuccess;
+  const bool recorded = device >= 0 && device < kMaxDevices;
+  if (recorded && g_allowed[which][device].load(std::memory_order_acquire) >= bytes) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(g_allow_mutex);
+  if (recorded && g_allowed[which][device].load(std::memory_order_relaxed) >= bytes) return cudaSuccess;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (err == cudaSuccess && device >= 0 && device < kMaxDevices) allowed[device].store(bytes);
+  if (err == cudaSuccess && recorded) g_allowed[which][device].store(bytes, std::memory_order_release);
   return err;
 }
 
@@ -935,8 +960,7 @@ template <int kMode, bool kSharedTable>
 cudaError_t launch(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
                    cudaStream_t stream) {
   const auto kernel = group_kernel<kMode, kSharedTable>;
-  static std::atomic<int64_t> allowed[kMaxDevices] = {};
-  cudaError_t err = allow_shared(kernel, shared_bytes, allowed);
+  cudaError_t err = allow_shared(kernel, kMode * 2 + (kSharedTable ? 1 : 0), shared_bytes);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
   return cudaGetLastError();
@@ -946,8 +970,7 @@ template <bool kSharedTable>
 cudaError_t launch_dynamic(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
                            cudaStream_t stream) {
   const auto kernel = dynamic_kernel<kSharedTable>;
-  static std::atomic<int64_t> allowed[kMaxDevices] = {};
-  cudaError_t err = allow_shared(kernel, shared_bytes, allowed);
+  cudaError_t err = allow_shared(kernel, 4 + (kSharedTable ? 1 : 0), shared_bytes);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
   return cudaGetLastError();
@@ -1012,6 +1035,13 @@ int launch_table_statistics(const StatsArgs& args, void* stream) {
 }
 
 const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+void clear_launch_state() {
+  std::lock_guard<std::mutex> lock(g_allow_mutex);
+  for (auto& kernel : g_allowed) {
+    for (auto& device : kernel) device.store(0, std::memory_order_relaxed);
+  }
+}
 
 int64_t max_shared_bytes(int device) {
   int bytes = 0;

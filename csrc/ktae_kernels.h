@@ -122,6 +122,8 @@ struct KernelArgs {
                                // table takes in its own layout, sized for its distinct ids (group_shared_need)
   long long* left;             // [1] zeroed before: groups the shared pass left to the global pass
   const long long* most_tokens;  // [1] the masked tokens of a group past kMaxGroupTokens (0: none)
+  bool nan_on_error;           // after a bad input, write NaN over `advantage` (a replay of a captured
+                               // call) instead of nothing
   bool allow_packed;           // the packed slot where a group has one presence word and < 2^16 tokens
   unsigned char* ws_bytes;     // global-memory pass: block b owns [b * ws_slice_bytes, (b + 1) * ws_slice_bytes)
   int64_t ws_slice_bytes;      //   and takes the hash partitions of an overflowing group one after another
@@ -238,6 +240,10 @@ int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, in
 
 // The name of an error code returned by launch_group_kernel.
 const char* error_string(int code);
+
+// Forget what the launchers record between calls (the shared memory limits set per kernel and
+// device); thread-safe. The next launch of each kernel sets its limit again.
+void clear_launch_state();
 
 // Opt-in dynamic shared memory per block of `device`, in bytes; negative on error.
 int64_t max_shared_bytes(int device);

@@ -73,4 +73,6 @@ const char* error_string(int code) {
 
 int64_t max_shared_bytes(int /*device*/) { return kEmulatedSharedBytes; }
 
+void clear_launch_state() {}  // the emulator's launchers record nothing
+
 }  // namespace ktae
