@@ -53,6 +53,13 @@ inline unsigned groups_blocks(int64_t items) {
   const int64_t blocks = (items + kGroupsThreads - 1) / kGroupsThreads;
   return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 65535 ? 65535 : blocks);
 }
+// Threads a block of nan_on_error_kernel, and its blocks for `positions` (grid-stride beyond; they exit
+// at once unless the flags hold a bad input).
+constexpr int kNanThreads = 256;
+inline unsigned nan_blocks(int64_t positions) {
+  const int64_t blocks = (positions + kNanThreads - 1) / kNanThreads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 1024 ? 1024 : blocks);
+}
 constexpr uint16_t kNoIndex = 0xFFFFu;  // a slot-index entry without a counted id (tables < 2^16 slots)
 
 // Block-wide scalars at the start of dynamic shared memory (see header_bytes).
@@ -612,30 +619,17 @@ __device__ __forceinline__ bool bad_input(const KernelArgs& args) {
   return flags[0] != 0 || flags[1] != 0 || *reinterpret_cast<const volatile long long*>(args.most_tokens) != 0;
 }
 
-// NaN at every position of group g's rollouts (nan_on_error after a bad input: a replay's `out` must
-// not keep the previous replay's values).
-__device__ void fill_group_nan(const KernelArgs& args, int64_t g) {
-  const int64_t first = args.starts[g], positions = (args.starts[g + 1] - first) * args.length;
-  for (int64_t i = threadIdx.x; i < positions; i += blockDim.x) {
-    args.advantage[args.members[first + i / args.length] * args.length + i % args.length] = NAN;
-  }
-}
-
 // One group of the static-bound advantage pipeline (launch_advantage), every choice made here: the
 // group's own presence words and slot layout, a table sized by its masked tokens (so only that much
 // is cleared), in the shared pass at most max_capacity slots (the host's size for the distinct ids
 // it has seen), up to what the block's shared memory (or global slice) holds. The shared pass gives
 // up on a group that overflows (status -1, nothing written); the global pass redoes it, splitting
 // its ids into 2, 4, ... hash partitions until each fits its slice, a partition's positions written
-// after its table is complete. Nothing at all is written after a bad input (bad_input), but NaN with
-// nan_on_error, by the first pass that takes every group.
+// after its table is complete. Nothing at all is written after a bad input (bad_input).
 template <bool kSharedTable>
 __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int64_t g) {
   auto* state = reinterpret_cast<BlockState*>(smem);
-  if (bad_input(args)) {
-    if (args.nan_on_error && (kSharedTable || args.shared_bytes == 0)) fill_group_nan(args, g);
-    return;
-  }
+  if (bad_input(args)) return;
   if (!kSharedTable && args.status[g] >= 0) return;
   const int64_t first = args.starts[g];
   const int group_size = static_cast<int>(args.starts[g + 1] - first);
@@ -733,6 +727,17 @@ __global__ void __launch_bounds__(kMaxThreads) dynamic_kernel(const KernelArgs a
   for (int64_t g = blockIdx.x; g < args.n_items; g += gridDim.x) {
     process_dynamic<kSharedTable>(args, smem, g);
     __syncthreads();
+  }
+}
+
+// After the table passes of a captured call's replay (nan_on_error): NaN over all `positions` of
+// `advantage` when the flags hold a bad input (the passes wrote nothing: `out` must not keep the
+// previous replay's values); its blocks exit at once otherwise.
+__global__ void nan_on_error_kernel(const KernelArgs args, int64_t positions) {
+  if (!bad_input(args)) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < positions; i += stride) {
+    args.advantage[i] = NAN;
   }
 }
 
@@ -1023,6 +1028,10 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
   if (fallback_blocks > 0) {
     err = launch_dynamic<false>(kernel, fallback_blocks, threads, sizeof(BlockState) * 2, s);
     if (err != cudaSuccess) return static_cast<int>(err);
+  }
+  if (kernel.nan_on_error) {
+    nan_on_error_kernel<<<nan_blocks(prepare.B * prepare.L), kNanThreads, 0, s>>>(kernel, prepare.B * prepare.L);
+    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
   }
   return 0;
 }

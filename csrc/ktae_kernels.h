@@ -211,7 +211,9 @@ inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, i
 // The whole token_advantage on `stream`, nothing read back: zero the flags, the scan and groups
 // passes, a shared-table pass over every group (n_groups blocks, `shared_bytes`, skipped where a
 // group's table does not fit), then, when fallback_blocks > 0, a global-memory pass of that many
-// blocks over the groups that did not complete (its blocks exit at once when none is left). `kernel` carries the pointers and choices of the
+// blocks over the groups that did not complete (its blocks exit at once when none is left), and, with
+// kernel.nan_on_error, a pass that writes NaN over `advantage` when the flags hold a bad input (its
+// blocks exit at once otherwise). `kernel` carries the pointers and choices of the
 // group kernel (dynamic = true), `prepare` those of the bookkeeping. 0 or a CUDA error code.
 int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
                      void* stream);
