@@ -2,7 +2,8 @@
 # The hardware run for a short GPU loan (15 minutes of device time, the machine's start included): at
 # most KTAE_GPU_BUDGET_S seconds of script (default 340), each stage capped, a failed or cut stage
 # recorded and the script carrying on. In order:
-#   versions  python, torch, triton, setuptools, nanobind, nvcc, the driver
+#   versions  python, torch, triton, setuptools, nanobind, nvcc, the driver; fails, naming what is missing,
+#             when an import a later stage needs fails (tqdm: the [bench] extra; pytest: [test])
 #   build     the CUDA extension and the CPU kernel in place (setup.py build_ext --inplace), else by
 #             pip install -e . --no-build-isolation
 #   check     bench/gpu_check.py: the paper batch's correctness and timings of cuda and triton against
@@ -13,10 +14,14 @@
 # Nothing that runs without a GPU runs here (the interpreter and emulator tests, the compile report).
 # After every stage, what the run has so far is copied to $OUT when it is set (the lending tool's
 # output folder): gpu.log (this script's log), gpu-check.json, results.tgz (every file of the run).
+# A TERM or INT (the lending tool's limit, a Ctrl-C) is passed on to the stage in flight, which ends
+# with the script, and what the run has, that stage's partial results included (gpu_check writes its
+# JSON after every check), is handed back before the script exits. Each stage runs under `timeout` in
+# its own process group (so that a stage's timeout ends all of it); the trap passes the signal to it.
 # The run's files land in $KTAE_RESULTS (default bench-results/<device>-<date>-gpu, git-ignored).
 #
 #   bash bench/gpu.sh                      # from the repository root, on the GPU machine
-#   KTAE_GPU_DRY_RUN=1 OUT=/tmp/o bash bench/gpu.sh   # on a CPU: every stage on tiny shapes (< 90 s)
+#   KTAE_GPU_DRY_RUN=1 OUT=/tmp/o bash bench/gpu.sh   # on a CPU: every stage on tiny shapes (a few minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,7 +50,32 @@ hand_back() {
   return 0
 }
 
+STAGE_PID=
+STAGE_NAME=
+
+# cut SIGNAL: the run is cut (TERM, INT): end the stage in flight (its whole process group, TERM first,
+# KILL after 5 s), hand back what the run has, exit 128 + the signal's number
+cut() {
+  local signal=$1
+  trap - TERM INT
+  say "=== cut by SIG$signal at $(($(date +%s) - START))s${STAGE_NAME:+, in stage [$STAGE_NAME]}"
+  if [[ -n "$STAGE_PID" ]]; then
+    kill -TERM -- "-$STAGE_PID" 2>/dev/null || kill -TERM "$STAGE_PID" 2>/dev/null
+    for _ in $(seq 50); do
+      kill -0 "$STAGE_PID" 2>/dev/null || break
+      sleep 0.1
+    done
+    kill -KILL -- "-$STAGE_PID" 2>/dev/null
+    tail -n 25 "$RESULTS/$STAGE_NAME.log" 2>/dev/null | tee -a "$LOG"
+  fi
+  hand_back
+  exit $((128 + $(kill -l "$signal")))
+}
+trap 'cut TERM' TERM
+trap 'cut INT' INT
+
 # stage NAME CAP_SECONDS CMD...: CMD with timeout min(CAP, time left), its output in $RESULTS/NAME.log
+# (in the background, so that the trap runs at once when the run is cut)
 stage() {
   local name=$1 cap=$2
   shift 2
@@ -57,8 +87,11 @@ stage() {
   fi
   say "=== [$name] at $(($(date +%s) - START))s, timeout ${limit}s: $*"
   local t0=$(date +%s)
-  timeout --kill-after=5 "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+  timeout --kill-after=5 "$limit" "$@" >"$RESULTS/$name.log" 2>&1 &
+  STAGE_PID=$! STAGE_NAME=$name
+  wait "$STAGE_PID"
   local rc=$?
+  STAGE_PID= STAGE_NAME=
   local status="rc=$rc"
   ((rc == 124 || rc == 137)) && status="TIMED OUT"
   say "=== [$name] $status after $(($(date +%s) - t0))s"
@@ -79,8 +112,27 @@ for name in ("torch", "triton", "setuptools", "nanobind", "numpy"):
 import torch
 print("torch cuda", torch.version.cuda, "| device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
 PY
+  "$PY" - <<'PY'
+import importlib, sys
+# what the later stages import, and where it comes from
+need = {"numpy": "a dependency", "scipy": "a dependency", "torch": "a dependency",
+        "tqdm": "the [bench] extra: pip install tqdm", "pytest": "the [test] extra: pip install pytest",
+        "bench.gpu_check": "the check stage", "bench.runner": "the bench stage"}
+missing = []
+for name, where in need.items():
+    try:
+        importlib.import_module(name)
+    except Exception as err:
+        missing.append(f"{name} ({where}): {type(err).__name__}: {err}")
+if missing:
+    print("MISSING for the later stages:", *missing, sep="\n  ")
+    sys.exit(1)
+print("the later stages' imports: ok")
+PY
+  local imports=$?
   nvcc --version 2>&1 | tail -n 2
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || true
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
+  return $imports
 }
 
 build() {
@@ -96,11 +148,11 @@ export -f versions build
 export PY
 
 say "ktae_kernels GPU run on $(hostname) at $(date -Is), budget ${BUDGET}s${DRY:+, DRY RUN (CPU, tiny shapes)}"
-stage versions 20 bash -c versions
+stage versions 40 bash -c versions
 if [[ -n "$DRY" ]]; then
   stage build 30 "$PY" -c "import ktae_kernels as k; print('backends on cpu:', k.available_backends('cpu'))"
-  stage check 60 "$PY" -m bench.gpu_check --dry-run --repeats 2 --out "$RESULTS"
-  stage tests 30 "$PY" -m pytest --collect-only -q -p no:cacheprovider $GPU_TESTS
+  stage check 120 "$PY" -m bench.gpu_check --dry-run --repeats 2 --out "$RESULTS"
+  stage tests 60 "$PY" -m pytest --collect-only -q -p no:cacheprovider $GPU_TESTS
   stage bench 20 "$PY" -m bench --device cpu --shape 4x2x64 --backends torch,triton --repeats 1 --no-progress \
     --no-plot --out "$RESULTS"
 else

@@ -12,16 +12,18 @@ runs it with a timeout). Each compares against ``backend="torch"`` on the same d
   ``out=``; ``devices``: tensors on the last GPU while GPU 0 is current (with two GPUs);
 - ``ids``: an out-of-range id raises ValueError and leaves ``out`` untouched;
 - ``graph``: a plan captured in a CUDA graph after a warm-up, replayed on new ids, ``check()`` after;
+  then ``REPLAYS`` replays timed, each between CUDA events with the device idle before it (median,
+  quartiles, min and max);
 - ``repeat``: 5 runs bit for bit the same (races); ``tuning``: every launch variant the timings use;
 - ``G128``, ``G1024``: groups of 128 and 1024 rollouts.
 
 Timings (CUDA events, median of ``--repeats``): each backend's call on the paper batch with ``out=``
-(tables sized by what the earlier calls learnt), its first call of a layout (``DeviceState.clear``
-first: tables sized by masked tokens), the host time to enqueue it, each kernel's share (the torch
+(tables sized by what the earlier calls learnt), its first call of a layout (what the calls learnt
+forgotten first, ``DeviceState.clear(cached=False)``: tables sized by masked tokens), the host time to enqueue it, each kernel's share (the torch
 profiler), the tuning variants, and the bandwidth of the unavoidable I/O against a device copy.
 
-The report, ``<out>/<device>-<date>-gpu-check.json``, is written after every check and timing, so a run
-cut by its timeout keeps what it measured; exit status 1 when a check failed. ``--dry-run`` runs tiny
+The report, ``<out>/<device>-<date>-gpu-check.json``, is written (whole, through a temporary file) after
+every check and timing, so a run cut by its timeout keeps what it measured; exit status 1 when a check failed. ``--dry-run`` runs tiny
 shapes on the CPU (Triton interpreter; no cuda backend) to check the script.
 """
 from __future__ import annotations
@@ -59,6 +61,8 @@ VARIANTS = {
 #: tables far too small: every group rebuilt (triton) or taken by the global pass (cuda)
 TINY = ExecutionOptions(triton=TritonTuning(first_guess=0.005, max_first_slots=16),
                         cuda=CudaTuning(table_slots=32))
+#: graph replays timed per backend
+REPLAYS = 20
 INT_COLUMNS = ("group", "token", "a", "b", "c", "d", "f_c", "f_w")
 REAL_COLUMNS = ("p_value", "F", "IG", "x", "score")
 ADVANTAGE_ATOL = 1e-6
@@ -88,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save() -> None:
-        """Write what is measured so far: a stage killed by its timeout keeps it."""
-        stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+        """Write what is measured so far: a stage killed by its timeout keeps it (the last whole file)."""
+        partial = stem.with_suffix(".json.part")
+        partial.write_text(json.dumps(report, indent=2, default=str))
+        os.replace(partial, stem.with_suffix(".json"))
 
     def check(name: str, fn: Callable[[], dict]) -> None:
         t0 = time.perf_counter()
@@ -244,7 +250,8 @@ def bad_ids(args, backends: list[str]) -> dict:
 
 def graph_capture(args, backends: list[str]) -> dict:
     """A plan's call with ``out=`` captured in a CUDA graph after a warm-up on a side stream, replayed
-    on new ids copied into the captured tensors, ``check()`` after each, against torch."""
+    on new ids copied into the captured tensors, ``check()`` after each, against torch; then its replays
+    timed (``replay_times``)."""
     responses, mask, rewards, index = args
     out_times = {}
     for name in backends:
@@ -264,13 +271,29 @@ def graph_capture(args, backends: list[str]) -> dict:
         for shift in (7, 11):
             shifted = (responses + shift) % 151_936
             static[0].copy_(shifted)
-            t0 = time.perf_counter()
             graph.replay()
             torch.cuda.synchronize()
-            out_times[name] = time.perf_counter() - t0
             plan.check()
             compare_advantage(token_advantage(shifted, mask, rewards, index, backend="torch"), out)
+        out_times[name] = replay_times(graph)
+        plan.check()
     return {"replay_s": out_times}
+
+
+def replay_times(graph, samples: int = REPLAYS) -> dict[str, float]:
+    """Seconds of ``samples`` replays of ``graph``: each between two CUDA events, the device synchronised
+    (idle) before it, so that nothing queued earlier is timed. The median, quartiles, min and max."""
+    times = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    q1, median, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return {"median": median, "q1": q1, "q3": q3, "min": min(times), "max": max(times), "samples": samples}
 
 
 def repeat_and_compare(batches: list[tuple], backends: list[str], runs: int = 5) -> dict:
@@ -337,7 +360,8 @@ def timings(args, backends: list[str], repeats: int, device: torch.device, resul
         row: dict[str, Any] = {"call_s": seconds, "achieved_gb_s": io_bytes(positions) / seconds / 1e9,
                                "share_of_copy": io_bytes(positions) / seconds / 1e9 / copy}
         if name != "torch":
-            row["first_call_s"] = device_time(call, max(3, repeats // 4), before=state(device).clear)
+            row["first_call_s"] = device_time(call, max(3, repeats // 4),
+                                              before=lambda: state(device).clear(cached=False))
             row["host_s"] = host_time(call, repeats)
             row["variants_s"] = {v: device_time(lambda o=o: call(o), max(3, repeats // 4))
                                  for v, o in VARIANTS[name].items()}

@@ -110,8 +110,10 @@ struct Scoring {
 };
 
 // The launch shape: the shared pass's bytes and slot cap, the global pass's blocks and workspace
-// bytes, whether the shared pass records each position's slot, threads per block, the stream.
+// bytes, whether the shared pass records each position's slot, threads per block, the stream;
+// nan_on_error: a bad input writes NaN over `out` (a captured call's replay) instead of nothing.
 struct AdvantageLaunch {
+  bool nan_on_error = false;
   int64_t shared_bytes = 0;
   int64_t max_capacity = 2;
   bool allow_packed = true;
@@ -354,6 +356,7 @@ void advantage(const AdvantageInputs& in, const Scoring& scoring, const Advantag
   args.shared_need = prep.bad_ids + 3;
   args.left = prep.bad_ids + 4;
   args.most_tokens = prep.most_tokens;
+  args.nan_on_error = shape.nan_on_error;
   args.allow_packed = shape.allow_packed;
   args.ws_bytes = reinterpret_cast<unsigned char*>(ws + layout.tables);
   args.ws_slice_bytes = shape.fallback_blocks ? shape.fallback_bytes / shape.fallback_blocks / 8 * 8 : 0;
@@ -456,7 +459,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("fallback_blocks", &AdvantageLaunch::fallback_blocks)
       .def_readwrite("fallback_bytes", &AdvantageLaunch::fallback_bytes)
       .def_readwrite("slot_index", &AdvantageLaunch::slot_index).def_readwrite("threads", &AdvantageLaunch::threads)
-      .def_readwrite("stream", &AdvantageLaunch::stream);
+      .def_readwrite("stream", &AdvantageLaunch::stream).def_readwrite("nan_on_error", &AdvantageLaunch::nan_on_error);
   m.def("launch", &launch, "One pass of the rows kernel (see csrc/ktae_kernels.h).", py::arg("pass"),
         py::arg("inputs"), py::arg("table"));
   m.def("table_statistics", &table_statistics, "Per-table statistics of a grid (see csrc/ktae_kernels.h).",
@@ -479,4 +482,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("MAX_THREADS") = ktae::kMaxThreads;
   m.attr("UNROLL") = ktae::kUnroll;
   m.attr("RUNS_ON_CPU") = ktae::runs_on_cpu();
+  m.def("clear_caches", &ktae::clear_launch_state,
+        "Forget the shared memory limits the launchers set per kernel and device (they are set again).");
 }

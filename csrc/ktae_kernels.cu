@@ -34,6 +34,7 @@
 #else
 #define KTAE_NOINLINE __noinline__
 #include <atomic>
+#include <mutex>
 
 #include <cuda_runtime.h>
 #define KTAE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
@@ -51,6 +52,13 @@ constexpr int64_t kMaxTokenId = 2147483647;  // api.MAX_TOKEN_ID
 inline unsigned groups_blocks(int64_t items) {
   const int64_t blocks = (items + kGroupsThreads - 1) / kGroupsThreads;
   return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 65535 ? 65535 : blocks);
+}
+// Threads a block of nan_on_error_kernel, and its blocks for `positions` (grid-stride beyond; they exit
+// at once unless the flags hold a bad input).
+constexpr int kNanThreads = 256;
+inline unsigned nan_blocks(int64_t positions) {
+  const int64_t blocks = (positions + kNanThreads - 1) / kNanThreads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 1024 ? 1024 : blocks);
 }
 constexpr uint16_t kNoIndex = 0xFFFFu;  // a slot-index entry without a counted id (tables < 2^16 slots)
 
@@ -604,8 +612,8 @@ __device__ void process_group(const KernelArgs& args, unsigned char* smem, int64
   write_rows(args, t, g, n_keys, correct_bits, group_counts(args, g));
 }
 
-// A bad input stops every table pass before it writes (the host raises; `out` stays as it was): an id
-// out of range, or a group past kMaxGroupTokens.
+// A bad input stops every table pass before it writes (the host raises; `out` stays as it was, or,
+// for a replay of a captured call, holds NaN): an id out of range, or a group past kMaxGroupTokens.
 __device__ __forceinline__ bool bad_input(const KernelArgs& args) {
   const auto* flags = reinterpret_cast<const volatile long long*>(args.bad_ids);
   return flags[0] != 0 || flags[1] != 0 || *reinterpret_cast<const volatile long long*>(args.most_tokens) != 0;
@@ -719,6 +727,17 @@ __global__ void __launch_bounds__(kMaxThreads) dynamic_kernel(const KernelArgs a
   for (int64_t g = blockIdx.x; g < args.n_items; g += gridDim.x) {
     process_dynamic<kSharedTable>(args, smem, g);
     __syncthreads();
+  }
+}
+
+// After the table passes of a captured call's replay (nan_on_error): NaN over all `positions` of
+// `advantage` when the flags hold a bad input (the passes wrote nothing: `out` must not keep the
+// previous replay's values); its blocks exit at once otherwise.
+__global__ void nan_on_error_kernel(const KernelArgs args, int64_t positions) {
+  if (!bad_input(args)) return;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < positions; i += stride) {
+    args.advantage[i] = NAN;
   }
 }
 
@@ -917,17 +936,28 @@ namespace {
 
 constexpr int kMaxDevices = 64;
 
+// The dynamic shared memory limit each kernel has been given, per device: the four rows-kernel
+// variants (kMode * 2 + kSharedTable) and the two advantage passes (4 + kSharedTable). Raised under
+// the lock, read without it; clear_launch_state forgets them (the next launch sets its limit again).
+constexpr int kLimitedKernels = 6;
+std::atomic<int64_t> g_allowed[kLimitedKernels][kMaxDevices] = {};
+std::mutex g_allow_mutex;
+
 // Raises `kernel`'s dynamic shared memory limit to `bytes` on the current device, once per size
-// increase (so that a call inside a CUDA graph capture, after a warm-up, sets nothing). `allowed`:
-// the kernel's own record, per device (every kernel has the same type, so each launcher keeps one).
+// increase (so that a call inside a CUDA graph capture, after a warm-up, sets nothing). `which`: the
+// kernel's row of g_allowed. Two threads never lower each other's limit: the check, the set and the
+// record happen under one lock, and a limit only grows.
 template <class Kernel>
-cudaError_t allow_shared(Kernel kernel, int64_t bytes, std::atomic<int64_t> (&allowed)[kMaxDevices]) {
+cudaError_t allow_shared(Kernel kernel, int which, int64_t bytes) {
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) return err;
-  if (device >= 0 && device < kMaxDevices && allowed[device].load() >= bytes) return cudaSuccess;
+  const bool recorded = device >= 0 && device < kMaxDevices;
+  if (recorded && g_allowed[which][device].load(std::memory_order_acquire) >= bytes) return cudaSuccess;
+  std::lock_guard<std::mutex> lock(g_allow_mutex);
+  if (recorded && g_allowed[which][device].load(std::memory_order_relaxed) >= bytes) return cudaSuccess;
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (err == cudaSuccess && device >= 0 && device < kMaxDevices) allowed[device].store(bytes);
+  if (err == cudaSuccess && recorded) g_allowed[which][device].store(bytes, std::memory_order_release);
   return err;
 }
 
@@ -935,8 +965,7 @@ template <int kMode, bool kSharedTable>
 cudaError_t launch(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
                    cudaStream_t stream) {
   const auto kernel = group_kernel<kMode, kSharedTable>;
-  static std::atomic<int64_t> allowed[kMaxDevices] = {};
-  cudaError_t err = allow_shared(kernel, shared_bytes, allowed);
+  cudaError_t err = allow_shared(kernel, kMode * 2 + (kSharedTable ? 1 : 0), shared_bytes);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
   return cudaGetLastError();
@@ -946,8 +975,7 @@ template <bool kSharedTable>
 cudaError_t launch_dynamic(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
                            cudaStream_t stream) {
   const auto kernel = dynamic_kernel<kSharedTable>;
-  static std::atomic<int64_t> allowed[kMaxDevices] = {};
-  cudaError_t err = allow_shared(kernel, shared_bytes, allowed);
+  cudaError_t err = allow_shared(kernel, 4 + (kSharedTable ? 1 : 0), shared_bytes);
   if (err != cudaSuccess) return err;
   kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
   return cudaGetLastError();
@@ -1001,6 +1029,10 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
     err = launch_dynamic<false>(kernel, fallback_blocks, threads, sizeof(BlockState) * 2, s);
     if (err != cudaSuccess) return static_cast<int>(err);
   }
+  if (kernel.nan_on_error) {
+    nan_on_error_kernel<<<nan_blocks(prepare.B * prepare.L), kNanThreads, 0, s>>>(kernel, prepare.B * prepare.L);
+    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
+  }
   return 0;
 }
 
@@ -1012,6 +1044,13 @@ int launch_table_statistics(const StatsArgs& args, void* stream) {
 }
 
 const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+
+void clear_launch_state() {
+  std::lock_guard<std::mutex> lock(g_allow_mutex);
+  for (auto& kernel : g_allowed) {
+    for (auto& device : kernel) device.store(0, std::memory_order_relaxed);
+  }
+}
 
 int64_t max_shared_bytes(int device) {
   int bytes = 0;

@@ -122,6 +122,8 @@ struct KernelArgs {
                                // table takes in its own layout, sized for its distinct ids (group_shared_need)
   long long* left;             // [1] zeroed before: groups the shared pass left to the global pass
   const long long* most_tokens;  // [1] the masked tokens of a group past kMaxGroupTokens (0: none)
+  bool nan_on_error;           // after a bad input, write NaN over `advantage` (a replay of a captured
+                               // call) instead of nothing
   bool allow_packed;           // the packed slot where a group has one presence word and < 2^16 tokens
   unsigned char* ws_bytes;     // global-memory pass: block b owns [b * ws_slice_bytes, (b + 1) * ws_slice_bytes)
   int64_t ws_slice_bytes;      //   and takes the hash partitions of an overflowing group one after another
@@ -209,7 +211,9 @@ inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, i
 // The whole token_advantage on `stream`, nothing read back: zero the flags, the scan and groups
 // passes, a shared-table pass over every group (n_groups blocks, `shared_bytes`, skipped where a
 // group's table does not fit), then, when fallback_blocks > 0, a global-memory pass of that many
-// blocks over the groups that did not complete (its blocks exit at once when none is left). `kernel` carries the pointers and choices of the
+// blocks over the groups that did not complete (its blocks exit at once when none is left), and, with
+// kernel.nan_on_error, a pass that writes NaN over `advantage` when the flags hold a bad input (its
+// blocks exit at once otherwise). `kernel` carries the pointers and choices of the
 // group kernel (dynamic = true), `prepare` those of the bookkeeping. 0 or a CUDA error code.
 int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
                      void* stream);
@@ -238,6 +242,10 @@ int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, in
 
 // The name of an error code returned by launch_group_kernel.
 const char* error_string(int code);
+
+// Forget what the launchers record between calls (the shared memory limits set per kernel and
+// device); thread-safe. The next launch of each kernel sets its limit again.
+void clear_launch_state();
 
 // Opt-in dynamic shared memory per block of `device`, in bytes; negative on error.
 int64_t max_shared_bytes(int device);

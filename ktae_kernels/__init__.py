@@ -2,10 +2,11 @@
 
 Public API: ``token_advantage``, ``key_token_scores``, ``plan_token_advantage``, ``KTAEConfig`` (the
 method), ``ExecutionOptions`` (how a call runs), ``fisher_exact_pvalue``, ``KeyTokenScores``,
-``available_backends``.
+``available_backends``, ``clear_caches``.
 """
 from .api import key_token_scores, token_advantage
 from .backends.base import BackendUnavailableError, GraphCaptureError
+from .caches import clear_caches
 from .config import KTAEConfig
 from .fisher import fisher_exact_pvalue
 from .options import CudaTuning, ExecutionOptions, TritonTuning
@@ -25,6 +26,7 @@ __all__ = [
     "TokenAdvantagePlan",
     "TritonTuning",
     "available_backends",
+    "clear_caches",
     "fisher_exact_pvalue",
     "key_token_scores",
     "plan_token_advantage",

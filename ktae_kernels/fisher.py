@@ -24,7 +24,7 @@ SCIPY_RTOL = 1e-14
 #: p-values at least this close to 1 count as 1 for the F = 0 rule.
 P_ONE = 1.0 - 1e-12
 #: float64 rounding of a sum of four log-factorials, in units of its magnitude (generous bound).
-_LOG_ERR = 16 * torch.finfo(torch.float64).eps
+LOG_ERR = 16 * torch.finfo(torch.float64).eps
 #: elements of one support grid chunk (rows x support width).
 _GRID_BUDGET = 1 << 22
 
@@ -113,7 +113,7 @@ def _pvalue_grid(lf: Tensor, x: Tensor, n1: Tensor, n2: Tensor, col: Tensor, lo:
     lp_obs = -(lf[x] + lf[n1 - x] + lf[col - x] + lf[n2 - col + x])
     lp = torch.where(inside, lp, -math.inf)
     top = lp.max(dim=1).values
-    tol = math.log1p(SCIPY_RTOL) + _LOG_ERR * lp_obs.abs()
+    tol = math.log1p(SCIPY_RTOL) + LOG_ERR * lp_obs.abs()
     kept = torch.where(lp <= (lp_obs + tol)[:, None], lp, -math.inf)
     p = torch.clamp(torch.exp(torch.logsumexp(kept, dim=1) - torch.logsumexp(lp, dim=1)), max=1.0)
     degenerate = (n1 == 0) | (n2 == 0) | (col == 0) | (col == n1 + n2)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import caches
 from .config import KTAEConfig
 from .fisher import exact_pvalue_flat, fisher_weight, upstream_fisher_weight, upstream_pvalue
 from .primitives import gather, group_sum, row_counts
@@ -235,6 +236,10 @@ def _block_statistics(n_c: int, n_w: int, config: KTAEConfig) -> Tensor:
     grid = table_grid(torch.tensor([n_c]), torch.tensor([n_w]))
     stats = table_statistics(grid, config)
     return torch.stack([stats.p_value, stats.F, stats.IG, stats.h, stats.strength])
+
+
+caches.on_clear(_size_rows.cache_clear)
+caches.on_clear(_block_statistics.cache_clear)
 
 
 def upstream_width(a: Tensor, b: Tensor, n_c: Tensor, group: Tensor, n_groups: int) -> Tensor:

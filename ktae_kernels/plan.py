@@ -3,12 +3,15 @@
 A trainer whose batches keep one layout (the same ``index`` and ``[B, L]`` every step) plans once and
 calls the plan every step: the group ids are made dense once, not per call. On CUDA tensors with the
 ``cuda`` or ``triton`` backend in exact mode, a plan's call can be captured in a CUDA graph
-(``torch.cuda.graph``) after a warm-up call, and replayed on new data copied into the captured tensors;
-``plan.check()`` after a replay raises if that replay found a bad input or could not complete.
+(``torch.cuda.graph``) after a warm-up call of the plan, and replayed on new data copied into the
+captured tensors; ``plan.check()`` after a replay raises if that replay found a bad input or could not
+complete (its ``out`` then holds NaN).
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,14 +19,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .backends.base import BackendSpec, BackendUnavailableError, CapturedCall
+from .backends.base import BackendSpec, BackendUnavailableError, CapturedCall, GraphCaptureError
 from .backends.device import capturing
 from .config import KTAEConfig
 from .options import ExecutionOptions
 from .registry import resolve
-from .types import ArrayLike
+from .types import ArrayLike, GroupLayout
 from .validation import (check_config, check_options, check_out, check_rollout_advantage, dense_group_ids,
                          planned_batch)
+
+#: CUDA graphs one plan may be captured in (each holds its workspace for the plan's life).
+MAX_CAPTURES = 64
 
 
 @dataclass(frozen=True)
@@ -32,7 +38,8 @@ class TokenAdvantagePlan:
 
     shape: ``(B, L)``. device: where the batches live. group: int64 ``[B]`` dense group ids on ``device``.
     group_labels: numpy ``[n_groups]``, the caller's label of each dense id. spec: the backend.
-    captured: the call last recorded in a CUDA graph (what its replays read and how to check them).
+    captured: one ``CapturedCall`` per CUDA graph this plan's call was captured in, in capture order.
+    layout: the group sizes (``GroupLayout``, made from ``group``): what the backends size a capture by.
     """
 
     shape: tuple[int, int]
@@ -43,6 +50,16 @@ class TokenAdvantagePlan:
     group_labels: np.ndarray
     options: ExecutionOptions = field(default_factory=ExecutionOptions)
     captured: list[CapturedCall] = field(default_factory=list, compare=False, repr=False)
+    layout: GroupLayout = field(init=False, compare=False, repr=False)
+    #: int64 ``[1 + MAX_CAPTURES]`` on ``device``: the replays so far of all this plan's graphs, then, per
+    #: captured call, that count when it last replayed (0: never). Every replay of a graph updates it.
+    replays: Tensor = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        sizes = torch.bincount(self.group.cpu(), minlength=len(self.group_labels)) if self.group.numel() else []
+        object.__setattr__(self, "layout", GroupLayout(tuple(int(n) for n in sizes)))
+        object.__setattr__(self, "replays", torch.zeros(1 + MAX_CAPTURES, dtype=torch.int64, device=self.device))
+        object.__setattr__(self, "_lock", threading.Lock())
 
     def __call__(self, responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, *,
                  rollout_advantage: ArrayLike | None = None, correct: ArrayLike | None = None,
@@ -68,27 +85,54 @@ class TokenAdvantagePlan:
             self._check_capturable()
         batch = planned_batch(responses, response_mask, rewards, self.group, self.group_labels, correct=correct,
                               check_ids=not self.spec.checks_token_ids, read=read)
+        batch = dataclasses.replace(batch, layout=self.layout)
         if tuple(batch.responses.shape) != self.shape:
             raise ValueError(f"`responses` must have the planned shape {self.shape}, got {tuple(batch.responses.shape)}")
         base = check_rollout_advantage(rollout_advantage, batch, read)
         out = check_out(out, batch)
         if read:
             return self.spec.load().token_advantage(batch, self.config, base, out, self.options)
-        out, captured = self.spec.load().capture(batch, self.config, base, out, self.options)
-        self.captured[:] = [captured]
+        with self._lock:
+            slot = len(self.captured) + 1
+            if slot > MAX_CAPTURES:
+                raise GraphCaptureError(f"this plan was captured in {MAX_CAPTURES} CUDA graphs already, the most one "
+                                        f"plan keeps; make a new plan (plan_token_advantage) for more")
+            out, captured = self.spec.load().capture(batch, self.config, base, out, self.options)
+            clock = self.replays[0]
+            clock.add_(1)  # enqueued after the call's kernels: each replay counts itself ...
+            self.replays[slot].copy_(clock)  # ... and marks this graph as the last one replayed
+            self.captured.append(captured)
         return out
 
-    def check(self) -> None:
-        """After a replay of a captured call: raise if that replay could not write its advantages.
+    def check(self, call: CapturedCall | None = None) -> None:
+        """After a replay: raise if the last replay of this plan's graphs (or of ``call``, one of
+        ``captured``) could not write its advantages. One read of the device; call it after the replay
+        (in stream order: on the replay's stream, or after synchronising it).
 
         Raises:
             ValueError: the replayed batch held a token id out of range or a group past the backend's
-                size limit (as ``token_advantage`` reports it); ``out`` was left untouched.
+                size limit (as ``token_advantage`` reports it); ``out`` holds NaN.
             GraphCaptureError: the replay's groups needed larger tables than the capture reserved
-                (triton); ``out`` holds NaN. The message says how to warm up.
+                (triton; ``out`` holds NaN; the message says how to warm up), or no graph (or not
+                ``call``) has replayed yet, or nothing was captured.
         """
-        for call in self.captured:
-            call.check()
+        if not self.captured:
+            raise GraphCaptureError("check() reads a replay of a captured call, and no call of this plan was "
+                                    "captured in a CUDA graph")
+        counts = self.replays[:1 + len(self.captured)].tolist()
+        if call is None:
+            if counts[0] == 0:
+                raise GraphCaptureError("no CUDA graph of this plan has replayed yet: call check() after "
+                                        "graph.replay()")
+            index = counts.index(counts[0], 1) - 1  # the graph that replayed last
+        else:
+            index = next((i for i, each in enumerate(self.captured) if each is call), None)
+            if index is None:
+                raise ValueError("`call` must be one of this plan's `captured` calls")
+            if counts[1 + index] == 0:
+                raise GraphCaptureError(f"captured call {index} of this plan has not replayed yet: call check() "
+                                        f"after its graph's replay()")
+        self.captured[index].check()
 
     def _check_capturable(self) -> None:
         if not self.spec.capturable:

@@ -10,18 +10,31 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import threading
 import warnings
 
 import torch
 
+from . import caches
 from .backends.base import Backend, BackendSpec, BackendUnavailableError
 
 _REGISTRY: dict[str, BackendSpec] = {}
 
 
-def register_backend(spec: BackendSpec) -> None:
-    """Add (or replace) a backend."""
+def register_backend(spec: BackendSpec) -> BackendSpec | None:
+    """Add (or replace) a backend; returns the spec it replaced (None for a new name), so that a test
+    that replaces one can put it back."""
+    replaced = _REGISTRY.get(spec.name)
     _REGISTRY[spec.name] = spec
+    return replaced
+
+
+def backend_spec(name: str) -> BackendSpec:
+    """The registered spec of ``name``, whether or not it can run here (``resolve`` checks that);
+    ValueError for an unknown name."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"`backend` must be one of {backend_names()}, got {name!r}")
+    return _REGISTRY[name]
 
 
 def backend_names() -> tuple[str, ...]:
@@ -78,16 +91,20 @@ def resolve(name: str, device: torch.device | str) -> BackendSpec:
     return spec
 
 
-#: (device type, backend) pairs whose "auto" fallback has been warned about in this process.
+#: (device type, backend) pairs whose "auto" fallback has been warned about in this process
+#: (``clear_caches`` forgets them).
 _WARNED: set[tuple[str, str]] = set()
+_WARNED_LOCK = threading.Lock()
+caches.on_clear(_WARNED.clear)
 
 
 def _warn_fallback(kind: str, chosen: str, skipped: tuple[str, str]) -> None:
     """Warn once per process that "auto" runs ``chosen`` on ``kind`` tensors because the backend it
     prefers there is unavailable (``skipped``: its name and the reason, which says how to build it)."""
-    if (kind, skipped[0]) in _WARNED:
-        return
-    _WARNED.add((kind, skipped[0]))
+    with _WARNED_LOCK:
+        if (kind, skipped[0]) in _WARNED:
+            return
+        _WARNED.add((kind, skipped[0]))
     warnings.warn(f"backend='auto' runs the slower {chosen!r} backend on {kind} tensors: backend {skipped[0]!r} "
                   f"is unavailable: {skipped[1]}", RuntimeWarning, stacklevel=_caller_level())
 

@@ -12,6 +12,30 @@ from torch import Tensor
 ArrayLike = Union[Tensor, np.ndarray, Sequence]
 
 
+@dataclass(frozen=True, eq=False)
+class GroupLayout:
+    """The group sizes a plan was built for: ``sizes[g]`` rollouts in dense group ``g`` (host ints).
+
+    Equal by ``sizes``, hashed once (the GPU backends key what a plan's calls taught them by it)."""
+
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(self.sizes))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (isinstance(other, GroupLayout) and self._hash == other._hash
+                                 and self.sizes == other.sizes)
+
+    @property
+    def largest(self) -> int:
+        """Rollouts of the largest group (0 without groups)."""
+        return max(self.sizes, default=0)
+
+
 @dataclass(frozen=True)
 class Batch:
     """A validated, normalised training batch (see ``validation.normalise_batch``).
@@ -23,6 +47,7 @@ class Batch:
     group_labels: numpy ``[n_groups]``, the caller's label of each dense group id.
     correct: bool ``[B]`` caller-given correct / wrong labels, or None (then ``reward > threshold``,
     see ``method.correct_flags``).
+    layout: the group sizes, when a plan made the batch (its own layout, known on the host), else None.
     All tensors live on the device of the caller's ``responses``.
     """
 
@@ -32,6 +57,7 @@ class Batch:
     group: Tensor
     group_labels: np.ndarray
     correct: Tensor | None = None
+    layout: GroupLayout | None = None
 
     @property
     def n_groups(self) -> int:

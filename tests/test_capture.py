@@ -3,11 +3,11 @@ Triton's interpreter and the CUDA kernels in the emulator (tests/emulator.py).
 
 A stubbed capture runs the kernels at once, with the sizes a real capture would record, so a call made
 while the flag is set stands for a replay of the captured call on that call's data. What these check:
-a replay on data that needs more than the captured tables either writes the right advantages or is
-reported by ``plan.check()`` (``out`` then holds NaN, never stale values); what a captured call reads
-from the backends' caches outlives any number of other configs; nothing is read back, waited for or
-uploaded while capturing; a capture before any warm-up is refused, saying how to warm up. The real
-capture and replay are tests/test_plan.py's GPU test.
+a replay never leaves a finite wrong value in ``out`` (the right advantages, or NaN and ``plan.check()``
+says why); a capture is refused until the plan's own layout ran outside a graph; ``check()`` reads the
+graph that replayed last (or the one it is given) and refuses before any replay; what a captured call
+reads from the backends' caches outlives any number of other configs; nothing is read back, waited for
+or uploaded while capturing. The real capture and replay are tests/test_plan.py's GPU test.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from cases import distinct_and_repeated_groups
 from ktae_kernels import (ExecutionOptions, GraphCaptureError, KTAEConfig, TritonTuning, plan as plan_module,
                           token_advantage)
 from ktae_kernels.backends import device as device_state
-from ktae_kernels.backends.base import BackendSpec
+from ktae_kernels.backends.base import BackendSpec, CapturedCall
 from ktae_kernels.plan import TokenAdvantagePlan
 
 pytest.importorskip("triton")
@@ -74,6 +74,12 @@ def reference(responses, mask, rewards, index, config=KTAEConfig()):
     return token_advantage(responses, mask, rewards, index, config=config, backend="reference")
 
 
+def with_bad_id(args, value=-4):
+    bad = args[0].clone()
+    bad[3, 5] = value
+    return (bad, *args[1:])
+
+
 @pytest.mark.parametrize("tuning", [TritonTuning(), TritonTuning(budget_bytes=100 * 20)], ids=["rebuilt", "too-small"])
 def test_a_replay_on_more_distinct_ids_writes_the_right_out_or_check_raises(backend, tuning, monkeypatch):
     """Warmed up on groups of three ids, captured, then replayed on a group of 160 distinct ids: the
@@ -94,50 +100,134 @@ def test_a_replay_on_more_distinct_ids_writes_the_right_out_or_check_raises(back
         assert bool(out.isnan().all())
 
 
-def test_a_replay_with_a_bad_id_leaves_out_untouched_and_check_raises(backend, monkeypatch):
+def test_a_replay_with_a_bad_id_leaves_no_stale_value_and_check_raises(backend, monkeypatch):
+    """A replay on a good batch, then one whose batch holds an id out of range, ``check`` not called in
+    between: ``out`` holds NaN, not the first replay's advantages; ``check`` raises the API's error. The
+    eager call raises at once and leaves ``out`` untouched."""
     repeated, _, index = batches()
     plan = make_plan(backend, index, (8, 40))
     plan(*repeated)
-    bad = repeated[0].clone()
-    bad[3, 5] = -4
     out = torch.full((8, 40), 7.0)
     with capturing(monkeypatch):
-        plan(bad, *repeated[1:], out=out)
+        plan(*repeated, out=out)
+        torch.testing.assert_close(out, reference(*repeated, index), rtol=0, atol=1e-6)
+        plan(*with_bad_id(repeated), out=out)
+    assert bool(out.isnan().all()), "a failed replay left finite values in `out`"
     with pytest.raises(ValueError, match="token ids >= 0 where the mask is 1, found -4"):
         plan.check()
-    assert bool((out == 7.0).all())
+    eager = torch.full((8, 40), 7.0)
+    with pytest.raises(ValueError, match="found -4"):
+        plan(*with_bad_id(repeated), out=eager)
+    assert bool((eager == 7.0).all())
 
 
-def test_a_captured_call_keeps_what_it_reads_for_100_other_configs(backend, monkeypatch):
-    """Every tensor the captured call's kernels read that existed before it (the backend's cached grid,
-    constants, log-factorials) is still alive after 100 calls with other configs have cycled the
-    backend's bounded caches: the plan holds them for the graph's life."""
+def test_a_plan_is_captured_only_after_its_own_layout_ran(backend, monkeypatch):
+    """The lessons of one layout do not license another of the same ``(B, n_groups)``: after a warm-up of
+    six groups of 4, a plan of groups [19, 1, 1, 1, 1, 1] is refused (saying how to warm up); once it ran
+    itself, its replays are the reference's advantages (never NaN)."""
+    gen = torch.Generator().manual_seed(5)
+    responses = torch.randint(0, 30, (24, 8), generator=gen)
+    mask = torch.rand(24, 8, generator=gen) < 0.9
+    rewards = (torch.rand(24, generator=gen, dtype=torch.float64) < 0.5).double()
+    fours = make_plan(backend, torch.arange(24) // 4, (24, 8))
+    fours(responses, mask, rewards)
+    skewed_index = torch.tensor([0] * 19 + [1, 2, 3, 4, 5])
+    skewed = make_plan(backend, skewed_index, (24, 8))
+    out = torch.full((24, 8), 7.0)
+    with capturing(monkeypatch), pytest.raises(GraphCaptureError, match="make one call of the plan .* before capturing"):
+        skewed(responses, mask, rewards, out=out)
+    skewed(responses, mask, rewards)  # the warm-up
+    with capturing(monkeypatch):
+        skewed(responses, mask, rewards, out=out)
+    skewed.check()
+    torch.testing.assert_close(out, reference(responses, mask, rewards, skewed_index), rtol=0, atol=1e-6)
+
+
+def test_check_reads_the_graph_that_replayed_last_or_the_one_it_is_given(backend, monkeypatch):
+    """A plan captured in two graphs (A on a good batch, B on one with a bad id) keeps a ``CapturedCall``
+    each; ``check()`` reads the flags of the graph that replayed last, ``check(call)`` those of ``call``.
+    The stub cannot replay A again: it does the bookkeeping A's replay adds to its kernels (``replays``),
+    on A's unchanged flags."""
     repeated, _, index = batches()
-    config = KTAEConfig(ignore_token_ids=[2])
+    plan = make_plan(backend, index, (8, 40))
+    plan(*repeated)
+    with capturing(monkeypatch):
+        plan(*repeated, out=torch.empty(8, 40))
+        plan(*with_bad_id(repeated), out=torch.empty(8, 40))
+    good, bad = plan.captured
+    with pytest.raises(ValueError, match="found -4"):
+        plan.check()
+    plan.check(good)
+    with pytest.raises(ValueError, match="found -4"):
+        plan.check(bad)
+    plan.replays[0] += 1  # A replays
+    plan.replays[1] = plan.replays[0]
+    plan.check()
+    with pytest.raises(ValueError, match="one of this plan's `captured` calls"):
+        plan.check(CapturedCall(keep=(), check=lambda: None))
+
+
+def test_check_before_any_replay_raises(backend, monkeypatch):
+    """Before its graph replayed, a captured call's flags hold nothing (a real capture runs no kernel;
+    the stub's run is undone in ``replays``): ``check`` says so instead of reading them."""
+    repeated, _, index = batches()
+    plan = make_plan(backend, index, (8, 40))
+    with pytest.raises(GraphCaptureError, match="no call of this plan was captured"):
+        plan.check()
+    plan(*repeated)
+    with capturing(monkeypatch):
+        plan(*with_bad_id(repeated), out=torch.empty(8, 40))
+    plan.replays.zero_()  # what the device holds after a real capture, before any replay
+    with pytest.raises(GraphCaptureError, match="no CUDA graph of this plan has replayed yet"):
+        plan.check()
+    with pytest.raises(GraphCaptureError, match="captured call 0 of this plan has not replayed yet"):
+        plan.check(plan.captured[0])
+
+
+def test_a_captured_call_keeps_what_it_reads_through_other_configs(backend, monkeypatch):
+    """Every cached tensor the captured call's kernels read (the backend's grid, constants,
+    log-factorials) is still alive after calls of the same backend with ``DeviceState.CACHED + 8`` other
+    configs have cycled its bounded cache: the plan holds them for the graph's life. The test holds no
+    reference to them (only weak ones)."""
+    repeated, _, index = batches()
+    config = KTAEConfig(alpha=2.0, ignore_token_ids=[2])  # a grid and constants of its own
     plan = make_plan(backend, index, (8, 40), config)
     plan(*repeated)
-    before = {id(t.untyped_storage()): weakref.ref(t.untyped_storage()) for t in _live_tensors()}
+    before = {id(s): weakref.ref(s) for s in _live_storages()}
     with capturing(monkeypatch), _launched(backend, monkeypatch) as read:
         plan(*repeated)
-    held = {key: before[key] for key in {id(t.untyped_storage()) for t in read} if key in before}
-    shapes = {id(t.untyped_storage()): (tuple(t.shape), t.dtype) for t in read}
-    assert len(held) > 3  # the caller's tensors and the backend's cached ones
-    for i in range(100):
-        token_advantage(*repeated, index, backend=_name(backend), config=KTAEConfig(weight=1 + i / 100,
-                                                                                    ignore_token_ids=[i]))
+    held = {key: ref for key, ref in read.items() if key in before and before[key]() is ref() is not None}
+    callers = {id(t.untyped_storage()) for t in (*repeated, plan.group)}
+    assert len(set(held) - callers) >= 2, "the capture read no cached tensor"  # a grid and constants at least
+    tiny = (repeated[0][::4, :4].contiguous(), repeated[1][::4, :4].contiguous(), repeated[2][::4].contiguous())
+    for i in range(device_state.DeviceState.CACHED + 8):
+        make_plan(backend, [0, 1], (2, 4), KTAEConfig(weight=1 + i / 100, ignore_token_ids=[100 + i]))(*tiny)
     gc.collect()
-    freed = [shapes[key] for key, ref in held.items() if ref() is None]
-    assert not freed, f"tensors the graph reads were freed: {freed}"
+    freed = [key for key, ref in held.items() if ref() is None]
+    assert not freed, f"{len(freed)} tensors the graph reads were freed"
 
 
 def test_nothing_is_read_back_or_waited_for_while_capturing(backend, monkeypatch):
+    """While capturing, no value is read back and no stream is synchronised or waited on, cache hits
+    included: the state's streams (``DeviceState.stream``, the test seam) are a stream that refuses
+    every wait while the flag is set (the warm-up's cache misses synchronise it once, as on a GPU)."""
     repeated, distinct, index = batches()
     plan = make_plan(backend, index, (8, 40))
-    plan(*repeated)
-    out = torch.empty(8, 40)
-    with capturing(monkeypatch), _no_host_sync(monkeypatch):
-        plan(*distinct, out=out)
-    plan.check()
+    stream = _RefusingStream()
+    state = device_state.state(plan.device)
+    monkeypatch.setattr(device_state.DeviceState, "stream", lambda self: stream)
+    state.clear()  # every cached tensor made again, on this stream
+    try:
+        plan(*repeated)
+        out = torch.empty(8, 40)
+        with capturing(monkeypatch), _no_host_sync(monkeypatch):
+            stream.capturing = True
+            plan(*distinct, out=out)
+        stream.capturing = False
+        plan.check()
+        assert stream.synchronized > 0  # the warm-up's misses
+    finally:
+        state.clear()  # no entry made on the stand-in outlives the test
 
 
 def test_a_capture_before_any_warm_up_is_refused(backend, monkeypatch):
@@ -158,26 +248,26 @@ def test_the_backends_hold_no_cuda_events():
 
 
 # ----------------------------------------------------------------------------------------- helpers
-def _name(module: str) -> str:
-    return "triton" if module.endswith("triton") else "torch"
-
-
-def _live_tensors() -> list[torch.Tensor]:
-    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel()]
+def _live_storages() -> list:
+    return [o.untyped_storage() for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.numel()]
 
 
 @contextlib.contextmanager
 def _launched(module: str, monkeypatch):
-    """Every tensor handed to a kernel launch inside the block: Triton's interpreted launches, or the
-    emulator's ``advantage`` call."""
-    read: list[torch.Tensor] = []
+    """The storages of every tensor handed to a kernel launch inside the block (Triton's interpreted
+    launches, or the emulator's ``advantage`` call), by id, as weak references only."""
+    read: dict[int, weakref.ref] = {}
+
+    def record(values):
+        read.update((id(s), weakref.ref(s)) for s in (v.untyped_storage() for v in values
+                                                       if isinstance(v, torch.Tensor)))
+
     with monkeypatch.context() as m:
         if module == "emulated_cuda":
             advantage = emulated_cuda.EXTENSION.advantage
 
             def recording(*structs):
-                fields = (getattr(s, name) for s in structs for name in dir(s) if not name.startswith("_"))
-                read.extend(v for v in fields if isinstance(v, torch.Tensor))
+                record(getattr(s, name) for s in structs for name in dir(s) if not name.startswith("_"))
                 return advantage(*structs)
 
             m.setattr(emulated_cuda.EXTENSION, "advantage", recording)
@@ -187,11 +277,28 @@ def _launched(module: str, monkeypatch):
             run = InterpretedFunction.run
 
             def recording(self, *args, **kwargs):
-                read.extend(a for a in args if isinstance(a, torch.Tensor))
+                record(args)
                 return run(self, *args, **kwargs)
 
             m.setattr(InterpretedFunction, "run", recording)
         yield read
+
+
+class _RefusingStream:
+    """A stand-in for a CUDA stream: counts ``synchronize`` and refuses any wait or query while
+    ``capturing``."""
+
+    def __init__(self) -> None:
+        self.capturing = False
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        if self.capturing:
+            raise AssertionError("Stream.synchronize while capturing")
+        self.synchronized += 1
+
+    def __getattr__(self, name: str):
+        raise AssertionError(f"Stream.{name} used by a backend")
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from cases import (adversarial_cases, assert_replays_match_torch, assert_scores_
 
 def _extension_built() -> bool:
     try:
-        importlib.import_module("ktae_kernels._C")
+        importlib.import_module(cuda.MODULE)
     except ImportError:
         return False
     return True
@@ -154,7 +154,7 @@ def test_positions_beyond_2_to_the_31():
 
 
 def test_cuda_backend_without_the_extension_says_how_to_build_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, "ktae_kernels._C", None)  # as if never built
+    monkeypatch.setitem(sys.modules, cuda.MODULE, None)  # as if never built
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(BackendUnavailableError, match=r"ktae_kernels\._C.*pip install -e \. --no-build-isolation"):
         get_backend("cuda", "cuda")
@@ -168,8 +168,8 @@ def test_cuda_backend_without_the_extension_says_how_to_build_it(monkeypatch):
 @needs_gpu
 def test_a_call_with_out_is_captured_in_a_cuda_graph_and_replayed():
     """``cuda.capture`` reads nothing back, so a call with ``out=`` is capturable; replays on new inputs
-    copied into the captured tensors match torch, and a replay with a bad id leaves ``out`` untouched,
-    its flag read by the captured call's ``check``."""
+    copied into the captured tensors match torch, and a replay with a bad id writes NaN over ``out``
+    (never the last replay's values), its flag read by the captured call's ``check``."""
     gen = torch.Generator().manual_seed(4)
     B, L = 64, 512
     batch = lambda: ragged_batch(gen, B, L, 5000)  # noqa: E731
@@ -183,7 +183,7 @@ def test_a_call_with_out_is_captured_in_a_cuda_graph_and_replayed():
                                                   else cuda.capture(data, KTAEConfig(), None, out)[1]))
     assert_replays_match_torch(graph, (data.responses, data.mask, data.rewards), out, batch, index)
     captured[-1].check()
-    out.fill_(float("nan"))
+    out.fill_(7.0)
     data.responses[3, 0] = -1
     data.mask[3, 0] = True
     graph.replay()

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc not found (CUDA too
 #: every kernel entry of csrc/ktae_kernels.cu
 KERNELS = {"scan_kernel", "groups_kernel", "group_sums_kernel", "table_statistics_kernel", "dynamic_kernel<true>",
            "dynamic_kernel<false>", "group_kernel<0, true>", "group_kernel<0, false>", "group_kernel<1, true>",
-           "group_kernel<1, false>"}
+           "group_kernel<1, false>", "nan_on_error_kernel"}
 SHARED_PATH = {name for name in KERNELS if "false" not in name}
 
 

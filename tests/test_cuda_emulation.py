@@ -178,7 +178,7 @@ def test_given_rollout_advantage(emulator, fisher):
 def test_binding_rejects_bad_arguments_naming_them(emulator):
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
-    plan = cuda._prepare(emulator, batch, KTAEConfig(), CudaTuning())
+    plan = cuda.prepare(emulator, batch, KTAEConfig(), CudaTuning())
     status = torch.empty(batch.n_groups, dtype=torch.int64)
     n = batch.n_groups
 
@@ -239,9 +239,9 @@ def test_long_rollouts_use_blocks_of_more_than_512_threads(emulator):
                                           (2**31, r"token ids must be < 2\*\*31, found 2147483650")])
 def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message):
     """The API leaves the id check to the backend (``checks_token_ids``): same errors, padding ignored."""
-    from ktae_kernels.registry import _REGISTRY
+    from ktae_kernels.registry import backend_spec
 
-    assert _REGISTRY["cuda"].checks_token_ids
+    assert backend_spec("cuda").checks_token_ids
     name, responses, mask, rewards, index = CASES[0]
     responses, mask = responses.clone(), mask.clone()
     mask[0, -1] = False
@@ -266,7 +266,7 @@ def test_slot_layouts_and_two_blocks_per_sm(emulator, name, packed, blocks_per_s
     tuning = CudaTuning(packed=packed, blocks_per_sm=blocks_per_sm)
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda._prepare(emulator, batch, KTAEConfig(), tuning).packed == packed
+    assert cuda.prepare(emulator, batch, KTAEConfig(), tuning).packed == packed
     check(emulator, name, batch, KTAEConfig(), options=ExecutionOptions(cuda=tuning))
     check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=16, packed=packed,
                                                                    blocks_per_sm=blocks_per_sm))
@@ -276,13 +276,13 @@ def test_packed_slots_only_where_counts_fit_16_bits(emulator):
     B, L = 2, 33_000  # 66,000 masked tokens in one group: f_c could pass 2^16 - 1
     big = normalise_batch(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
                           torch.tensor([1.0, 0.0]), torch.zeros(B, dtype=torch.int64))
-    assert not cuda._prepare(emulator, big, KTAEConfig(), CudaTuning()).packed
+    assert not cuda.prepare(emulator, big, KTAEConfig(), CudaTuning()).packed
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G40-two-words")
     wide = normalise_batch(responses, mask, rewards, index)  # two presence words
-    assert not cuda._prepare(emulator, wide, KTAEConfig(), CudaTuning()).packed
+    assert not cuda.prepare(emulator, wide, KTAEConfig(), CudaTuning()).packed
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda._prepare(emulator, batch, KTAEConfig(), CudaTuning()).packed
+    assert cuda.prepare(emulator, batch, KTAEConfig(), CudaTuning()).packed
 
 
 @pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (0.5, 2.0)])
@@ -292,14 +292,14 @@ def test_statistics_kernel_on_every_table_up_to_16_rollouts(emulator, alpha, bet
     from statistics_cases import assert_matches_method
 
     grid = grid_tables(16, torch.device("cpu"))
-    assert_matches_method(cuda._GridKernel(emulator)(grid, alpha, beta), grid, KTAEConfig(alpha=alpha, beta=beta))
+    assert_matches_method(cuda.GridKernel(emulator)(grid, alpha, beta), grid, KTAEConfig(alpha=alpha, beta=beta))
 
 
 def test_statistics_kernel_on_random_big_tables_and_ties(emulator):
     from statistics_cases import assert_matches_method, big_tables
 
     grid = big_tables(seed=1, count=2000)
-    assert_matches_method(cuda._GridKernel(emulator)(grid, 1.0, 1.0), grid, KTAEConfig())
+    assert_matches_method(cuda.GridKernel(emulator)(grid, 1.0, 1.0), grid, KTAEConfig())
 
 
 def test_statistics_kernel_is_checked_against_its_own_tables(emulator):
@@ -309,7 +309,7 @@ def test_statistics_kernel_is_checked_against_its_own_tables(emulator):
     from statistics_cases import assert_matches_method, with_last_bit_noise
 
     noisy = with_last_bit_noise(grid_tables(16, torch.device("cpu")))
-    assert_matches_method(cuda._GridKernel(emulator)(noisy, 1.0, 1.0), noisy, KTAEConfig())
+    assert_matches_method(cuda.GridKernel(emulator)(noisy, 1.0, 1.0), noisy, KTAEConfig())
 
 
 def test_statistics_binding_rejects_bad_arguments_naming_them(emulator):
@@ -373,7 +373,7 @@ def test_device_bookkeeping_matches_method_bitwise(emulator, name, baseline):
     config = KTAEConfig(baseline=baseline)
     plan = cuda.static_plan(emulator, batch, config)
     out = torch.empty(responses.shape, dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(plan, batch, config, None, out, None)[1], responses.shape[0],
+    views = cuda.workspace_views(cuda.enqueue(plan, batch, config, None, out, None)[1], responses.shape[0],
                                  batch.n_groups)
     stats = method.group_stats(batch, config)
     assert views["flags"][[0, 1, 4, 5]].tolist() == [0, 0, 0, 0]  # no bad input, no group left to the global pass
@@ -396,7 +396,7 @@ def test_given_correct_labels_and_rollout_advantage(emulator):
         torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), g, extension=emulator),
                                    reference.token_advantage(batch, KTAEConfig(), g), rtol=0.0, atol=1e-6)
     plan = cuda.static_plan(emulator, batch, KTAEConfig())
-    views = cuda.workspace_views(cuda._enqueue(plan, batch, KTAEConfig(), None, torch.empty(responses.shape), None)[1],
+    views = cuda.workspace_views(cuda.enqueue(plan, batch, KTAEConfig(), None, torch.empty(responses.shape), None)[1],
                                  responses.shape[0], batch.n_groups)
     assert torch.equal(views["correct"], correct)
     assert torch.equal(views["group_counts"][0], method.group_stats(batch, KTAEConfig()).n_c)
@@ -461,7 +461,7 @@ def test_global_pass_alone_takes_every_group(emulator, name):
     plan = cuda.static_plan(emulator, batch, KTAEConfig())
     plan = dataclasses.replace(plan, shared_bytes=0, fallback_blocks=2, fallback_bytes=2 * 64 * 1024)
     out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(plan, batch, KTAEConfig(), None, out, None)[1], responses.shape[0],
+    views = cuda.workspace_views(cuda.enqueue(plan, batch, KTAEConfig(), None, out, None)[1], responses.shape[0],
                                  batch.n_groups)
     assert bool((views["status"] >= 0).all())
     torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
@@ -478,7 +478,7 @@ def test_gather_from_the_slot_index_or_the_ids(emulator, name, slot_index):
     plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
     assert plan.slot_index == slot_index
     out = torch.empty(responses.shape, dtype=torch.float32)
-    workspace = cuda._enqueue(plan, batch, KTAEConfig(), None, out, None)[1]
+    workspace = cuda.enqueue(plan, batch, KTAEConfig(), None, out, None)[1]
     torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
     B, L = responses.shape
     assert workspace.numel() == cuda.advantage_workspace_size(B, batch.n_groups, plan.fallback_bytes,
@@ -529,7 +529,7 @@ def test_shared_tables_follow_the_distinct_ids_seen(emulator):
     assert (first.max_capacity, first.fallback_blocks, first.key) == (2**30, 0, ("cuda", 8, 2))
     assert first.shared_bytes == cuda.shared_table_bytes(512, 1)
     out = torch.empty(responses.shape, dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(first, repeated, KTAEConfig(), None, out, None)[1], 8, 2)
+    views = cuda.workspace_views(cuda.enqueue(first, repeated, KTAEConfig(), None, out, None)[1], 8, 2)
     assert views["status"].tolist() == _distinct_per_group(repeated) == [3, 3]
     assert views["flags"][2:4].tolist() == [3, _shared_need(1, True, 3)]  # the most distinct ids, shared need
     torch.testing.assert_close(out, reference.token_advantage(repeated, KTAEConfig(), None), rtol=0.0, atol=1e-6)
@@ -540,7 +540,7 @@ def test_shared_tables_follow_the_distinct_ids_seen(emulator):
     assert (sized.max_capacity, sized.fallback_blocks, sized.blocks_per_sm) == (32, 2, 2)
     assert sized.shared_bytes == cuda.shared_table_bytes(32, 1, packed=True) == 400
     out = torch.empty(responses.shape, dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(sized, distinct, KTAEConfig(), None, out, None)[1], 8, 2)
+    views = cuda.workspace_views(cuda.enqueue(sized, distinct, KTAEConfig(), None, out, None)[1], 8, 2)
     assert views["status"].tolist() == _distinct_per_group(distinct) == [160, 3]
     assert views["flags"][2:5].tolist() == [160, _shared_need(1, True, 160), 1]  # (1 group left to the global pass)
     torch.testing.assert_close(out, reference.token_advantage(distinct, KTAEConfig(), None), rtol=0.0, atol=1e-6)
@@ -590,7 +590,7 @@ def test_second_call_runs_two_blocks_per_sm_and_matches(emulator, name):
     first = cuda.static_plan(emulator, batch, KTAEConfig())
     assert first.blocks_per_sm == 1
     out = torch.empty(B, L, dtype=torch.float32)
-    views = cuda.workspace_views(cuda._enqueue(first, batch, KTAEConfig(), None, out, None)[1], B, batch.n_groups)
+    views = cuda.workspace_views(cuda.enqueue(first, batch, KTAEConfig(), None, out, None)[1], B, batch.n_groups)
     need = _most_shared_need(batch)
     assert views["flags"][3] == need and need <= cuda.shared_limit(emulator.max_shared_bytes(0), 2)
     torch.testing.assert_close(out, want, rtol=0.0, atol=1e-6)
@@ -636,7 +636,7 @@ def test_a_group_needing_more_than_the_two_block_tables_takes_the_global_pass(em
     assert (plan.blocks_per_sm, plan.shared_bytes, plan.max_capacity) == (2, 400, 32) and plan.fallback_blocks > 0
     out = torch.zeros(64, 24, dtype=torch.float32)
     alone = dataclasses.replace(plan, fallback_blocks=0, fallback_bytes=0)
-    status = cuda.workspace_views(cuda._enqueue(alone, grown, KTAEConfig(), None, out, None)[1], 64, 4)["status"]
+    status = cuda.workspace_views(cuda.enqueue(alone, grown, KTAEConfig(), None, out, None)[1], 64, 4)["status"]
     assert status.tolist() == [-1] + _distinct_per_group(grown)[1:]
     want = reference.token_advantage(grown, KTAEConfig(), None)
     torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, extension=emulator), want,
@@ -670,7 +670,7 @@ def test_a_group_whose_smallest_table_has_no_room_takes_the_global_pass(emulator
     assert cuda.shared_table_bytes(cuda.MIN_CAPACITY, words) > plan.shared_bytes  # no room for the least table
     out = torch.zeros(B, L, dtype=torch.float32)
     alone = dataclasses.replace(plan, fallback_blocks=0, fallback_bytes=0)
-    views = cuda.workspace_views(cuda._enqueue(alone, wide, KTAEConfig(), None, out, None)[1], B, 4)
+    views = cuda.workspace_views(cuda.enqueue(alone, wide, KTAEConfig(), None, out, None)[1], B, 4)
     assert views["status"][0] == -1 and views["flags"][4] == 1  # left, counted as left
     torch.testing.assert_close(cuda.token_advantage(wide, KTAEConfig(), None, options=few, extension=emulator),
                                reference.token_advantage(wide, KTAEConfig(), None), rtol=0.0, atol=1e-6)

@@ -104,4 +104,4 @@ def test_device_statistics_grid_matches_the_cpu_on_the_gpu():
     if "cuda" in GPU_BACKENDS:
         from ktae_kernels.backends import cuda
 
-        assert_matches_method(cuda._GridKernel(cuda.load_extension())(grid, 1.0, 1.0), grid, KTAEConfig())
+        assert_matches_method(cuda.GridKernel(cuda.load_extension())(grid, 1.0, 1.0), grid, KTAEConfig())

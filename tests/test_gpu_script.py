@@ -1,8 +1,11 @@
 """bench/gpu.sh, the hardware run, on the CPU: its dry run (KTAE_GPU_DRY_RUN=1: every stage on tiny
-shapes, the Triton interpreter) hands its results back under $OUT after every stage, so a run cut
-part-way keeps what it finished; an uncut one ends with them all, every gpu_check check passed."""
+shapes, the Triton interpreter) hands its results back under $OUT after every stage, and, when it is
+cut (TERM), the stage in flight's partial results before it exits, the stage ended with it; an uncut
+run ends with them all, every gpu_check check passed. Also: the versions stage names a missing import,
+and gpu_check's replay timing (sync first, CUDA events, 20 samples)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,9 +14,11 @@ import subprocess
 import sys
 import tarfile
 import time
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="no bash")
@@ -45,17 +50,115 @@ def test_a_dry_run_hands_back_every_stage(tmp_path):
         assert {"./gpu.log", "./check.log", "./tests.log"} <= set(tar.getnames())
 
 
-def test_a_run_cut_part_way_has_handed_back_what_it_finished(tmp_path):
+def test_a_run_cut_in_the_check_stage_hands_back_its_partial_results(tmp_path):
+    """The lending tool's TERM at its limit, to the script alone, while the check stage runs (after it
+    wrote its first results): the finished stages were handed back already; the trap ends the stage
+    (every process of it) and hands back the partial gpu-check JSON before the script exits."""
     proc = subprocess.Popen(["bash", str(ROOT / "bench" / "gpu.sh")], cwd=ROOT, env=_env(tmp_path),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    log = tmp_path / "out" / "gpu.log"
+    out, results = tmp_path / "out", tmp_path / "results"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not (log.exists() and "=== [check] at" in log.read_text()):
-            time.sleep(0.2)
+        _wait_for(lambda: any(_checks(p) for p in results.glob("*gpu-check*.json")), 240)
+        log = (results / "gpu.log").read_text()  # the run's own log ($OUT has it as of the last stage)
+        assert "=== [check] at" in log and "=== [check] rc" not in log, log[-2000:]
+        with tarfile.open(out / "results.tgz") as tar:  # handed back after the stages before
+            assert "./versions.log" in tar.getnames()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the loan ends mid-stage
+        _end(proc, tmp_path)
+    assert rc == 128 + signal.SIGTERM
+    log = (out / "gpu.log").read_text()
+    assert "=== cut by SIGTERM" in log and "in stage [check]" in log, log[-2000:]
+    assert "paper" in _checks(out / "gpu-check.json")
+    with tarfile.open(out / "results.tgz") as tar:
+        assert {"./versions.log", "./check.log"} <= set(tar.getnames())
+    _wait_for(lambda: not _processes_of(tmp_path), 10)
+
+
+def test_the_versions_stage_names_a_missing_import(tmp_path):
+    """Without tqdm (the [bench] extra), the versions stage fails, saying what is missing and where it
+    comes from, before any stage needs it (the run is cut once the stage reported)."""
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    (stub / "tqdm.py").write_text("raise ImportError('No module named tqdm (stub)')\n")
+    env = _env(tmp_path) | {"PYTHONPATH": str(stub)}
+    proc = subprocess.Popen(["bash", str(ROOT / "bench" / "gpu.sh")], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = tmp_path / "results" / "gpu.log"
+    try:
+        _wait_for(lambda: log.exists() and "=== [versions] rc=" in log.read_text(), 120)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        _end(proc, tmp_path)
+    text = log.read_text()
+    assert "=== [versions] rc=1" in text and "MISSING for the later stages" in text, text[-2000:]
+    assert "tqdm (the [bench] extra: pip install tqdm)" in text
+
+
+def test_replay_times_synchronise_then_time_each_replay_between_events(monkeypatch):
+    """gpu_check's graph replay timing (no GPU: events and syncs recorded): the device synchronised
+    before each of the 20 samples, each replay alone between its two events; median and spread."""
+    from bench import gpu_check
+
+    calls: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            assert enable_timing
+            self.at = 0
+
+        def record(self) -> None:
+            calls.append("record")
+            self.at = len(calls)
+
+        def synchronize(self) -> None:
+            calls.append("wait")
+
+        def elapsed_time(self, stop: "Event") -> float:  # milliseconds
+            return float(stop.at - self.at) + len([c for c in calls if c == "replay"]) % 3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    times = gpu_check.replay_times(types.SimpleNamespace(replay=lambda: calls.append("replay")))
+    assert gpu_check.REPLAYS == 20 and calls == ["sync", "record", "replay", "record", "wait"] * 20
+    assert times["samples"] == 20 and times["min"] == 0.002 and times["max"] == 0.004
+    assert times["q1"] <= times["median"] <= times["q3"]
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def _checks(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())["checks"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _wait_for(condition, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def _processes_of(tmp_path: Path) -> list[int]:
+    """The processes whose command line names this test's folder (the run's stages)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(tmp_path).encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _end(proc: subprocess.Popen, tmp_path: Path) -> None:
+    """The script, and any process of its run left behind, ended (only the ones this test started)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    assert "=== [versions] rc=0" in log.read_text()
-    with tarfile.open(tmp_path / "out" / "results.tgz") as tar:
-        assert "./versions.log" in tar.getnames()
+    for pid in _processes_of(tmp_path):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)

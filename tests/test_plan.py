@@ -3,6 +3,7 @@ given against the plan, and, while a CUDA graph captures, reads nothing back (a 
 CPU with the capture flag stubbed; the real capture and replay run on a GPU only)."""
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import numpy as np
@@ -10,9 +11,8 @@ import pytest
 import torch
 
 from cases import assert_replays_match_torch, cuda_graph_of, ragged_batch, random_cases
-from ktae_kernels import KTAEConfig, TokenAdvantagePlan, plan_token_advantage, token_advantage
+from ktae_kernels import GraphCaptureError, KTAEConfig, TokenAdvantagePlan, plan_token_advantage, token_advantage
 from ktae_kernels import plan as plan_module
-from ktae_kernels.backends import base
 from ktae_kernels.backends.base import BackendSpec, BackendUnavailableError, CapturedCall
 from ktae_kernels.registry import available_backends
 
@@ -119,9 +119,9 @@ def _no_host_reads(monkeypatch):
 
 def _capturing_plan(monkeypatch, capturable=True, config=None):
     recorder = _Recorder()
-    spec = BackendSpec("recorder", "tests.recorder", ("cpu",), lambda _: None, checks_token_ids=True,
-                       capturable=capturable)
-    monkeypatch.setitem(base._LOADED, spec.module, recorder)
+    module = f"recorder_{id(recorder)}"  # imported once, as any backend module: by name, from sys.modules
+    spec = BackendSpec("recorder", module, ("cpu",), lambda _: None, checks_token_ids=True, capturable=capturable)
+    monkeypatch.setitem(sys.modules, module, recorder)
     plan = TokenAdvantagePlan(shape=(4, 3), device=torch.device("cpu"), config=config or KTAEConfig(), spec=spec,
                               group=torch.tensor([1, 1, 0, 0]), group_labels=np.array([3, 8]))
     monkeypatch.setattr(plan_module, "capturing", lambda device: True)
@@ -169,13 +169,26 @@ def test_capturing_needs_a_capturable_backend_and_exact_fisher(monkeypatch):
         plan(responses, responses > 0, torch.ones(4))
 
 
+def test_a_plan_keeps_one_captured_call_per_graph_up_to_its_limit(monkeypatch):
+    """Each capture adds its own ``CapturedCall`` (a plan may live in several graphs); past
+    ``MAX_CAPTURES`` a capture is refused, saying to make a new plan."""
+    plan, recorder = _capturing_plan(monkeypatch)
+    responses = torch.ones(4, 3, dtype=torch.int64)
+    for _ in range(plan_module.MAX_CAPTURES):
+        plan(responses, responses > 0, torch.ones(4))
+    assert len(plan.captured) == len(recorder.calls) == plan_module.MAX_CAPTURES
+    assert len({id(call) for call in plan.captured}) == plan_module.MAX_CAPTURES
+    with pytest.raises(GraphCaptureError, match="captured in 64 CUDA graphs already.*make a new plan"):
+        plan(responses, responses > 0, torch.ones(4))
+
+
 # ----------------------------------------------------------------------------------------- GPU only
 @pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the built extension)")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed(backend):
     """The public path (a plan's call, with ``out=``) under ``torch.cuda.graph``; each replay on new data
     copied into the captured tensors equals the torch backend and ``check`` passes; a replay with a
-    bad id leaves ``out`` untouched and ``check`` raises the API's error."""
+    bad id writes NaN over ``out`` and ``check`` raises the API's error."""
     gen = torch.Generator().manual_seed(7)
     B, L = 64, 384
     batch = lambda: ragged_batch(gen, B, L, 151_936)  # noqa: E731
@@ -186,7 +199,7 @@ def test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed(backend):
     graph = cuda_graph_of(lambda: plan(*static, out=out))
     assert_replays_match_torch(graph, static, out, batch, index)
     plan.check()
-    out.fill_(float("nan"))
+    out.fill_(7.0)
     static[0][5, 0] = -1
     static[1][5, 0] = True
     graph.replay()
@@ -194,3 +207,33 @@ def test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed(backend):
     assert torch.isnan(out).all()
     with pytest.raises(ValueError, match="token ids >= 0 where the mask is 1, found -1"):
         plan.check()
+
+
+@pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the built extension)")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_check_reads_the_graph_of_a_plan_that_replayed_last(backend):
+    """A plan captured in two graphs: ``check`` refuses before any replay, then reads the flags of
+    whichever graph replayed last, and ``check(call)`` those of ``call``; a failed replay leaves NaN."""
+    gen = torch.Generator().manual_seed(8)
+    B, L = 32, 128
+    index = torch.arange(B) // 8
+    plan = plan_token_advantage(index, (B, L), device="cuda", backend=backend)
+    good = [t.cuda() for t in ragged_batch(gen, B, L, 1000)]
+    bad = [t.clone() for t in good]
+    outs = [torch.empty(B, L, device="cuda") for _ in range(2)]
+    graphs = [cuda_graph_of(lambda: plan(*good, out=outs[0])), cuda_graph_of(lambda: plan(*bad, out=outs[1]))]
+    with pytest.raises(GraphCaptureError, match="no CUDA graph of this plan has replayed yet"):
+        plan.check()
+    bad[0][5, 0], bad[1][5, 0] = -1, True
+    graphs[1].replay()
+    torch.cuda.synchronize()
+    with pytest.raises(GraphCaptureError, match="captured call 0 of this plan has not replayed yet"):
+        plan.check(plan.captured[0])
+    with pytest.raises(ValueError, match="found -1"):
+        plan.check()
+    graphs[0].replay()
+    torch.cuda.synchronize()
+    plan.check()
+    with pytest.raises(ValueError, match="found -1"):
+        plan.check(plan.captured[1])
+    assert torch.isnan(outs[1]).all() and not torch.isnan(outs[0]).any()

@@ -39,7 +39,7 @@ def on(device, *tensors):
 def first_try(responses, mask, rewards, index, device, config=KTAEConfig(), tuning=TUNING):
     """The flags of a first try sized as the API's call would (what this layout learnt), and its run."""
     batch = normalise_batch(*on(device, responses, mask, rewards, index), check_ids=False)
-    run = pipeline.build(batch, config, pipeline._learnt_sizes(batch, tuning, True), tuning)
+    run = pipeline.build(batch, config, pipeline.first_sizes(batch, tuning, True), tuning)
     pipeline.score(run, config, device)
     return run, run.read()[0]
 
@@ -102,7 +102,7 @@ def test_one_group_holding_every_distinct_id_is_rebuilt_on_the_device(device, tr
     device rebuild takes it, in the first try, and only that group is marked."""
     responses, mask, rewards, index = distinct_and_repeated_groups()
     run, flags = first_try(responses, mask, rewards, index, device)
-    assert run.group_row(pipeline._OVER).tolist() == [1, 0] and flags.retry == 0
+    assert run.overflowed().tolist() == [1, 0] and flags.retry == 0
     assert flags.slots_from > 0  # the rebuilt slice comes after the first ones
     tries.clear()
     assert_matches(responses, mask, rewards, index, device)
@@ -226,7 +226,7 @@ def test_first_tables_follow_the_distinct_ids_seen(device):
     assert (flags.slots, flags.slots_from, flags.distinct) == (32, 32, 3)
     assert_matches(*repeated, device)
     run, flags = first_try(*distinct, device)
-    assert run.group_row(pipeline._OVER).tolist() == [1, 0] and flags.retry == 0
+    assert run.overflowed().tolist() == [1, 0] and flags.retry == 0
     assert (flags.slots_from, flags.slots) == (2 * 2**4, 2 * 2**4 + 2**9)
     assert flags.distinct == 160
     assert_matches(*distinct, device)

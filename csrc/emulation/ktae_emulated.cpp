@@ -57,6 +57,10 @@ int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int t
   if (fallback_blocks > 0) {
     ktae_emu::run([&] { dynamic_kernel<false>(kernel); }, fallback_blocks, threads, 16);
   }
+  if (kernel.nan_on_error) {
+    ktae_emu::run([&] { nan_on_error_kernel(kernel, prepare.B * prepare.L); }, nan_blocks(prepare.B * prepare.L),
+                  kNanThreads, 0);
+  }
   return 0;
 }
 
@@ -72,5 +76,7 @@ const char* error_string(int code) {
 }
 
 int64_t max_shared_bytes(int /*device*/) { return kEmulatedSharedBytes; }
+
+void clear_launch_state() {}  // the emulator's launchers record nothing
 
 }  // namespace ktae

@@ -7,6 +7,7 @@ from typing import Callable, Mapping, Optional, Protocol, runtime_checkable
 
 from torch import Tensor
 
+from .. import caches
 from ..config import KTAEConfig
 from ..options import ExecutionOptions
 from ..types import Batch, KeyTokenScores
@@ -92,5 +93,7 @@ class BackendSpec:
         return module
 
 
-#: implementation modules already imported and checked, by import path.
+#: implementation modules already imported and checked, by import path (a thread that misses imports and
+#: checks the module again: the same module, stored twice).
 _LOADED: dict[str, Backend] = {}
+caches.on_clear(_LOADED.clear)

@@ -20,13 +20,14 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import sys
 from types import ModuleType
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from .. import method
+from .. import caches, method
 from ..config import KTAEConfig
 from ..options import DEFAULT_OPTIONS, ExecutionOptions
 from ..primitives import group_sum, repeat_counts, row_counts
@@ -100,6 +101,16 @@ def _ignored_ids(ids: tuple[int, ...]) -> np.ndarray:
     """int64 ``[len(ids)]``: the kernel's ``ignore`` argument (never written to; the binding takes only
     writable arrays)."""
     return np.array(ids, dtype=np.int64)
+
+
+@caches.on_clear
+def _clear() -> None:
+    """This module's memo and, when the kernel was loaded, its statistics cache and output pool."""
+    _ignored_ids.cache_clear()
+    kernel = sys.modules.get("ktae_kernels._cpu")
+    if kernel is not None:
+        kernel.clear_statistics_cache()
+        kernel.clear_output_pool()
 
 
 def _raise_bad_ids(batch: Batch) -> None:

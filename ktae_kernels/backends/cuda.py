@@ -8,11 +8,12 @@ device grid, ``device.DeviceState.grid``, computed by the extension's statistics
 ``device.GRID_MAX_GROUP`` compute theirs per slot) and writes the group's advantages; then a
 global-memory pass that takes the groups whose distinct ids overflowed their shared table, splitting
 their ids into hash partitions until each fits (its blocks exit at once when none overflowed). The
-kernels size each group's table on the device, by the distinct ids the earlier calls of this
-``(B, n_groups)`` held (``DeviceState.learnt``). Before the call: one stable argsort; after it, one read
-of the flags (the id range, the API's check folded in; the sizes learnt), skipped while a CUDA graph
-captures (``capture``: ``TokenAdvantagePlan.check`` reads them after a replay). A bad input leaves
-``out`` untouched: the table passes write nothing once a flag is set.
+kernels size each group's table on the device, by the distinct ids the earlier calls of this layout
+held (``DeviceState.learnt``, ``device.learnt_key``). Before the call: one stable argsort; after it, one
+read of the flags (the id range, the API's check folded in; the sizes learnt), skipped while a CUDA graph
+captures (``capture``, refused before a call of the layout completed: ``TokenAdvantagePlan.check``
+reads them after a replay). A bad input leaves ``out`` untouched (the table passes write nothing once
+a flag is set), or, in a replay of a captured call, NaN everywhere.
 
 ``key_token_scores``, and the rows whose float32 p-values ``fisher="upstream"`` computes on the host
 before its advantage call, come from the rows kernel (``launch``): a count pass, one device -> host
@@ -23,21 +24,24 @@ The compiled module ``ktae_kernels._C`` is imported on first use, so this module
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from .. import method
+from .. import caches, method
 from ..config import KTAEConfig
 from ..options import DEFAULT_OPTIONS, CudaTuning, ExecutionOptions
 from ..types import Batch, KeyTokenScores
 from ..validation import MAX_TOKEN_ID, check_id_range
 from . import device as device_state
-from .base import BackendUnavailableError, CapturedCall
+from .base import BackendUnavailableError, CapturedCall, GraphCaptureError
 from .device import MAX_GROUP_TOKENS, GridTables, baseline_code, grid_bound, on_device, statistics_constants
 
+#: the compiled extension's module name.
+MODULE = "ktae_kernels._C"
 #: how to build ``ktae_kernels._C`` (on a machine with nvcc and a CUDA build of torch).
 BUILD_COMMAND = 'TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation'
 
@@ -157,7 +161,7 @@ def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions
     ``extension``: the compiled module (default ``ktae_kernels._C``; the tests pass the CPU emulator build).
     """
     with on_device(batch.device):
-        plan = _prepare(extension or load_extension(), batch, config, options.cuda)
+        plan = prepare(extension or load_extension(), batch, config, options.cuda)
         return _scores(plan, batch, config)
 
 
@@ -170,9 +174,9 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     with on_device(batch.device):
         rows = None
         if config.fisher != "exact":  # the rows' float32 p-values come from the host first
-            rows = _given_rows(_scores(_prepare(ext, batch, config, options.cuda), batch, config))
+            rows = _given_rows(_scores(prepare(ext, batch, config, options.cuda), batch, config))
         plan = static_plan(ext, batch, config, options.cuda)
-        out, workspace = _enqueue(plan, batch, config, given, out, rows)
+        out, workspace = enqueue(plan, batch, config, given, out, rows)
         if workspace is not None:
             _read_flags(plan, batch.device, workspace[:ADVANTAGE_FLAGS].tolist())  # the one read, after every launch
         return out
@@ -181,13 +185,18 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
 def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
             options: ExecutionOptions = DEFAULT_OPTIONS, *,
             extension: ModuleType | None = None) -> tuple[Tensor, CapturedCall]:
-    """``token_advantage`` (exact) enqueued while a CUDA graph captures, nothing read back. Its tables
-    cannot overflow (the global pass takes any group), so a replay completes unless an input is bad;
-    the returned ``CapturedCall`` holds the cached tensors the graph reads and reads a replay's flags."""
+    """``token_advantage`` (exact) enqueued while a CUDA graph captures, nothing read back;
+    GraphCaptureError before a call of this layout completed (``device.learnt_key``). Its tables cannot
+    overflow (the global pass takes any group), so a replay completes unless an input is bad, and then
+    writes NaN over ``out``; the returned ``CapturedCall`` holds the cached tensors the graph reads and
+    reads a replay's flags."""
     ext = extension or load_extension()
+    learnt = device_state.state(batch.device).learnt(device_state.learnt_key("cuda", batch))
+    if learnt is None and batch.responses.numel():
+        raise GraphCaptureError(device_state.WARM_UP)
     with on_device(batch.device):
         plan = static_plan(ext, batch, config, options.cuda)
-        out, workspace = _enqueue(plan, batch, config, given, out, None)
+        out, workspace = enqueue(plan, batch, config, given, out, None, nan_on_error=True)
         keep = _cached_inputs(plan, config, batch.device)
         if workspace is None:
             return out, CapturedCall(keep=keep, check=lambda: None)
@@ -198,7 +207,7 @@ def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor 
 def unavailable_reason() -> str | None:
     """None when ``ktae_kernels._C`` imports, else why not and how to build it."""
     try:
-        importlib.import_module("ktae_kernels._C")
+        importlib.import_module(MODULE)
     except ImportError as err:
         return (f"the compiled extension ktae_kernels._C cannot be imported ({err}). Build it on a machine "
                 f"with the CUDA toolkit (nvcc) and a CUDA build of torch: `{BUILD_COMMAND}` (set "
@@ -211,7 +220,15 @@ def load_extension() -> ModuleType:
     reason = unavailable_reason()
     if reason is not None:
         raise BackendUnavailableError(f"the cuda backend needs {reason}")
-    return importlib.import_module("ktae_kernels._C")
+    return importlib.import_module(MODULE)
+
+
+@caches.on_clear
+def _clear_extension() -> None:
+    """The extension's launch records (``clear_caches``), when it was loaded."""
+    extension = sys.modules.get(MODULE)
+    if extension is not None:
+        extension.clear_caches()
 
 
 @dataclass(frozen=True)
@@ -237,7 +254,9 @@ class _Plan:
     stream: int
 
 
-def _prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTuning) -> _Plan:
+def prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTuning) -> _Plan:
+    """The rows kernel's inputs and launch geometry for ``batch`` (``key_token_scores``, and the rows of
+    ``fisher="upstream"``): one read of the largest group's size and masked tokens."""
     device = batch.device
     stats = method.group_stats(batch, config)
     n = batch.n_groups
@@ -392,7 +411,7 @@ def _given_rows(scores: KeyTokenScores) -> dict[str, Tensor]:
 
 
 @dataclass(frozen=True)
-class _GridKernel:
+class GridKernel:
     """The extension's statistics kernel as a ``device.StatisticsKernel`` (equal per extension: the
     device cache key)."""
 
@@ -456,7 +475,7 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaT
     words = presence_words(largest)
     opt_in = ext.max_shared_bytes(_device_index(batch.device))
     widest = table_capacity(largest * L)  # the table of the largest possible group
-    key = ("cuda", B, n)
+    key = device_state.learnt_key("cuda", batch)
     if tuning.table_slots is None:
         learnt = device_state.state(batch.device).learnt(key)
         seen_need = learnt.shared_need if learnt is not None and learnt.shared_need > 0 else None
@@ -491,7 +510,7 @@ def advantage_workspace_size(B: int, n_groups: int, fallback_bytes: int, index_p
 
 
 def workspace_views(workspace: Tensor, B: int, n_groups: int) -> dict[str, Tensor]:
-    """The named parts of an ``_enqueue`` workspace (for tests): ``flags, status, starts, group_counts,
+    """The named parts of an ``enqueue`` workspace (for tests): ``flags, status, starts, group_counts,
     lengths, extent, base, correct``."""
     n, head = n_groups, ADVANTAGE_FLAGS
     at = [head, head + n, head + 2 * n + 1, head + 6 * n + 1, head + 6 * n + 1 + B, head + 6 * n + 1 + 2 * B,
@@ -509,7 +528,7 @@ def _cached_inputs(plan: StaticPlan, config: KTAEConfig, device: torch.device) -
     state = device_state.state(device)
     values = None
     if plan.bound is not None:
-        values = state.grid(_GridKernel(plan.ext), config.alpha, config.beta, plan.bound)[3:5]
+        values = state.grid(GridKernel(plan.ext), config.alpha, config.beta, plan.bound)[3:5]
     log_factorial = None
     if plan.bound is None or plan.largest > plan.bound:
         log_factorial = state.log_factorials(plan.largest)
@@ -517,13 +536,14 @@ def _cached_inputs(plan: StaticPlan, config: KTAEConfig, device: torch.device) -
     return values, log_factorial, ignore
 
 
-def _enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
-             rows: dict[str, Tensor] | None) -> tuple[Tensor, Tensor | None]:
+def enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
+            rows: dict[str, Tensor] | None, nan_on_error: bool = False) -> tuple[Tensor, Tensor | None]:
     """Everything ``token_advantage`` sends to the device, in one binding call (csrc ``launch_advantage``):
     the scan pass, the groups pass, the shared-table pass and the global-memory one; before it, the
-    stable argsort of the group ids and two allocations. ``rows``: the given rows (``_given_rows``) in
-    place of the device grid. Returns ``out`` and the workspace (``workspace_views``; None for an empty
-    batch)."""
+    stable argsort of the group ids and two allocations. Nothing is read back. ``rows``: the given rows
+    (``_given_rows``) in place of the device grid. ``nan_on_error``: a bad input writes NaN over ``out``
+    (a captured call's replay), else nothing. Returns ``out`` and the workspace (``workspace_views``;
+    None for an empty batch)."""
     device = batch.device
     B, L = batch.responses.shape
     if out is None:
@@ -550,7 +570,7 @@ def _enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor |
                    **(rows or {}))
     shape = fill(ext.AdvantageLaunch(), shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
                  allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks, fallback_bytes=plan.fallback_bytes,
-                 slot_index=plan.slot_index, threads=plan.threads, stream=_stream(device))
+                 slot_index=plan.slot_index, threads=plan.threads, stream=_stream(device), nan_on_error=nan_on_error)
     ext.advantage(inputs, scoring, shape)
     return out, workspace
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator
@@ -12,9 +13,11 @@ from typing import Any, Callable, Hashable, Iterator
 import torch
 from torch import Tensor
 
+from .. import caches
 from ..config import KTAEConfig
-from ..fisher import _LOG_ERR, P_ONE, SCIPY_RTOL, log_factorial_table
+from ..fisher import LOG_ERR, P_ONE, SCIPY_RTOL, log_factorial_table
 from ..method import block_offset
+from ..types import Batch
 from .base import GraphCaptureError
 
 #: most masked tokens one group may hold (slot indices and counters stay in 32 bits).
@@ -23,8 +26,9 @@ MAX_GROUP_TOKENS = 2**30
 #: ``config.baseline``, or "given" for a caller's ``rollout_advantage``.
 BASELINE_CODES = {"grpo": 0, "mean": 1, "none": 2, "given": 3}
 #: what a capture refused for want of a warm-up says.
-WARM_UP = ("this call has not run outside a CUDA graph yet: make one call of the plan (on a batch as diverse as "
-           "the replays will be) before capturing it, as every CUDA graph needs a warm-up")
+WARM_UP = ("this plan's group layout has not run outside a CUDA graph on this device yet (or `clear_caches` "
+           "forgot it): make one call of the plan (on a batch as diverse as the replays will be) before "
+           "capturing it, as every CUDA graph needs a warm-up")
 #: what a replay that could not complete says.
 WARM_UP_MORE = ("Warm the plan up on a batch at least as diverse as the replays, then capture it again "
                 "(or use backend='cuda', whose tables cannot overflow).")
@@ -63,7 +67,7 @@ class Learnt:
 
 
 class _Lru:
-    """A dict that keeps its ``size`` most recently used entries."""
+    """A dict that keeps its ``size`` most recently used entries (its owner holds the lock)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -87,11 +91,13 @@ class DeviceState:
     read by every later call (statistics grids, log-factorials, constant vectors; ``cached``), and what
     earlier calls of a batch layout taught (``learnt``). ``clear`` forgets everything.
 
-    A tensor made by ``cached`` is complete before any stream reads it (the making stream is
-    synchronised once), and a call on another stream records its use, so that an eviction never
-    recycles memory a queued kernel still reads. While a CUDA graph captures, nothing is made: a miss
-    raises ``GraphCaptureError`` (make the call once before capturing). What a captured graph reads
-    must outlive this cache's evictions: the plan that captured it holds it (``CapturedCall``).
+    Thread-safe: every lookup, insertion, eviction and ``learn`` holds the state's lock (two threads
+    that miss one key both make it, and both get the one kept). A tensor made by ``cached`` is complete
+    before any stream reads it (the making stream is synchronised once), and a call on another stream
+    records its use, so that an eviction never recycles memory a queued kernel still reads. While a CUDA
+    graph captures, nothing is made and no stream is touched: a miss raises ``GraphCaptureError`` (make
+    the call once before capturing). What a captured graph reads must outlive this cache's evictions:
+    the plan that captured it holds it (``CapturedCall``).
     """
 
     #: tensors kept (a run uses a few: a grid, a constant vector, a log-factorial table)
@@ -101,32 +107,46 @@ class DeviceState:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._lock = threading.Lock()
         self._cached = _Lru(self.CACHED)
         self._learnt = _Lru(self.LEARNT)
 
     def clear(self, cached: bool = True) -> None:
-        """Forget what earlier calls taught (the next calls size their tables from scratch) and, with
-        ``cached``, every cached tensor (the next calls make them again)."""
-        self._learnt = _Lru(self.LEARNT)
-        if cached:
-            self._cached = _Lru(self.CACHED)
+        """Forget what earlier calls taught (the next calls size their tables from scratch; a plan must
+        run once more before it is captured) and, with ``cached``, every cached tensor (the next calls
+        make them again)."""
+        with self._lock:
+            self._learnt = _Lru(self.LEARNT)
+            if cached:
+                self._cached = _Lru(self.CACHED)
+
+    def stream(self) -> Any:
+        """The stream this device's calls enqueue on now (``torch.cuda.current_stream``; None on the CPU).
+
+        Test seam: every stream this state synchronises or records a use on comes from here, so a test
+        may replace it (with a stream that records or refuses what is done to it) to check, without a
+        GPU, what a call does to the stream."""
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def cached(self, key: Hashable, make: Callable[[], Any]) -> Any:
         """The value ``make()`` (a tensor or a tuple of them, on this device) once made for ``key``."""
-        hit = self._cached.get(key)
+        with self._lock:
+            hit = self._cached.get(key)
         if hit is None:
             if capturing(self.device):
                 raise GraphCaptureError(WARM_UP)
             value = make()
-            stream = None
-            if self.device.type == "cuda":
-                stream = torch.cuda.current_stream(self.device)
+            stream = self.stream()
+            if stream is not None:
                 stream.synchronize()  # once: every stream may read it from now on
-            hit = (value, stream)
-            self._cached.put(key, hit)
+            with self._lock:
+                hit = self._cached.get(key)  # another thread's, made meanwhile: one tensor for everyone
+                if hit is None:
+                    hit = (value, stream)
+                    self._cached.put(key, hit)
         value, made_on = hit
         if made_on is not None and not capturing(self.device):
-            stream = torch.cuda.current_stream(self.device)
+            stream = self.stream()
             if stream != made_on:
                 for tensor in value if isinstance(value, tuple) else (value,):
                     tensor.record_stream(stream)
@@ -150,35 +170,58 @@ class DeviceState:
         return self.cached(("log_factorial", size), lambda: log_factorial_table(size - 1, self.device))
 
     def learnt(self, key: Hashable) -> Learnt | None:
-        """What the calls under ``key`` taught, or None before any completed."""
-        return self._learnt.get(key)
+        """What the calls under ``key`` (``learnt_key``) taught, or None before any completed."""
+        with self._lock:
+            return self._learnt.get(key)
 
     def learn(self, key: Hashable, largest: int = 0, distinct: int = 0, shared_need: int = 0) -> None:
         """Keep the most of each seen under ``key``; a call that counted no id (every id masked out, or a
         bad id) teaches nothing."""
         if distinct <= 0:
             return
-        seen = self._learnt.get(key) or Learnt()
-        self._learnt.put(key, Learnt(max(largest, seen.largest), max(distinct, seen.distinct),
-                                     max(shared_need, seen.shared_need)))
+        with self._lock:
+            seen = self._learnt.get(key) or Learnt()
+            self._learnt.put(key, Learnt(max(largest, seen.largest), max(distinct, seen.distinct),
+                                         max(shared_need, seen.shared_need)))
+
+
+def learnt_key(backend: str, batch: Batch) -> tuple:
+    """Where ``backend`` keeps what calls of ``batch``'s layout taught: ``(backend, B, n_groups)``, and the
+    group sizes for a plan's batch (``Batch.layout``), so that a plan is sized, and its capture allowed,
+    by the calls of its own layout only."""
+    key = (backend, batch.responses.shape[0], batch.n_groups)
+    return key if batch.layout is None else (*key, batch.layout)
 
 
 _STATES: dict[torch.device, DeviceState] = {}
+_STATES_LOCK = threading.Lock()
 
 
 def state(device: torch.device) -> DeviceState:
-    """The runtime state of the GPU backends on ``device``."""
+    """The runtime state of the GPU backends on ``device`` (one per device, whichever thread asks first)."""
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     found = _STATES.get(device)
     if found is None:
-        found = _STATES[device] = DeviceState(device)
+        with _STATES_LOCK:
+            found = _STATES.get(device)
+            if found is None:
+                found = _STATES[device] = DeviceState(device)
     return found
 
 
 def states() -> tuple[DeviceState, ...]:
     """Every device's state made so far (to clear them all)."""
-    return tuple(_STATES.values())
+    with _STATES_LOCK:
+        return tuple(_STATES.values())
+
+
+def _clear_states() -> None:
+    for each in states():
+        each.clear()
+
+
+caches.on_clear(_clear_states)
 
 
 # ------------------------------------------------------------------ the device grid of per-table statistics
@@ -215,7 +258,7 @@ def statistics_constants(alpha: float, beta: float) -> list[float]:
     """The float64 constants every statistics kernel reads, in this order: scipy's log relative tie
     tolerance, the log-space rounding allowance, the ``p = 1`` threshold of ``F``, ``ln 2``, ``alpha``,
     ``beta`` (``fisher.exact_pvalue_flat`` / ``method.table_statistics``)."""
-    return [math.log1p(SCIPY_RTOL), _LOG_ERR, P_ONE, math.log(2.0), alpha, beta]
+    return [math.log1p(SCIPY_RTOL), LOG_ERR, P_ONE, math.log(2.0), alpha, beta]
 
 
 def grid_bound(largest: int) -> int | None:

@@ -19,15 +19,18 @@ advantages, or the rows a caller reads back.
              ranks), its table's statistics from the device grid (or computed in place for groups
              past ``device.GRID_MAX_GROUP``), the per-row direction and squash; the score replaces
              the slot's counters
-``advantage`` ``(A_i + weight * score) * mask`` from each position's slot
+``advantage`` ``(A_i + weight * score) * mask`` from each position's slot (NaN everywhere after a failed
+             replay of a captured call, nothing after a failed eager call)
 ``rows``     (``key_token_scores`` and ``fisher="upstream"``) each occupied slot as a row
 
 Everything is sized from ``B``, ``L`` and the number of groups; the flags (``Flags``) are read once,
 after the last launch. What a call's tables could not hold sets a retry bit; ``token_advantage`` then
 runs once more with every table sized for its group's masked tokens at most half full (``safe``, the
-exact sizes read from the flags), which cannot retry. While a CUDA graph captures nothing is read:
-``capture`` returns the flags for ``TokenAdvantagePlan.check``, and a replay that needed a retry
-fills ``out`` with NaN.
+exact sizes read from the flags), which cannot retry. A plan's batch (``Batch.layout``) is sized for its
+largest group from the start and learns under its own layout. While a CUDA graph captures nothing is
+read: ``capture`` (refused before a call of the plan's layout completed) returns the flags for
+``TokenAdvantagePlan.check``, and a replay that found a bad input or needed a retry fills ``out`` with
+NaN.
 """
 from __future__ import annotations
 
@@ -449,9 +452,9 @@ def _rows_kernel(grp_ptr, n, tab_ptr, occ_ptr, order_at, bits_at, row_start_ptr,
 def _advantage_kernel(B, L, group_ptr, rewards_ptr, given_ptr, n, grp_ptr, tab_ptr, occ_ptr, roll_at,
                       index_at, const_ptr, out_ptr, BASELINE: tl.constexpr, REPORT: tl.constexpr,
                       ROWS: tl.constexpr, COLS: tl.constexpr):
-    """``out`` of a ``[ROWS, COLS]`` tile from the slot index. Nothing is written after a bad input (an
-    id out of range, a group past ``MAX_GROUP_TOKENS``); after a retry, nothing, or NaN with ``REPORT``
-    (a replay of a captured call: ``out`` must not keep the previous replay's values)."""
+    """``out`` of a ``[ROWS, COLS]`` tile from the slot index. After a bad input (an id out of range, a
+    group past ``MAX_GROUP_TOKENS``) or a retry nothing is written, or, with ``REPORT`` (a replay of a
+    captured call: ``out`` must not keep the previous replay's values), NaN everywhere."""
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
     col = tl.program_id(1) * COLS + tl.arange(0, COLS)[None, :]
     roll_ptr = tab_ptr + roll_at
@@ -461,7 +464,7 @@ def _advantage_kernel(B, L, group_ptr, rewards_ptr, given_ptr, n, grp_ptr, tab_p
     good = (tl.load(flags + _BAD_LOW + zero) == 0) & (tl.load(flags + _BAD_HIGH + zero) == 0) & ((retry & _TOKENS) == 0)
     if REPORT:
         tl.store(out_ptr + r.to(tl.int64) * L + col, tl.full([ROWS, COLS], float("nan"), tl.float32),
-                 mask=(r < B) & (col < L) & good & (retry != 0))
+                 mask=(r < B) & (col < L) & ((~good) | (retry != 0)))
     real = (r < B) & good & (retry == 0)
     inside = real & (col < L)
     last = tl.load(roll_ptr + 2 * B + r, mask=real, other=0)
@@ -485,6 +488,12 @@ def _advantage_kernel(B, L, group_ptr, rewards_ptr, given_ptr, n, grp_ptr, tab_p
                 A = A / (std + tl.load(const_ptr + _EPS))
     value = A + tl.load(const_ptr + _WEIGHT) * score
     tl.store(out_ptr + pos, tl.where(present, value, 0.0).to(tl.float32), mask=inside)
+
+
+#: every kernel of the pipeline, by name (what a compile report builds: tests/compile_report.py)
+KERNELS = {"ranks": _ranks_kernel, "lengths": _lengths_kernel, "plan": _plan_kernel, "rebuild_plan": _rebuild_plan_kernel,
+           "clear": _clear_kernel, "insert": _insert_kernel, "score": _score_kernel, "rows": _rows_kernel,
+           "advantage": _advantage_kernel}
 
 
 # ----------------------------------------------------------------------------- host side
@@ -629,6 +638,10 @@ class Run:
         """int64 ``[n]``: one of the per-group rows (``_N_C`` ...)."""
         return self.grp[row.value * self.n:(row.value + 1) * self.n]
 
+    def overflowed(self) -> Tensor:
+        """int64 ``[n]``: 1 where the group's first table overflowed (it was rebuilt), else 0."""
+        return self.group_row(_OVER)
+
     def read(self, *extra: Tensor) -> tuple[Flags, list[int]]:
         """The flags and ``extra`` int64 scalars, in one device -> host copy."""
         values = torch.cat([self.flags, *(e.reshape(1) for e in extra)]).tolist()
@@ -728,17 +741,18 @@ def advantage(run: Run, batch: Batch, config: KTAEConfig, given: Tensor | None, 
         BASELINE=baseline_code(config, given), REPORT=report, ROWS=rows, COLS=cols, enable_fp_fusion=False)
 
 
-def _learnt_sizes(batch: Batch, tuning: TritonTuning, score_rows: bool) -> Sizes:
-    """A first try's sizes from what earlier calls of this ``(B, n_groups)`` learnt (any ``L``)."""
+def first_sizes(batch: Batch, tuning: TritonTuning, score_rows: bool) -> Sizes:
+    """A first try's sizes, from what earlier calls of this layout learnt (``device.learnt_key``, any
+    ``L``); a plan's batch takes its own largest group as the bound."""
     B, L = batch.responses.shape
     learnt = device_state.state(batch.device).learnt(_key(batch))
-    if learnt is None:
-        return sizes(B, L, batch.n_groups, tuning, score=score_rows)
-    return sizes(B, L, batch.n_groups, tuning, learnt.largest, learnt.distinct, score=score_rows)
+    bound = batch.layout.largest if batch.layout is not None else learnt.largest if learnt is not None else 16
+    keys = learnt.distinct if learnt is not None else None
+    return sizes(B, L, batch.n_groups, tuning, bound, keys, score=score_rows)
 
 
 def _key(batch: Batch) -> tuple:
-    return "triton", batch.responses.shape[0], batch.n_groups
+    return device_state.learnt_key("triton", batch)
 
 
 def _built(batch: Batch, config: KTAEConfig, tuning: TritonTuning, score_rows: bool,
@@ -746,7 +760,7 @@ def _built(batch: Batch, config: KTAEConfig, tuning: TritonTuning, score_rows: b
     """The tables (and, with ``score_rows``, the slots' scores), built once more in safe sizes when the
     first try flagged a retry; the flags read back (with the rows' count when not ``score_rows``).
     Raises the API's errors for bad inputs. ``grpo``: sum each group's reward variance."""
-    run = build(batch, config, _learnt_sizes(batch, tuning, score_rows), tuning, grpo)
+    run = build(batch, config, first_sizes(batch, tuning, score_rows), tuning, grpo)
     for safe in (False, True):
         if score_rows:
             score(run, config, batch.device)
@@ -825,9 +839,10 @@ def _group_counts(batch: Batch, config: KTAEConfig) -> tuple[Tensor, Tensor, Ten
 def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
             tuning: TritonTuning) -> tuple[Tensor, CapturedCall]:
     """``token_advantage`` (exact) enqueued while a CUDA graph captures: nothing read back, tables sized by
-    what the warm-up calls of this ``(B, n_groups)`` learnt (GraphCaptureError without one). The
-    returned ``CapturedCall`` holds what the graph reads from the backend's caches and checks a
-    replay's flags."""
+    what the warm-up calls of this layout learnt (``device.learnt_key``; GraphCaptureError without one)
+    and, for a plan's batch, for its largest group. A replay that finds a bad input or needs a retry
+    writes NaN over ``out``. The returned ``CapturedCall`` holds what the graph reads from the backend's
+    caches and checks a replay's flags."""
     B, L = batch.responses.shape
     if out is None:
         out = torch.empty(B, L, dtype=torch.float32, device=batch.device)
@@ -836,7 +851,8 @@ def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor 
     learnt = device_state.state(batch.device).learnt(_key(batch))
     if learnt is None:
         raise GraphCaptureError(device_state.WARM_UP)
-    sizes_ = sizes(B, L, batch.n_groups, tuning, learnt.largest, learnt.distinct)
+    largest = batch.layout.largest if batch.layout is not None else learnt.largest
+    sizes_ = sizes(B, L, batch.n_groups, tuning, largest, learnt.distinct)
     run = build(batch, config, sizes_, tuning, given is None and config.baseline == "grpo")
     score(run, config, batch.device)
     advantage(run, batch, config, given, out, report=True)
@@ -845,8 +861,8 @@ def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor 
 
 
 def _check_replay(run: Run) -> None:
-    """Raise when the last replay of a captured call found a bad input (``out`` untouched) or needed a
-    retry (``out`` holds NaN)."""
+    """Raise when the last replay of a captured call found a bad input or needed a retry (``out`` holds
+    NaN either way)."""
     flags, _ = run.read()
     flags.raise_input_errors()
     if flags.retry:

@@ -123,6 +123,10 @@ def _statistics_kernel(cells_ptr, size, lf_ptr, angle_ptr, const_ptr, out_ptr, B
     tl.store(out_ptr + 4 * size + t, strength, mask=valid)
 
 
+#: the statistics kernel, by name (what a compile report builds: tests/compile_report.py)
+KERNELS = {"statistics": _statistics_kernel}
+
+
 def grid_statistics_kernel(grid: GridTables, alpha: float, beta: float) -> Tensor:
     """float64 ``[5, grid.size]``: ``p_value, F, IG, h, strength`` of every table of ``grid``, on its
     device (a ``device.StatisticsKernel``)."""
