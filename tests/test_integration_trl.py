@@ -235,9 +235,11 @@ def test_a_moved_override_target_fails_when_the_trainer_is_built(tmp_path, monke
                                                      r"_generate_and_score_completions\. KTAE expected the method"):
         KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer())
     monkeypatch.undo()
-    monkeypatch.setattr(trl, "__version__", "0.29.0")
-    with pytest.raises(FrameworkMismatchError, match="KTAE supports TRL >= 1.0, < 2; found TRL 0.29.0"):
-        KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer())
+    monkeypatch.delenv("KTAE_ALLOW_UNTESTED", raising=False)
+    for version in ("0.29.0", "2.0.0"):
+        monkeypatch.setattr(trl, "__version__", version)
+        with pytest.raises(FrameworkMismatchError, match=f"KTAE supports TRL >= 1.0, < 2; found TRL {version}"):
+            KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer())
 
 
 def test_own_baseline_instead_of_trls_advantage(tmp_path):

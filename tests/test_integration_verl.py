@@ -26,6 +26,7 @@ from verl_fakes import FakeTransferQueue, Meta  # noqa: E402
 
 VERL_VERSION = tuple(int(x) for x in verl.__version__.split(".")[:2])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import ktae_kernels  # noqa: E402
 from ktae_kernels import KTAEConfig, key_token_scores, token_advantage  # noqa: E402
 from ktae_kernels.integrations import verl as ktae_verl  # noqa: E402
 from ktae_kernels.integrations.verl.trainers import V1_FIELDS  # noqa: E402
@@ -347,14 +348,19 @@ def test_legacy_compute_advantage_passes_responses_scores_and_metrics():
 
 def test_metrics_modes():
     responses, mask, scores, uid = _verl_batch(seed=7)
-    logged = METRIC_KEYS | {"ktae/threads", "ktae/label_source/token_level_scores"}
+    logged = METRIC_KEYS | {"ktae/backend/torch", "ktae/label_source/token_level_scores"}  # torch: no kernel threads
     for mode, names in [("off", set()), ("advantages", logged),
                         ("scores", logged | {"ktae/distinct_tokens_per_group"})]:
         step = ktae_verl.StepInputs(responses=responses, scores=scores, metrics={})
         with ktae_verl.provide_step(step):
             ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=_algorithm(ktae={"metrics": mode}))
         assert set(step.metrics) == names, mode
-        assert step.metrics.get("ktae/threads", torch.get_num_threads()) == torch.get_num_threads()
+    if "cpu" in ktae_kernels.available_backends("cpu"):  # the native kernel: its threads are logged
+        step = ktae_verl.StepInputs(responses=responses, scores=scores, metrics={})
+        with ktae_verl.provide_step(step):
+            ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=_algorithm(ktae={"backend": "cpu",
+                                                                                                 "threads": 1}))
+        assert step.metrics["ktae/backend/cpu"] == 1.0 and step.metrics["ktae/threads"] == 1.0
     cheap, full = ({k: v for k, v in s.items() if k != "ktae/time_ms"} for s in (
         ktae_verl.ktae_step(responses, mask, scores, uid, ktae_verl.ktae_settings(_algorithm(ktae={"metrics": m})))[1]
         for m in ("advantages", "scores")))
@@ -491,7 +497,12 @@ def test_verl_version_is_checked_against_the_supported_range(monkeypatch):
     with pytest.raises(FrameworkMismatchError, match=r"KTAE supports verl >= 0.6, < 0.10; found verl 0.5.0"):
         ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
     monkeypatch.setattr(verl, "__version__", "0.10.0")
-    with pytest.warns(RuntimeWarning, match=r"tested with verl >= 0.6, < 0.10; found verl 0.10.0"):
+    monkeypatch.delenv("KTAE_ALLOW_UNTESTED", raising=False)
+    with pytest.raises(FrameworkMismatchError, match=r"KTAE supports verl >= 0.6, < 0.10; found verl 0.10.0, .* set "
+                                                     r"KTAE_ALLOW_UNTESTED=verl to run with a warning"):
+        ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
+    monkeypatch.setenv("KTAE_ALLOW_UNTESTED", "verl")
+    with pytest.warns(RuntimeWarning, match=r"tested with verl >= 0.6, < 0.10; found verl 0.10.0, allowed by"):
         ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
 
 

@@ -27,8 +27,8 @@ from torch import Tensor
 
 from ..api import key_token_scores, token_advantage
 from .import_hooks import patch_on_import
-from .shared import (AdapterSettings, check_version, column_values, correct_labels, missing_target,
-                     settings_from_mapping, step_metrics)
+from .shared import (ALLOW_UNTESTED, AdapterSettings, backend_that_runs, check_version, column_values, correct_labels,
+                     missing_target, settings_from_mapping, step_metrics)
 
 #: environment variable ``worker_setup`` / ``install`` read the settings from (a JSON object).
 ENV_VAR = "KTAE_OPENRLHF"
@@ -92,8 +92,8 @@ def add_key_token_scores(experiences: Sequence[Any], *, n_samples_per_prompt: in
         start += rows.shape[0]
     scores = lambda: key_token_scores(ids, mask, rewards, group, config=config, backend=settings.backend,  # noqa: E731
                                       correct=labels.correct, options=settings.options)
-    values = step_metrics(settings, labels, started, scores=scores, advantages=term, mask=mask,
-                          rollout_advantage=zero, group=group)
+    values = step_metrics(settings, labels, started, backend=backend_that_runs(settings.backend, ids.device),
+                          scores=scores, advantages=term, mask=mask, rollout_advantage=zero, group=group)
     for e in experiences:
         info = e.info if e.info is not None else {}
         info.update({k: torch.full((e.action_mask.shape[0],), v, dtype=torch.float32) for k, v in values.items()})
@@ -236,13 +236,15 @@ def runtime_env(settings: AdapterSettings = AdapterSettings(), base: Mapping[str
     """A Ray ``runtime_env`` that installs KTAE in OpenRLHF's trainer actor: ``base`` (a user's own
     runtime_env) plus ``worker_setup`` as the setup hook and, in ``env_vars``, the settings as JSON
     and OpenRLHF's own defaults (``OPENRLHF_ENV_DEFAULTS``), where ``environ`` (the launching shell)
-    and ``base`` set nothing else."""
+    and ``base`` set nothing else; ``$KTAE_ALLOW_UNTESTED`` when ``environ`` sets it."""
     environ = os.environ if environ is None else environ
     base = dict(base or {})
     hook = base.get("worker_process_setup_hook")
     if hook not in (None, SETUP_HOOK, worker_setup):
         raise ValueError(f"runtime_env already has worker_process_setup_hook={hook!r}; KTAE needs {SETUP_HOOK!r} there")
     env_vars = {name: environ.get(name, default) for name, default in OPENRLHF_ENV_DEFAULTS.items()}
+    if environ.get(ALLOW_UNTESTED):  # the trainer actor checks OpenRLHF's version too
+        env_vars[ALLOW_UNTESTED] = environ[ALLOW_UNTESTED]
     env_vars.update(base.get("env_vars") or {})
     env_vars[ENV_VAR] = settings_json(settings)
     return {**base, "worker_process_setup_hook": SETUP_HOOK, "env_vars": env_vars}

@@ -24,10 +24,11 @@ from ..config import KTAEConfig
 from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
 from .gathered import grpo_groups, grpo_token_advantages
-from .shared import (AdapterSettings, Labels, check_metrics_mode, check_version, correct_labels, missing_target,
-                     rollout_baseline, step_metrics)
+from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_metrics_mode,
+                     check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
 
-__all__ = ["KTAEGRPOMixin", "KTAEGRPOTrainer", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
+__all__ = ["SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order", "grpo_token_advantages",
+           "liger_loss_takes_sequence_advantages"]
 
 #: metrics averaged over tokens: across processes, weighted by each process's token count.
 TOKEN_METRICS = ("ktae/score_abs_mean", "ktae/key_token_share")
@@ -193,8 +194,10 @@ class KTAEGRPOMixin:
         scores = lambda: key_token_scores(output["completion_ids"], scored, rewards[own], group[own],  # noqa: E731
                                           config=self.ktae_config, backend=self.ktae_settings.backend,
                                           correct=local.correct, options=self.ktae_settings.options)
-        values = step_metrics(self.ktae_settings, local, started, scores=scores, advantages=advantages, mask=scored,
-                              rollout_advantage=base, group=group[own])
+        ran = backend_that_runs(self.ktae_settings.backend, advantages.device,
+                                distributed=self.accelerator.num_processes > 1)
+        values = step_metrics(self.ktae_settings, local, started, backend=ran, scores=scores, advantages=advantages,
+                              mask=scored, rollout_advantage=base, group=group[own])
         if values and self.accelerator.num_processes > 1:
             values = self._ktae_across_processes(values, scored.sum(), group, labels.correct)
         for name, value in values.items():
