@@ -271,6 +271,44 @@ def _trainer_arguments(real, args):
             types.SimpleNamespace(pad_token_id=real.PAD))
 
 
+def _skipping_make_experience_batch(real):
+    """``make_experience_batch`` of an OpenRLHF that computes the advantages without calling the overridable
+    ``compute_advantages_and_returns`` (it calls its own class's directly): a batch made without KTAE."""
+    own = real.experience_maker.RemoteExperienceMaker
+
+    def make_experience_batch(self, rollout_samples):
+        experiences = self.make_experience(self.split_rollout_samples(rollout_samples))
+        return own.compute_advantages_and_returns(self, experiences)
+    return make_experience_batch
+
+
+@pytest.mark.parametrize("metrics", ["off", "advantages"])
+def test_a_maker_that_skips_the_ktae_step_fails_at_the_first_batch(real, trainer_module, monkeypatch, metrics):
+    """OpenRLHF's own ``BasePPOTrainer`` builds KTAE's maker; when OpenRLHF's ``make_experience_batch`` no
+    longer calls ``compute_advantages_and_returns``, the trainer's first ``train_step`` stops with
+    ``FrameworkMismatchError`` before any PPO update, whatever the metrics mode. With OpenRLHF's own
+    ``make_experience_batch`` the step runs and is counted."""
+    args = real.parse_args(real.FLAGS + ["--algo.advantage.estimator", "group_norm", "--reward.remote_url", "r.py"])
+    samples = real.rollout_samples(args, real.responses(0))
+    ktae_openrlhf.patch_trainer_module(trainer_module, AdapterSettings(metrics=metrics))
+    trainer = trainer_module.BasePPOTrainer(*_trainer_arguments(real, args))
+    with real.local_ray():
+        made = trainer.experience_maker.make_experience_batch(samples)
+    assert trainer.experience_maker.ktae_steps == 1 and len(made) == 3
+    assert any(k.startswith("ktae/") for k in made[0].info) == (metrics != "off")
+
+    monkeypatch.setattr(real.experience_maker.RemoteExperienceMaker, "make_experience_batch",
+                        _skipping_make_experience_batch(real))
+    trainer = trainer_module.BasePPOTrainer(*_trainer_arguments(real, args))
+    monkeypatch.setattr(trainer, "ppo_train", lambda *a, **k: pytest.fail("a PPO update ran without KTAE"))
+    version = ktae_openrlhf.installed_version()
+    with real.local_ray(), pytest.raises(FrameworkMismatchError,
+                                         match=rf"OpenRLHF {version}: RemoteExperienceMaker.make_experience_batch made "
+                                               r"a batch without calling compute_advantages_and_returns"):
+        trainer.train_step(samples, 0)
+    assert trainer.experience_maker.ktae_steps == 0
+
+
 def test_a_moved_patch_target_fails_at_start_up(real, trainer_module, monkeypatch):
     """A trainer module without ``RemoteExperienceMaker`` or ``BasePPOTrainer``, or a trainer that builds
     its maker some other way, fails when the trainer module is patched or the trainer is built, naming
@@ -283,6 +321,11 @@ def test_a_moved_patch_target_fails_at_start_up(real, trainer_module, monkeypatc
     renamed.ExperienceMaker = trainer_module.RemoteExperienceMaker
     with pytest.raises(FrameworkMismatchError, match=rf"OpenRLHF {version}: .* no class RemoteExperienceMaker.*"
                                                      r"KTAE expected the experience-maker class"):
+        ktae_openrlhf.patch_trainer_module(renamed, AdapterSettings())
+    renamed.RemoteExperienceMaker = type("RemoteExperienceMaker", (), {  # the batch step renamed
+        "compute_advantages_and_returns": trainer_module.RemoteExperienceMaker.compute_advantages_and_returns})
+    with pytest.raises(FrameworkMismatchError, match="no class RemoteExperienceMaker with the methods "
+                                                     "make_experience_batch and compute_advantages_and_returns"):
         ktae_openrlhf.patch_trainer_module(renamed, AdapterSettings())
     renamed.RemoteExperienceMaker = renamed.ExperienceMaker
     del renamed.BasePPOTrainer
