@@ -346,6 +346,39 @@ def test_legacy_compute_advantage_passes_responses_scores_and_metrics():
     assert torch.equal(grpo.batch["advantages"], ref)
 
 
+EXPERIMENTAL = [("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer"),
+                ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer")]
+
+
+@pytest.mark.parametrize("module, name", EXPERIMENTAL, ids=["one_step_off_policy", "fully_async_policy"])
+def test_experimental_trainers_log_the_ktae_metrics(module, name):
+    """verl's experimental trainers (their base ``SeparateRayPPOTrainer`` takes ``compute_advantage`` and
+    ``compute_data_metrics`` by name): their own ``_fit_compute_advantage`` computes KTAE's advantages
+    and their ``_fit_collect_metrics`` puts the ``ktae/*`` metrics into the step's metrics."""
+    trainer_cls = getattr(pytest.importorskip(module, reason="verl's experimental trainers do not import"), name)
+    trainer_cls = getattr(trainer_cls, "__ray_actor_class__", trainer_cls)  # FullyAsyncTrainer is a Ray actor class
+    from ktae_kernels.integrations.verl.framework import SEPARATION_MODULE, trainer_modules
+
+    assert SEPARATION_MODULE in trainer_modules(_compose("algorithm.adv_estimator=ktae"))
+    responses, mask, scores, uid = _verl_batch(seed=11)
+    prompts = torch.ones(len(uid), 3, dtype=torch.long)
+    acc = np.arange(len(uid)) % 3 == 0
+    batch = DataProto.from_dict(tensors={"responses": responses, "response_mask": mask, "prompts": prompts,
+                                         "attention_mask": torch.cat([torch.ones_like(prompts), mask.long()], 1)},
+                                non_tensors={"uid": uid}, meta_info={"global_token_num": [int(mask.sum()) + 3 * len(uid)]})
+    trainer = object.__new__(trainer_cls)  # the two steps read only these attributes
+    trainer.config = OmegaConf.create({"algorithm": _algorithm(), "actor_rollout_ref": {"rollout": {"n": 4}}})
+    trainer.metrics, trainer.timing_raw, trainer.use_critic = {}, {"step": 1.0}, False
+    trainer.reward_tensor, trainer.reward_extra_infos_dict = scores, {"acc": acc.tolist()}
+    trainer.resource_pool_manager = type("Pool", (), {"get_n_gpus": lambda self: 1})()
+    out = trainer._fit_compute_advantage(batch)
+    trainer._fit_collect_metrics(out)
+    want = token_advantage(responses, mask, scores, uid, config=KTAE, correct=torch.as_tensor(acc))
+    assert torch.equal(out.batch["advantages"], want)
+    assert METRIC_KEYS | {"ktae/label_source/acc", "ktae/backend/torch"} <= set(trainer.metrics)
+    assert "critic/score/mean" in trainer.metrics and "ktae_metrics" not in out.meta_info
+
+
 def test_metrics_modes():
     responses, mask, scores, uid = _verl_batch(seed=7)
     logged = METRIC_KEYS | {"ktae/backend/torch", "ktae/label_source/token_level_scores"}  # torch: no kernel threads
@@ -488,6 +521,21 @@ def test_a_moved_patch_target_fails_at_start_up(monkeypatch):
     from ktae_kernels.integrations.verl.check import config_problem
 
     assert "has no PPOTrainer._compute_advantage" in config_problem(["algorithm.adv_estimator=ktae"])
+
+
+def test_a_moved_experimental_target_fails_at_start_up(monkeypatch):
+    """Where verl's experimental trainers' base is imported (their entry points import it before they
+    validate the config), a ``compute_data_metrics`` gone from it fails a "ktae" run at start-up."""
+    from ktae_kernels.integrations.shared import FrameworkMismatchError
+    from ktae_kernels.integrations.verl import framework, trainers
+
+    separation = pytest.importorskip(framework.SEPARATION_MODULE, reason="verl's experimental trainers do not import")
+    monkeypatch.setitem(framework.PATCH_PROBLEMS, framework.SEPARATION_MODULE, "")  # restored after the test
+    monkeypatch.delattr(separation, "compute_data_metrics")
+    trainers.PATCHES[framework.SEPARATION_MODULE](separation)
+    with pytest.raises(FrameworkMismatchError, match=r"verl.experimental.separation.ray_trainer has no "
+                                                     r"compute_data_metrics\. KTAE expected .*experimental trainers"):
+        ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
 
 
 def test_verl_version_is_checked_against_the_supported_range(monkeypatch):
