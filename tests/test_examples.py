@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ktae_kernels import KTAEConfig, token_advantage
+from ktae_kernels.integrations import openrlhf as ktae_openrlhf
 from ktae_kernels.integrations.openrlhf import runtime_env, settings_from_env
 from ktae_kernels.integrations.shared import AdapterSettings
 from verl_fakes import FakeTransferQueue, Meta
@@ -171,9 +172,9 @@ def _launcher_flags() -> list[str]:
 
 
 def test_openrlhf_launcher_hands_openrlhf_an_initialised_ray(monkeypatch):
-    """The launcher checks the settings, the estimator and OpenRLHF's trainer module before Ray starts
-    (``ray.init`` is stubbed: tests/test_integration_openrlhf.py starts real Ray with the same
-    runtime_env), starts Ray with ``runtime_env(settings)`` and runs OpenRLHF's own CLI, whose parser and
+    """A contract test (``ray.init`` is stubbed; tests/test_integration_openrlhf.py starts real Ray with the
+    same runtime_env): the launcher checks the settings, the estimator and OpenRLHF's trainer module before
+    Ray starts, starts Ray with ``runtime_env(settings)`` and runs OpenRLHF's own CLI, whose parser and
     checks accept every flag of run_ktae.sh (stopped where training would start)."""
     pytest.importorskip("openrlhf", reason="OpenRLHF not installed: pip install --no-deps openrlhf==0.11.2")
     import openrlhf.utils
@@ -204,9 +205,27 @@ def test_openrlhf_launcher_hands_openrlhf_an_initialised_ray(monkeypatch):
     started.clear()
     with pytest.raises(SystemExit, match="group outcome advantage"):
         launcher.main(["--", "--algo.advantage.estimator", "gae"])
-    with pytest.raises(ValueError, match="--ktae has unknown keys"):
+    with pytest.raises(SystemExit, match=r"--ktae has unknown keys \['alhpa'\] \(did you mean 'alpha'\?\)"):
         launcher.main(["--ktae", '{"alhpa": 1}', "--", "--algo.advantage.estimator", "group_norm"])
+    monkeypatch.setattr(ktae_openrlhf, "installed_version", lambda: "0.12.0")
+    monkeypatch.delenv("KTAE_ALLOW_UNTESTED", raising=False)
+    with pytest.raises(SystemExit, match="KTAE supports OpenRLHF >= 0.10.2, < 0.12; found OpenRLHF 0.12.0"):
+        launcher.main(["--", "--algo.advantage.estimator", "group_norm"])
     assert not started
+
+
+def test_openrlhf_launcher_names_an_unknown_key_in_one_line():
+    """``train_ktae_ray.py --ktae '{"alhpa": 1}'`` as a user runs it: exit status 1 and one line on stderr
+    naming the key, the likely one, and every accepted key; no traceback."""
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "openrlhf" / "train_ktae_ray.py"), "--ktae", '{"alhpa": 1}',
+                           "--", "--algo.advantage.estimator", "group_norm"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES.parent),
+                                                                             os.environ.get("PYTHONPATH", "")])})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("--ktae has unknown keys ['alhpa'] (did you mean 'alpha'?); expected KTAEConfig fields [")
+    for key in ("alpha", "beta", "weight", "ignore_token_ids", "backend", "metrics", "correct_key", "threads"):
+        assert repr(key) in line
 
 
 def test_verl_script_checks_the_plugin_before_launching(tmp_path):
@@ -270,6 +289,58 @@ def test_install_lines_never_name_the_package_from_pypi():
         assert not re.search(r"ktae[_-]kernels", rest), f"{where}: `{command}` installs ktae_kernels from PyPI, where it is not"
         for url in re.findall(r"git\+(\S+)", command):
             assert re.search(r"/<[a-z-]+>/", url), f"{where}: `{command}`: the git URL's owner must be a <placeholder>"
+
+
+def test_openrlhf_is_installed_through_its_extra():
+    """Users install OpenRLHF through the ``openrlhf`` extra (its pins are the adapter's range); the only
+    other OpenRLHF install lines are the tests' ``--no-deps`` ones."""
+    import re
+
+    lines = _install_lines()
+    for where, command in lines:
+        bare = re.sub(r"\[[^\]]*\]", "", command)  # extras such as ".[test,openrlhf]" aside
+        if re.search(r"openrlhf", bare, re.I):
+            assert "--no-deps" in command, f"{where}: `{command}` installs OpenRLHF outside the `openrlhf` extra"
+    users = {where for where, command in lines if re.search(r"\[[^\]]*\bopenrlhf\b[^\]]*\]", command)}
+    assert {"README.md", "examples/README.md", "examples/openrlhf/run_ktae.sh"} <= users, users
+
+
+def _frameworks():
+    """``(name pattern, extra, (minimum, below))`` of each adapter, from its own constants."""
+    pytest.importorskip("trl")
+    pytest.importorskip("verl")
+    from ktae_kernels.integrations import trl as ktae_trl
+    from ktae_kernels.integrations.verl import framework as ktae_verl
+
+    return [("verl", "verl", (ktae_verl.MIN_VERSION, ktae_verl.BELOW_VERSION)),
+            ("TRL", "trl", (ktae_trl.MIN_VERSION, ktae_trl.BELOW_VERSION)),
+            ("OpenRLHF", "openrlhf", (ktae_openrlhf.MIN_VERSION, ktae_openrlhf.BELOW_VERSION))]
+
+
+def test_extras_docs_and_changelog_state_the_adapters_ranges():
+    """pyproject's framework extras pin exactly each adapter's tested range, and every place a user reads
+    a range (README, CHANGELOG, docs, examples) states that range with its upper bound."""
+    import re
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    root = EXAMPLES.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    texts = {str(p.relative_to(root)): p.read_text() for pattern in ("README.md", "CHANGELOG.md", "docs/*.md",
+                                                                      "examples/**/*.md", "examples/**/*.sh",
+                                                                      "examples/**/*.py") for p in root.glob(pattern)}
+    for name, extra, (minimum, below) in _frameworks():
+        (pin,) = [Requirement(r) for r in extras[extra] if Requirement(r).name == extra]
+        assert {(s.operator, s.version) for s in pin.specifier} == {(">=", minimum), ("<", below)}, extra
+        stated = {}
+        for where, text in texts.items():
+            for match in re.finditer(rf"(?i)\b{name}\b[^\n>]{{0,60}}>=\s*{re.escape(minimum)}(?![\d.])([^\n]{{0,12}})",
+                                     text):
+                assert re.match(rf",\s*<\s*{re.escape(below)}(?![\d.])", match.group(1)), \
+                    f"{where}: `{match.group(0)}` does not state {name}'s range >= {minimum}, < {below}"
+                stated[where] = True
+        assert {"README.md", "CHANGELOG.md", "docs/integrations.md"} <= set(stated), (name, sorted(stated))
 
 
 def test_examples_readme_openrlhf_snippets_run(monkeypatch):

@@ -1,5 +1,6 @@
 """The helpers every adapter shares (``ktae_kernels.integrations.shared``): settings sections, group ids
-and the baseline, labels and their source, metrics by mode with ``ktae/threads``."""
+and the baseline, labels and their source, metrics by mode with ``ktae/backend`` and ``ktae/threads``,
+and the supported-version check."""
 from __future__ import annotations
 
 import time
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import ExecutionOptions, KTAEConfig, key_token_scores, token_advantage
+from ktae_kernels import ExecutionOptions, KTAEConfig, available_backends, key_token_scores, token_advantage
 from ktae_kernels.integrations import shared
 from ktae_kernels.metrics import ktae_metrics
 
@@ -29,9 +30,12 @@ def test_settings_name_the_section_and_the_expected_keys():
                                      where="algorithm.ktae", default_baseline="mean")
     assert s == shared.AdapterSettings(KTAEConfig(alpha=2.0, ignore_token_ids=(7,), baseline="mean"), "auto", "scores",
                                        None)
-    with pytest.raises(ValueError, match=r"sec has unknown keys \['alhpa'\]; expected KTAEConfig fields .* or one of "
-                                         r"\['backend', 'metrics', 'correct_key', 'threads'\]"):
+    with pytest.raises(ValueError, match=r"sec has unknown keys \['alhpa'\] \(did you mean 'alpha'\?\); expected "
+                                         r"KTAEConfig fields .* or one of \['backend', 'metrics', 'correct_key', "
+                                         r"'threads'\]"):
         shared.settings_from_mapping({"alhpa": 1}, where="sec")
+    with pytest.raises(ValueError, match=r"sec has unknown keys \['zzz'\]; expected"):
+        shared.settings_from_mapping({"zzz": 1}, where="sec")
     with pytest.raises(ValueError, match="sec.metrics must be one of"):
         shared.settings_from_mapping({"metrics": "all"}, where="sec")
     with pytest.raises(ValueError, match="sec: .*correct_key.* non-empty string"):
@@ -61,7 +65,7 @@ def test_labels_take_the_first_source_present():
     assert shared.column_values({"acc": [1, 1, 0]}, None) is None
 
 
-def test_metrics_by_mode_with_threads_and_label_source():
+def test_metrics_by_mode_with_backend_threads_and_label_source():
     responses, mask, rewards, index = _batch(seed=1)
     config = KTAEConfig(weight=0.5)
     labels = shared.Labels(rewards > 0, "acc")
@@ -74,7 +78,7 @@ def test_metrics_by_mode_with_threads_and_label_source():
         calls.append(1)
         return kts
 
-    common = dict(advantages=adv, mask=mask, rollout_advantage=base, group=index)
+    common = dict(advantages=adv, mask=mask, rollout_advantage=base, group=index, backend="cpu")
     started = time.perf_counter()
     assert shared.step_metrics(shared.AdapterSettings(config, metrics="off"), labels, started, scores=scores, **common) == {}
     cheap = shared.step_metrics(shared.AdapterSettings(config), labels, started, scores=scores, **common)
@@ -87,14 +91,65 @@ def test_metrics_by_mode_with_threads_and_label_source():
     assert "ktae/distinct_tokens_per_group" in full and "ktae/distinct_tokens_per_group" not in cheap
     for values in (cheap, full):
         assert values["ktae/threads"] == torch.get_num_threads() and values["ktae/label_source/acc"] == 1.0
-        assert values["ktae/time_ms"] > 0
+        assert values["ktae/backend/cpu"] == 1.0 and values["ktae/time_ms"] > 0
 
 
-def test_threads_follow_the_settings():
+@pytest.mark.parametrize("backend", ["torch", "reference", "cpu"])
+def test_threads_are_logged_only_when_the_native_kernel_ran(backend):
+    """``ktae/backend/<name>`` names the backend that ran; ``ktae/threads`` (the native kernel's thread
+    budget) appears only when that is the native ``cpu`` kernel, never for a path that ran no kernel threads."""
+    if backend not in available_backends("cpu"):
+        pytest.skip(f"backend {backend!r} is not built here")
+    responses, mask, rewards, index = _batch(seed=2)
+    settings = shared.AdapterSettings(KTAEConfig(), backend=backend, options=ExecutionOptions(threads=3))
+    ran = shared.backend_that_runs(settings.backend, responses.device)
+    assert ran == backend
+    adv = token_advantage(responses, mask, rewards, index, backend=backend)
+    values = shared.step_metrics(settings, shared.Labels(rewards > 0, "reward"), time.perf_counter(), backend=ran,
+                                 advantages=adv, mask=mask, rollout_advantage=shared.rollout_baseline(
+                                     rewards, index, settings.config), group=index)
+    assert [k for k in values if k.startswith("ktae/backend/")] == [f"ktae/backend/{backend}"]
+    assert values.get("ktae/threads") == (3.0 if backend == "cpu" else None)
+
+
+def test_the_backend_that_runs_resolves_auto_and_the_distributed_path():
+    native = "cpu" in available_backends("cpu")
+    assert shared.backend_that_runs("auto", "cpu") == ("cpu" if native else "torch")
+    assert shared.backend_that_runs("auto", "cpu", distributed=True) == "torch"
+    assert shared.backend_that_runs("reference", "cpu") == "reference"
+    with pytest.raises(ValueError, match="`backend` must be 'auto' or one of"):
+        shared.backend_that_runs("fast", "cpu")
+
+
+def test_thread_budget_follows_the_settings():
     """``ktae/threads``: the settings' ``threads`` (``ExecutionOptions.threads``) when set, else torch's count."""
-    assert shared.threads_used(ExecutionOptions()) == torch.get_num_threads()
-    assert shared.threads_used(ExecutionOptions(threads=3)) == 3
+    assert shared.kernel_thread_budget(ExecutionOptions()) == torch.get_num_threads()
+    assert shared.kernel_thread_budget(ExecutionOptions(threads=3)) == 3
     settings = shared.settings_from_mapping({"threads": 2}, where="sec")
-    assert settings.options.threads == 2 and shared.threads_used(settings.options) == 2
+    assert settings.options.threads == 2 and shared.kernel_thread_budget(settings.options) == 2
     with pytest.raises(ValueError, match="sec: ExecutionOptions.threads must be None or an int >= 1"):
         shared.settings_from_mapping({"threads": 0}, where="sec")
+
+
+def test_versions_outside_the_tested_range_stop_the_adapter():
+    """Below the range: an error (features missing). At or past its upper end: an error too (nobody compared
+    KTAE's results with the framework's own there), unless ``$KTAE_ALLOW_UNTESTED`` names the framework."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shared.check_version("OpenRLHF", "0.11.2", "0.10.2", "0.12", environ={})
+        shared.check_version("OpenRLHF", "0.10.2.post1", "0.10.2", "0.12", environ={})
+    with pytest.raises(shared.FrameworkMismatchError, match=r"supports OpenRLHF >= 0.10.2, < 0.12; found OpenRLHF "
+                                                            r"0.10.1: upgrade OpenRLHF"):
+        shared.check_version("OpenRLHF", "0.10.1", "0.10.2", "0.12", environ={shared.ALLOW_UNTESTED: "openrlhf"})
+    for framework, version, minimum, below in [("verl", "0.10.0", "0.6", "0.10"), ("TRL", "2.0.0", "1.0", "2"),
+                                               ("OpenRLHF", "0.12.0", "0.10.2", "0.12")]:
+        name = framework.lower()
+        with pytest.raises(shared.FrameworkMismatchError,
+                           match=rf"KTAE supports {framework} >= {minimum}, < {below}; found {framework} {version}, .*"
+                                 rf"the \[{name}\] extra .* set KTAE_ALLOW_UNTESTED={name} to run with a warning"):
+            shared.check_version(framework, version, minimum, below, environ={shared.ALLOW_UNTESTED: "other"})
+        with pytest.warns(RuntimeWarning, match=rf"tested with {framework} >= {minimum}, < {below}; found {framework} "
+                                                rf"{version}, allowed by \$KTAE_ALLOW_UNTESTED"):
+            shared.check_version(framework, version, minimum, below, environ={shared.ALLOW_UNTESTED: f"x, {name.upper()}"})

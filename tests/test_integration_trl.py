@@ -16,7 +16,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast 
 from trl import GRPOConfig  # noqa: E402
 
 from ktae_kernels import KTAEConfig, token_advantage  # noqa: E402
-from ktae_kernels.integrations.trl import KTAEGRPOTrainer  # noqa: E402
+from ktae_kernels.integrations import shared  # noqa: E402
+from ktae_kernels.integrations.trl import KTAEGRPOMixin, KTAEGRPOTrainer  # noqa: E402
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 G = 4
@@ -58,7 +59,8 @@ class _Recording(KTAEGRPOTrainer):
     def ktae_advantages(self, output, rollout_advantage=None):
         result = super().ktae_advantages(output, rollout_advantage)
         self.seen.append({"ids": output["completion_ids"].clone(), "mask": output["completion_mask"].clone(),
-                          "trl": output["advantages"].clone(), "rewards": self._ktae_rewards_per_func.clone(),
+                          "trl": output["advantages"].clone(), "rewards": self.ktae_rewards_per_func.clone(),
+                          "labels": self.ktae_labels(),
                           "ktae": result.clone()})
         return result
 
@@ -122,12 +124,12 @@ class _SequenceBranches(_Recording):
 
     def get_off_policy_mask(self, advantages, *args, **kwargs):
         out = super().get_off_policy_mask(advantages, *args, **kwargs)
-        self.branch.append(("opsm", advantages, self._ktae_sequence(advantages), out))
+        self.branch.append(("opsm", advantages, self.ktae_per_sequence(advantages), out))
         return out
 
     def get_gamma_weights(self, advantages, *args, **kwargs):
         out = super().get_gamma_weights(advantages, *args, **kwargs)
-        self.branch.append(("vespo", advantages, self._ktae_sequence(advantages), out))
+        self.branch.append(("vespo", advantages, self.ktae_per_sequence(advantages), out))
         return out
 
 
@@ -188,30 +190,103 @@ def formatted(completions, completion_ids, **kwargs):
 
 
 def test_correct_reward_funcs_define_the_labels(tmp_path):
-    """A format reward plus an accuracy reward: by default a well-formatted wrong answer (1 + 0 > 0) counts
-    as correct; naming ``accuracy`` in ``ktae_correct_reward_funcs`` labels by it alone."""
-    def train(**ktae):
-        trainer = _Recording(_model(), reward_funcs=[formatted, accuracy], args=_args(tmp_path, reward_weights=[0.5, 1.0]),
-                             train_dataset=_prompts(), processing_class=_tokenizer(), **ktae)
-        trainer.seen = []
-        trainer.train()
-        return trainer
-
-    named = train(ktae_correct_reward_funcs=["accuracy"])
-    fallback = train()
-    for trainer, column, source in [(named, 1, "accuracy"), (fallback, None, "reward")]:
-        step = trainer.seen[0]
-        rewards = step["rewards"] * torch.tensor([0.5, 1.0])
-        correct = (rewards[:, column] if column is not None else rewards.nansum(1)) > 0
-        ids, mask = step["ids"], step["mask"]
-        group = torch.arange(ids.shape[0]) // G
-        want = token_advantage(ids, mask, rewards.nansum(1), group, rollout_advantage=step["trl"], correct=correct)
-        assert torch.equal(step["ktae"], want), source
-        assert trainer.state.log_history[0][f"ktae/label_source/{source}"] == 1.0
-    assert torch.all(fallback.seen[0]["ktae"] == fallback.seen[0]["trl"][:, None] * fallback.seen[0]["mask"])
+    """A format reward plus an accuracy reward: naming ``accuracy`` in ``ktae_correct_reward_funcs`` labels by
+    it alone. Without the keyword the trainer cannot tell which function says "correct" (1 + 0 > 0 would
+    label a well-formatted wrong answer correct): construction fails, naming the keyword and the functions."""
+    trainer = _Recording(_model(), reward_funcs=[formatted, accuracy], args=_args(tmp_path, reward_weights=[0.5, 1.0]),
+                         train_dataset=_prompts(), processing_class=_tokenizer(), ktae_correct_reward_funcs=["accuracy"])
+    trainer.seen = []
+    trainer.train()
+    step = trainer.seen[0]
+    rewards = step["rewards"] * torch.tensor([0.5, 1.0])
+    correct = rewards[:, 1] > 0
+    assert torch.any(~correct) and torch.all(rewards.nansum(1) > 0)  # the sum would call every rollout correct
+    ids, mask = step["ids"], step["mask"]
+    group = torch.arange(ids.shape[0]) // G
+    want = token_advantage(ids, mask, rewards.nansum(1), group, rollout_advantage=step["trl"], correct=correct)
+    assert torch.equal(step["ktae"], want) and torch.equal(step["labels"].correct, correct)
+    assert trainer.state.log_history[0]["ktae/label_source/accuracy"] == 1.0
+    with pytest.raises(ValueError, match=r"cannot tell which of the reward functions \['formatted', 'accuracy'\] say "
+                                         r"whether an answer is correct: name them in `ktae_correct_reward_funcs`, "
+                                         r"e.g. ktae_correct_reward_funcs=\['formatted'\]"):
+        KTAEGRPOTrainer(_model(), reward_funcs=[formatted, accuracy], args=_args(tmp_path), train_dataset=_prompts(),
+                        processing_class=_tokenizer())
     with pytest.raises(ValueError, match="ktae_correct_reward_funcs.*'formatted', 'accuracy'.*'acc'"):
         KTAEGRPOTrainer(_model(), reward_funcs=[formatted, accuracy], args=_args(tmp_path), train_dataset=_prompts(),
                         processing_class=_tokenizer(), ktae_correct_reward_funcs=["acc"])
+
+
+def test_trls_overlong_punishment_does_not_relabel_a_correct_answer(tmp_path):
+    """Real ``GRPOTrainer`` with an accuracy reward plus TRL's own DAPO length penalty
+    (``get_soft_overlong_punishment``) and no ``ktae_correct_reward_funcs``: the labels come from the
+    accuracy reward alone (TRL's shaping rewards never label), so no correct rollout is labelled wrong,
+    although the penalty brings correct-but-long ones to a reward of 0 or below."""
+    from trl.rewards import get_soft_overlong_punishment
+
+    overlong = get_soft_overlong_punishment(max_completion_len=6, soft_punish_cache=3)
+    trainer = _Recording(_model(), reward_funcs=[accuracy, overlong], args=_args(tmp_path), train_dataset=_prompts(),
+                         processing_class=_tokenizer())
+    trainer.seen = []
+    trainer.train()
+    step = trainer.seen[0]
+    correct = step["rewards"][:, 0] > 0
+    assert torch.any(correct & (step["rewards"].nansum(1) <= 0)), "the penalty must bring a correct rollout to <= 0"
+    assert torch.equal(step["labels"].correct, correct) and step["labels"].source == "accuracy"
+    ids, mask = step["ids"], step["mask"]
+    want = token_advantage(ids, mask, step["rewards"].nansum(1), torch.arange(ids.shape[0]) // G,
+                           rollout_advantage=step["trl"], correct=correct)
+    assert torch.equal(step["ktae"], want)
+    logged = trainer.state.log_history[0]
+    assert logged["ktae/label_source/accuracy"] == 1.0
+    ran = shared.backend_that_runs("auto", "cpu")
+    assert [k for k in logged if k.startswith("ktae/backend/")] == [f"ktae/backend/{ran}"]
+    assert ("ktae/threads" in logged) == (ran == "cpu")
+
+
+class _MyTrainer(trl.GRPOTrainer):
+    """A user's own GRPOTrainer subclass."""
+
+
+def test_the_mixin_listed_second_fails_when_the_class_is_created(tmp_path):
+    """``class T(MyTrainer, KTAEGRPOMixin)`` would train plain GRPO (TRL's methods come first): it raises
+    TypeError at class creation, giving the order that works; that order trains with KTAE (the torch
+    backend here: its metrics name it and report no native-kernel threads)."""
+    with pytest.raises(TypeError, match=r"class Second\(_MyTrainer, KTAEGRPOMixin\): KTAEGRPOMixin comes after "
+                                        r"GRPOTrainer .* plain GRPO; list it first: class Second\(KTAEGRPOMixin, "
+                                        r"_MyTrainer\)"):
+        class Second(_MyTrainer, KTAEGRPOMixin):
+            pass
+
+    class First(KTAEGRPOMixin, _MyTrainer):
+        pass
+
+    class Deeper(First):  # a subclass of a KTAE trainer keeps the order
+        pass
+
+    trainer = Deeper(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                     processing_class=_tokenizer(), ktae_backend="torch")
+    trainer.train()
+    logged = trainer.state.log_history[0]
+    assert logged["ktae/backend/torch"] == 1.0 and "ktae/threads" not in logged
+    assert logged["ktae/label_source/_even_majority"] == 1.0 and "ktae/score_abs_mean" in logged
+
+
+def test_a_batch_that_bypassed_ktae_stops_the_loss(tmp_path):
+    """An override of ``_generate_and_score_completions`` that skips ``super()`` (TRL's advantages only)
+    stops training at the loss, before any update, naming the override."""
+    from ktae_kernels.integrations.shared import FrameworkMismatchError
+
+    class Bypass(KTAEGRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            return trl.GRPOTrainer._generate_and_score_completions(self, inputs)
+
+    trainer = Bypass(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                     processing_class=_tokenizer())
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(FrameworkMismatchError, match="Bypass computed a loss on a batch that KTAE's "
+                                                     "_generate_and_score_completions did not make"):
+        trainer.train()
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters()))
 
 
 def test_liger_loss_of_older_trl_is_refused(tmp_path, monkeypatch):
@@ -235,9 +310,11 @@ def test_a_moved_override_target_fails_when_the_trainer_is_built(tmp_path, monke
                                                      r"_generate_and_score_completions\. KTAE expected the method"):
         KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer())
     monkeypatch.undo()
-    monkeypatch.setattr(trl, "__version__", "0.29.0")
-    with pytest.raises(FrameworkMismatchError, match="KTAE supports TRL >= 1.0, < 2; found TRL 0.29.0"):
-        KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer())
+    monkeypatch.delenv("KTAE_ALLOW_UNTESTED", raising=False)
+    for version in ("0.29.0", "2.0.0"):
+        monkeypatch.setattr(trl, "__version__", version)
+        with pytest.raises(FrameworkMismatchError, match=f"KTAE supports TRL >= 1.0, < 2; found TRL {version}"):
+            KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer())
 
 
 def test_own_baseline_instead_of_trls_advantage(tmp_path):
@@ -257,7 +334,8 @@ def test_own_baseline_instead_of_trls_advantage(tmp_path):
 def test_two_gloo_ranks_log_metrics_of_the_whole_batch(tmp_path):
     """Two CPU processes (gloo), 12 rows per step in groups of 4, so one group is split across the ranks:
     each rank's advantages are its rows of the one-process result, and the logged ``ktae/*`` metrics are
-    those of all 12 rows (token metrics weighted by each rank's tokens, mixed groups of the gathered rows)."""
+    those of all 12 rows (token metrics weighted by each rank's tokens, mixed groups of the gathered rows);
+    they name the torch path over the ranks, which runs no native-kernel threads."""
     import os
     import socket
     import subprocess
@@ -292,7 +370,8 @@ def test_two_gloo_ranks_log_metrics_of_the_whole_batch(tmp_path):
     logged = ranks[0]["logged"]
     for name in ("ktae/score_abs_mean", "ktae/key_token_share", "ktae/mixed_group_share"):
         assert logged[name] == pytest.approx(want[name], abs=1e-6), name
-    assert logged["ktae/label_source/reward"] == 1.0
+    assert logged["ktae/label_source/_even_majority"] == 1.0
+    assert logged["ktae/backend/torch"] == 1.0 and "ktae/threads" not in logged  # the torch path over the ranks
     own = ktae_metrics(advantages=steps[0]["ktae"], mask=steps[0]["mask"].bool(), rollout_advantage=steps[0]["trl"],
                        group=group[:6], correct=rewards[:6] > 0)
     assert any(own[n] != pytest.approx(want[n], abs=1e-6) for n in want), "rank 0's rows alone would log the same"

@@ -26,6 +26,7 @@ from verl_fakes import FakeTransferQueue, Meta  # noqa: E402
 
 VERL_VERSION = tuple(int(x) for x in verl.__version__.split(".")[:2])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import ktae_kernels  # noqa: E402
 from ktae_kernels import KTAEConfig, key_token_scores, token_advantage  # noqa: E402
 from ktae_kernels.integrations import verl as ktae_verl  # noqa: E402
 from ktae_kernels.integrations.verl.trainers import V1_FIELDS  # noqa: E402
@@ -345,16 +346,54 @@ def test_legacy_compute_advantage_passes_responses_scores_and_metrics():
     assert torch.equal(grpo.batch["advantages"], ref)
 
 
+EXPERIMENTAL = [("verl.experimental.one_step_off_policy.ray_trainer", "OneStepOffRayTrainer"),
+                ("verl.experimental.fully_async_policy.fully_async_trainer", "FullyAsyncTrainer")]
+
+
+@pytest.mark.parametrize("module, name", EXPERIMENTAL, ids=["one_step_off_policy", "fully_async_policy"])
+def test_experimental_trainers_log_the_ktae_metrics(module, name):
+    """verl's experimental trainers (their base ``SeparateRayPPOTrainer`` takes ``compute_advantage`` and
+    ``compute_data_metrics`` by name): their own ``_fit_compute_advantage`` computes KTAE's advantages
+    and their ``_fit_collect_metrics`` puts the ``ktae/*`` metrics into the step's metrics."""
+    trainer_cls = getattr(pytest.importorskip(module, reason="verl's experimental trainers do not import"), name)
+    trainer_cls = getattr(trainer_cls, "__ray_actor_class__", trainer_cls)  # FullyAsyncTrainer is a Ray actor class
+    from ktae_kernels.integrations.verl.framework import SEPARATION_MODULE, trainer_modules
+
+    assert SEPARATION_MODULE in trainer_modules(_compose("algorithm.adv_estimator=ktae"))
+    responses, mask, scores, uid = _verl_batch(seed=11)
+    prompts = torch.ones(len(uid), 3, dtype=torch.long)
+    acc = np.arange(len(uid)) % 3 == 0
+    batch = DataProto.from_dict(tensors={"responses": responses, "response_mask": mask, "prompts": prompts,
+                                         "attention_mask": torch.cat([torch.ones_like(prompts), mask.long()], 1)},
+                                non_tensors={"uid": uid}, meta_info={"global_token_num": [int(mask.sum()) + 3 * len(uid)]})
+    trainer = object.__new__(trainer_cls)  # the two steps read only these attributes
+    trainer.config = OmegaConf.create({"algorithm": _algorithm(), "actor_rollout_ref": {"rollout": {"n": 4}}})
+    trainer.metrics, trainer.timing_raw, trainer.use_critic = {}, {"step": 1.0}, False
+    trainer.reward_tensor, trainer.reward_extra_infos_dict = scores, {"acc": acc.tolist()}
+    trainer.resource_pool_manager = type("Pool", (), {"get_n_gpus": lambda self: 1})()
+    out = trainer._fit_compute_advantage(batch)
+    trainer._fit_collect_metrics(out)
+    want = token_advantage(responses, mask, scores, uid, config=KTAE, correct=torch.as_tensor(acc))
+    assert torch.equal(out.batch["advantages"], want)
+    assert METRIC_KEYS | {"ktae/label_source/acc", "ktae/backend/torch"} <= set(trainer.metrics)
+    assert "critic/score/mean" in trainer.metrics and "ktae_metrics" not in out.meta_info
+
+
 def test_metrics_modes():
     responses, mask, scores, uid = _verl_batch(seed=7)
-    logged = METRIC_KEYS | {"ktae/threads", "ktae/label_source/token_level_scores"}
+    logged = METRIC_KEYS | {"ktae/backend/torch", "ktae/label_source/token_level_scores"}  # torch: no kernel threads
     for mode, names in [("off", set()), ("advantages", logged),
                         ("scores", logged | {"ktae/distinct_tokens_per_group"})]:
         step = ktae_verl.StepInputs(responses=responses, scores=scores, metrics={})
         with ktae_verl.provide_step(step):
             ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=_algorithm(ktae={"metrics": mode}))
         assert set(step.metrics) == names, mode
-        assert step.metrics.get("ktae/threads", torch.get_num_threads()) == torch.get_num_threads()
+    if "cpu" in ktae_kernels.available_backends("cpu"):  # the native kernel: its threads are logged
+        step = ktae_verl.StepInputs(responses=responses, scores=scores, metrics={})
+        with ktae_verl.provide_step(step):
+            ktae_verl.compute_ktae_advantage(scores, mask, index=uid, config=_algorithm(ktae={"backend": "cpu",
+                                                                                                 "threads": 1}))
+        assert step.metrics["ktae/backend/cpu"] == 1.0 and step.metrics["ktae/threads"] == 1.0
     cheap, full = ({k: v for k, v in s.items() if k != "ktae/time_ms"} for s in (
         ktae_verl.ktae_step(responses, mask, scores, uid, ktae_verl.ktae_settings(_algorithm(ktae={"metrics": m})))[1]
         for m in ("advantages", "scores")))
@@ -484,6 +523,21 @@ def test_a_moved_patch_target_fails_at_start_up(monkeypatch):
     assert "has no PPOTrainer._compute_advantage" in config_problem(["algorithm.adv_estimator=ktae"])
 
 
+def test_a_moved_experimental_target_fails_at_start_up(monkeypatch):
+    """Where verl's experimental trainers' base is imported (their entry points import it before they
+    validate the config), a ``compute_data_metrics`` gone from it fails a "ktae" run at start-up."""
+    from ktae_kernels.integrations.shared import FrameworkMismatchError
+    from ktae_kernels.integrations.verl import framework, trainers
+
+    separation = pytest.importorskip(framework.SEPARATION_MODULE, reason="verl's experimental trainers do not import")
+    monkeypatch.setitem(framework.PATCH_PROBLEMS, framework.SEPARATION_MODULE, "")  # restored after the test
+    monkeypatch.delattr(separation, "compute_data_metrics")
+    trainers.PATCHES[framework.SEPARATION_MODULE](separation)
+    with pytest.raises(FrameworkMismatchError, match=r"verl.experimental.separation.ray_trainer has no "
+                                                     r"compute_data_metrics\. KTAE expected .*experimental trainers"):
+        ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
+
+
 def test_verl_version_is_checked_against_the_supported_range(monkeypatch):
     from ktae_kernels.integrations.shared import FrameworkMismatchError
 
@@ -491,7 +545,12 @@ def test_verl_version_is_checked_against_the_supported_range(monkeypatch):
     with pytest.raises(FrameworkMismatchError, match=r"KTAE supports verl >= 0.6, < 0.10; found verl 0.5.0"):
         ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
     monkeypatch.setattr(verl, "__version__", "0.10.0")
-    with pytest.warns(RuntimeWarning, match=r"tested with verl >= 0.6, < 0.10; found verl 0.10.0"):
+    monkeypatch.delenv("KTAE_ALLOW_UNTESTED", raising=False)
+    with pytest.raises(FrameworkMismatchError, match=r"KTAE supports verl >= 0.6, < 0.10; found verl 0.10.0, .* set "
+                                                     r"KTAE_ALLOW_UNTESTED=verl to run with a warning"):
+        ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
+    monkeypatch.setenv("KTAE_ALLOW_UNTESTED", "verl")
+    with pytest.warns(RuntimeWarning, match=r"tested with verl >= 0.6, < 0.10; found verl 0.10.0, allowed by"):
         ktae_verl.check_trainer_config(_compose("algorithm.adv_estimator=ktae"))
 
 

@@ -2,8 +2,8 @@
 # GRPO + KTAE with OpenRLHF (>= 0.10.2, < 0.12: the dotted CLI), the paper's setting: Qwen2.5-Math-7B, MATH levels 3-5,
 # 16 samples per prompt, responses up to 3072 tokens, lr 1e-6, temperature 1.0, clip 0.2 / 0.28.
 #
-#   pip install "openrlhf>=0.10.2,<0.12" && pip install -e .   # in a clone of ktae_kernels (not on PyPI); OpenRLHF needs CUDA
-#   # without a clone: pip install "openrlhf>=0.10.2,<0.12" "ktae_kernels @ git+https://github.com/<your-org>/ktae_kernels"
+#   pip install -e ".[openrlhf]"                   # in a clone of ktae_kernels (not on PyPI); OpenRLHF needs CUDA
+#   # without a clone: pip install "ktae_kernels[openrlhf] @ git+https://github.com/<your-org>/ktae_kernels"
 #   python examples/verl/prepare_math.py --out ~/data/ktae_math   # also writes train.jsonl / test.jsonl
 #   bash examples/openrlhf/run_ktae.sh                  # extra OpenRLHF flags may follow
 #

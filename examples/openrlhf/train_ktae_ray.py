@@ -18,7 +18,7 @@ import runpy
 import sys
 
 from ktae_kernels.integrations import openrlhf as ktae_openrlhf
-from ktae_kernels.integrations.shared import AdapterSettings, settings_from_mapping
+from ktae_kernels.integrations.shared import AdapterSettings, FrameworkMismatchError, settings_from_mapping
 
 OPENRLHF_MODULE = "openrlhf.cli.train_ppo_ray"
 
@@ -42,20 +42,27 @@ def parse(argv: list[str]) -> tuple[AdapterSettings, list[str]]:
     """``(settings, OpenRLHF flags)`` of the command line ``[--ktae JSON] -- <OpenRLHF flags>``."""
     ours, theirs = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description="OpenRLHF train_ppo_ray with KTAE", epilog="OpenRLHF flags follow --")
-    parser.add_argument("--ktae", default="{}", help="JSON object of KTAEConfig fields, backend, metrics, correct_key")
+    parser.add_argument("--ktae", default="{}",
+                        help="JSON object of KTAEConfig fields, backend, metrics, correct_key, threads")
     args = parser.parse_args(ours)
     try:
         ktae = json.loads(args.ktae)
     except json.JSONDecodeError as err:
         raise SystemExit(f"--ktae must be a JSON object: {err}") from None
-    settings = settings_from_mapping(ktae, where="--ktae")
+    try:
+        settings = settings_from_mapping(ktae, where="--ktae")
+    except ValueError as err:  # one line naming the key and the accepted ones, not a traceback
+        raise SystemExit(str(err)) from None
     check_estimator(theirs)
     return settings, theirs
 
 
 def main(argv: list[str] | None = None) -> None:
     settings, theirs = parse(list(sys.argv[1:] if argv is None else argv))
-    ktae_openrlhf.check_trainer_module()  # before Ray starts: a version or a moved class KTAE cannot use
+    try:  # before Ray starts: a version or a moved class KTAE cannot use
+        ktae_openrlhf.check_trainer_module()
+    except FrameworkMismatchError as err:
+        raise SystemExit(str(err)) from None
     import ray
 
     ray.init(runtime_env=ktae_openrlhf.runtime_env(settings))  # OpenRLHF's train() reuses an initialised Ray

@@ -8,8 +8,9 @@ n_samples_per_prompt``). Settings reach the trainer actor through Ray: ``runtime
 named hook ``worker_setup`` and the settings as JSON in ``$KTAE_OPENRLHF``; the hook patches
 ``openrlhf.trainer.ppo_trainer`` only in the process that imports it (the trainer actor), so vLLM
 engines and other workers import nothing more. The patch checks what it extends (``check_trainer_module``)
-and the trainer checks that it built KTAE's maker: a moved target fails at start-up. This module
-imports none of OpenRLHF. See docs/integrations.md.
+and the trainer checks that it built KTAE's maker: a moved target fails at start-up. Each experience
+batch checks that KTAE's step ran (an OpenRLHF that stopped calling it fails at the first batch). This
+module imports none of OpenRLHF. See docs/integrations.md.
 """
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from torch import Tensor
 
 from ..api import key_token_scores, token_advantage
 from .import_hooks import patch_on_import
-from .shared import (AdapterSettings, check_version, column_values, correct_labels, missing_target,
-                     settings_from_mapping, step_metrics)
+from .shared import (ALLOW_UNTESTED, AdapterSettings, backend_that_runs, check_version, column_values, correct_labels,
+                     missing_target, settings_from_mapping, step_metrics)
 
 #: environment variable ``worker_setup`` / ``install`` read the settings from (a JSON object).
 ENV_VAR = "KTAE_OPENRLHF"
@@ -38,6 +39,9 @@ ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "reinforce"
 ESTIMATOR_FLAG = "--algo.advantage.estimator"
 #: the module whose ``RemoteExperienceMaker`` the trainer builds.
 TRAINER_MODULE = "openrlhf.trainer.ppo_trainer"
+#: the ``RemoteExperienceMaker`` methods KTAE extends: the batch step the trainer calls, and the advantage
+#: step it calls, where KTAE adds its term.
+MAKER_METHODS = ("make_experience_batch", "compute_advantages_and_returns")
 #: supported OpenRLHF: >= MIN_VERSION (the dotted ``--algo.advantage.*`` flags), < BELOW_VERSION; the
 #: tests run on the README test command's OpenRLHF and, in CI, again on MIN_VERSION.
 MIN_VERSION = "0.10.2"
@@ -92,8 +96,8 @@ def add_key_token_scores(experiences: Sequence[Any], *, n_samples_per_prompt: in
         start += rows.shape[0]
     scores = lambda: key_token_scores(ids, mask, rewards, group, config=config, backend=settings.backend,  # noqa: E731
                                       correct=labels.correct, options=settings.options)
-    values = step_metrics(settings, labels, started, scores=scores, advantages=term, mask=mask,
-                          rollout_advantage=zero, group=group)
+    values = step_metrics(settings, labels, started, backend=backend_that_runs(settings.backend, ids.device),
+                          scores=scores, advantages=term, mask=mask, rollout_advantage=zero, group=group)
     for e in experiences:
         info = e.info if e.info is not None else {}
         info.update({k: torch.full((e.action_mask.shape[0],), v, dtype=torch.float32) for k, v in values.items()})
@@ -116,19 +120,35 @@ def _pad(t: Tensor, width: int) -> Tensor:
 class KTAEExperienceMakerMixin:
     """``class Maker(KTAEExperienceMakerMixin, RemoteExperienceMaker)``: checks the estimator when built
     (at start-up); OpenRLHF's advantages, then ``add_key_token_scores`` with the class attribute
-    ``ktae_settings``, labelling by the rewards as they came in (before OpenRLHF's length penalties)."""
+    ``ktae_settings``, labelling by the rewards as they came in (before OpenRLHF's length penalties).
+    ``make_experience_batch`` raises ``FrameworkMismatchError`` when OpenRLHF made the batch without
+    calling ``compute_advantages_and_returns`` (so without KTAE), whatever the metrics mode;
+    ``ktae_steps`` counts the KTAE steps this maker ran."""
 
     ktae_settings: AdapterSettings = AdapterSettings()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         check_estimator(self.strategy.args.algo.advantage.estimator)  # type: ignore[attr-defined]
+        self.ktae_steps = 0
+
+    def make_experience_batch(self, rollout_samples: Any, *args: Any, **kwargs: Any) -> list:
+        steps = self.ktae_steps
+        experiences = super().make_experience_batch(rollout_samples, *args, **kwargs)  # type: ignore[misc]
+        if self.ktae_steps == steps:
+            raise missing_target("OpenRLHF", installed_version() or "unknown",
+                                 "RemoteExperienceMaker.make_experience_batch made a batch without calling "
+                                 "compute_advantages_and_returns, so its advantages are OpenRLHF's alone",
+                                 "make_experience_batch to compute the advantages through "
+                                 "compute_advantages_and_returns, where KTAE adds its term")
+        return experiences
 
     def compute_advantages_and_returns(self, experiences: list, *args: Any, **kwargs: Any) -> list:
         unshaped = [e.rewards.detach().clone() for e in experiences]  # OpenRLHF shapes them in place
         experiences = super().compute_advantages_and_returns(experiences, *args, **kwargs)  # type: ignore[misc]
         add_key_token_scores(experiences, n_samples_per_prompt=self.strategy.args.rollout.n_samples_per_prompt,  # type: ignore[attr-defined]
                              settings=self.ktae_settings, rewards=unshaped)
+        self.ktae_steps += 1
         return experiences
 
 
@@ -164,7 +184,7 @@ def installed_version() -> str | None:
 def check_trainer_module(ppo_trainer: Any = None) -> str:
     """Check OpenRLHF's version against the supported range and that ``ppo_trainer`` (the imported
     ``openrlhf.trainer.ppo_trainer``; imported when None) still has what KTAE extends: the class
-    ``RemoteExperienceMaker`` with ``compute_advantages_and_returns`` and ``BasePPOTrainer``. Returns
+    ``RemoteExperienceMaker`` with ``MAKER_METHODS`` and ``BasePPOTrainer``. Returns
     the version ("unknown" without package metadata); raises ``FrameworkMismatchError`` naming it."""
     version = installed_version()
     if version is not None:
@@ -172,9 +192,9 @@ def check_trainer_module(ppo_trainer: Any = None) -> str:
     version = version or "unknown"
     module = importlib.import_module(TRAINER_MODULE) if ppo_trainer is None else ppo_trainer
     maker = getattr(module, "RemoteExperienceMaker", None)
-    if not isinstance(maker, type) or not callable(getattr(maker, "compute_advantages_and_returns", None)):
-        raise missing_target("OpenRLHF", version, f"{TRAINER_MODULE} has no class RemoteExperienceMaker with a "
-                             "compute_advantages_and_returns method",
+    if not isinstance(maker, type) or not all(callable(getattr(maker, name, None)) for name in MAKER_METHODS):
+        raise missing_target("OpenRLHF", version, f"{TRAINER_MODULE} has no class RemoteExperienceMaker with the "
+                             f"methods {' and '.join(MAKER_METHODS)}",
                              "the experience-maker class that BasePPOTrainer.__init__ builds by that name there")
     if not isinstance(getattr(module, "BasePPOTrainer", None), type):
         raise missing_target("OpenRLHF", version, f"{TRAINER_MODULE} has no class BasePPOTrainer",
@@ -236,13 +256,15 @@ def runtime_env(settings: AdapterSettings = AdapterSettings(), base: Mapping[str
     """A Ray ``runtime_env`` that installs KTAE in OpenRLHF's trainer actor: ``base`` (a user's own
     runtime_env) plus ``worker_setup`` as the setup hook and, in ``env_vars``, the settings as JSON
     and OpenRLHF's own defaults (``OPENRLHF_ENV_DEFAULTS``), where ``environ`` (the launching shell)
-    and ``base`` set nothing else."""
+    and ``base`` set nothing else; ``$KTAE_ALLOW_UNTESTED`` when ``environ`` sets it."""
     environ = os.environ if environ is None else environ
     base = dict(base or {})
     hook = base.get("worker_process_setup_hook")
     if hook not in (None, SETUP_HOOK, worker_setup):
         raise ValueError(f"runtime_env already has worker_process_setup_hook={hook!r}; KTAE needs {SETUP_HOOK!r} there")
     env_vars = {name: environ.get(name, default) for name, default in OPENRLHF_ENV_DEFAULTS.items()}
+    if environ.get(ALLOW_UNTESTED):  # the trainer actor checks OpenRLHF's version too
+        env_vars[ALLOW_UNTESTED] = environ[ALLOW_UNTESTED]
     env_vars.update(base.get("env_vars") or {})
     env_vars[ENV_VAR] = settings_json(settings)
     return {**base, "worker_process_setup_hook": SETUP_HOOK, "env_vars": env_vars}

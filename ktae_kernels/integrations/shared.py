@@ -5,6 +5,8 @@ Framework-free, so it runs and is tested anywhere.
 """
 from __future__ import annotations
 
+import difflib
+import os
 import re
 import time
 import warnings
@@ -19,6 +21,7 @@ from .. import method
 from ..config import KTAEConfig
 from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
+from ..registry import resolve
 from ..types import KeyTokenScores
 from ..validation import dense_group_ids
 
@@ -77,8 +80,8 @@ def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
     known = {f.name for f in fields(KTAEConfig)}
     unknown = sorted(set(values) - known - set(EXTRA_KEYS))
     if unknown:
-        raise ValueError(f"{where} has unknown keys {unknown}; expected KTAEConfig fields {sorted(known)} "
-                         f"or one of {list(EXTRA_KEYS)}")
+        raise ValueError(f"{where} has unknown keys {unknown}{_did_you_mean(unknown, known | set(EXTRA_KEYS))}; "
+                         f"expected KTAEConfig fields {sorted(known)} or one of {list(EXTRA_KEYS)}")
     backend = str(values.pop("backend", "auto"))
     metrics = check_metrics_mode(values.pop("metrics", "advantages"), f"{where}.metrics")
     correct_key = values.pop("correct_key", "acc")
@@ -94,10 +97,25 @@ def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
         raise ValueError(f"{where}: {err}") from None
 
 
+def _did_you_mean(unknown: list[str], accepted: set[str]) -> str:
+    """" (did you mean 'alpha'?)" for the first unknown key close to an accepted one, else ""."""
+    for key in unknown:
+        close = difflib.get_close_matches(key, sorted(accepted), n=1, cutoff=0.6)
+        if close:
+            return f" (did you mean {close[0]!r}?)"
+    return ""
+
+
 # ------------------------------------------------------------------------------ framework versions
+#: environment variable naming frameworks (comma-separated: ``verl,trl,openrlhf``) that may run past the
+#: tested range with a warning instead of an error.
+ALLOW_UNTESTED = "KTAE_ALLOW_UNTESTED"
+
+
 class FrameworkMismatchError(RuntimeError):
-    """The installed framework is not what the adapter was built for: a version below the supported
-    range, or a class or method the adapter extends is gone. Raised at start-up, naming both."""
+    """The installed framework is not what the adapter was built for: a version outside the tested
+    range, a class or method the adapter extends is gone, or (OpenRLHF) the framework stopped calling
+    the method KTAE extends. Raised at start-up or at the first step, naming both."""
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
@@ -108,18 +126,35 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split("."))
 
 
-def check_version(framework: str, version: str, minimum: str, below: str) -> None:
-    """Raise ``FrameworkMismatchError`` when ``version`` of ``framework`` is older than ``minimum``
-    (features the adapter needs are missing); warn (RuntimeWarning) when it is ``below`` or newer:
-    the adapter is tested on ``>= minimum, < below`` only, and a moved patch target fails on its own."""
+def check_version(framework: str, version: str, minimum: str, below: str,
+                  environ: Mapping[str, str] | None = None) -> None:
+    """Raise ``FrameworkMismatchError`` unless ``version`` of ``framework`` is in the tested range
+    ``>= minimum, < below``. Below it, features the adapter needs are missing. At or past ``below``
+    nothing has checked that the adapter's results still match the framework's own (a release may
+    change a contract without renaming it), so it is an error too, unless ``$KTAE_ALLOW_UNTESTED``
+    (``environ``; ``os.environ`` when None) names the framework: then a RuntimeWarning."""
     supported = f">= {minimum}, < {below}"
     if version_tuple(version) < version_tuple(minimum):
         raise FrameworkMismatchError(f"KTAE supports {framework} {supported}; found {framework} {version}: "
                                      f"upgrade {framework}")
-    if version_tuple(version) >= version_tuple(below):
-        warnings.warn(f"KTAE is tested with {framework} {supported}; found {framework} {version}. The patch "
-                      f"targets are checked at start-up, but results have not been compared on this version",
-                      RuntimeWarning, stacklevel=2)
+    if version_tuple(version) < version_tuple(below):
+        return
+    if framework.lower() in allowed_untested(environ):
+        warnings.warn(f"KTAE is tested with {framework} {supported}; found {framework} {version}, allowed by "
+                      f"${ALLOW_UNTESTED}. The patch targets are checked at start-up, but KTAE's results have not "
+                      f"been compared with {framework}'s own on this version", RuntimeWarning, stacklevel=2)
+        return
+    raise FrameworkMismatchError(
+        f"KTAE supports {framework} {supported}; found {framework} {version}, on which KTAE's results have not "
+        f"been compared with {framework}'s own. Install a {framework} in that range (the [{framework.lower()}] extra "
+        f"of ktae_kernels pins it), or, once the adapter's tests pass on {framework} {version}, set "
+        f"{ALLOW_UNTESTED}={framework.lower()} to run with a warning")
+
+
+def allowed_untested(environ: Mapping[str, str] | None = None) -> set[str]:
+    """Lower-case framework names in ``$KTAE_ALLOW_UNTESTED`` (comma-separated)."""
+    raw = (os.environ if environ is None else environ).get(ALLOW_UNTESTED, "")
+    return {name.strip().lower() for name in raw.split(",") if name.strip()}
 
 
 def missing_target(framework: str, version: str, missing: str, expected: str) -> FrameworkMismatchError:
@@ -182,19 +217,34 @@ def column_values(columns: Mapping[str, Any] | None, key: str | None) -> Any:
 
 
 # ----------------------------------------------------------------------------------------- metrics
-def threads_used(options: ExecutionOptions) -> int:
-    """Thread count of the native CPU kernel: ``options.threads`` when set, else torch's."""
+#: the native CPU kernel's backend name: the one backend ``ktae/threads`` describes.
+NATIVE_BACKEND = "cpu"
+#: the backend ``process_group=`` calls run (the torch stages, merged over the ranks).
+DISTRIBUTED_BACKEND = "torch"
+
+
+def backend_that_runs(name: str, device: torch.device | str, *, distributed: bool = False) -> str:
+    """The backend a call with ``backend=name`` on ``device`` tensors runs ("auto" resolved); with a
+    ``process_group`` (``distributed``): the torch stages over the ranks."""
+    return DISTRIBUTED_BACKEND if distributed else resolve(name, device).name
+
+
+def kernel_thread_budget(options: ExecutionOptions) -> int:
+    """Threads the native CPU kernel may use: ``options.threads`` when set, else torch's count (it uses
+    fewer on a batch too small to share)."""
     return options.threads or torch.get_num_threads()
 
 
-def step_metrics(settings: AdapterSettings, labels: Labels, started: float, *,
+def step_metrics(settings: AdapterSettings, labels: Labels, started: float, *, backend: str,
                  scores: KeyTokenScores | Callable[[], KeyTokenScores] | None = None,
                  advantages: Tensor | None = None, mask: Tensor | None = None,
                  rollout_advantage: Tensor | None = None, group: Any = None) -> dict[str, float]:
     """A step's ``ktae/*`` metrics by ``settings.metrics``: none for "off"; from ``scores`` when they
     are already computed or the mode is "scores" (a callable computes them then); else from the
     advantages (``advantages``, ``mask``, ``rollout_advantage``, ``group``). Adds ``ktae/time_ms`` since
-    ``started`` (``time.perf_counter()``), ``ktae/threads`` and ``ktae/label_source/<source>`` = 1."""
+    ``started`` (``time.perf_counter()``), ``ktae/backend/<backend>`` = 1 (the backend that ran, see
+    ``backend_that_runs``), ``ktae/threads`` (``kernel_thread_budget``) only when that is the native
+    "cpu" kernel, and ``ktae/label_source/<source>`` = 1."""
     if settings.metrics == "off":
         return {}
     if isinstance(scores, KeyTokenScores):
@@ -205,6 +255,8 @@ def step_metrics(settings: AdapterSettings, labels: Labels, started: float, *,
         values = ktae_metrics(advantages=advantages, mask=mask, rollout_advantage=rollout_advantage, group=group,
                               correct=labels.correct, weight=settings.config.weight)
     values["ktae/time_ms"] = 1000.0 * (time.perf_counter() - started)
-    values["ktae/threads"] = float(threads_used(settings.options))
+    values[f"ktae/backend/{backend}"] = 1.0
+    if backend == NATIVE_BACKEND:
+        values["ktae/threads"] = float(kernel_thread_budget(settings.options))
     values[f"ktae/label_source/{labels.source}"] = 1.0
     return values

@@ -5,7 +5,10 @@ this override); TRL's per-token losses take ``[B, T]`` advantages. Groups of ``n
 gathered rows may straddle processes: their statistics are merged with ``process_group=WORLD``
 ("auto" / "torch" backend). Where TRL branches per sequence on the advantage's sign (OPSM's
 off-policy mask, VESPO's weight) the rollout's own ``A_i`` is passed. Correct / wrong: the reward
-functions named by ``ktae_correct_reward_funcs``, else the weighted reward. See docs/integrations.md.
+functions named by ``ktae_correct_reward_funcs``; else the one reward function that is not one of TRL's
+shaping rewards (``SHAPING_REWARDS``); several candidates without that keyword are an error. The mixin
+must come before the ``GRPOTrainer`` class in the bases (checked when the class is created). See
+docs/integrations.md.
 """
 from __future__ import annotations
 
@@ -24,10 +27,11 @@ from ..config import KTAEConfig
 from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
 from .gathered import grpo_groups, grpo_token_advantages
-from .shared import (AdapterSettings, Labels, check_metrics_mode, check_version, correct_labels, missing_target,
-                     rollout_baseline, step_metrics)
+from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_metrics_mode,
+                     check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
 
-__all__ = ["KTAEGRPOMixin", "KTAEGRPOTrainer", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
+__all__ = ["SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order", "grpo_token_advantages",
+           "liger_loss_takes_sequence_advantages"]
 
 #: metrics averaged over tokens: across processes, weighted by each process's token count.
 TOKEN_METRICS = ("ktae/score_abs_mean", "ktae/key_token_share")
@@ -35,6 +39,10 @@ TOKEN_METRICS = ("ktae/score_abs_mean", "ktae/key_token_share")
 ROLLOUT_KEY = "ktae_rollout_advantages"
 #: supported TRL: >= MIN_VERSION (the ``GRPOTrainer`` contract of 1.x), < BELOW_VERSION.
 MIN_VERSION, BELOW_VERSION = "1.0", "2"
+#: TRL's own reward functions (``trl.rewards``) that shape a reward without saying whether an answer is
+#: correct (a length or repetition penalty, a format reward): they label rollouts only when named in
+#: ``ktae_correct_reward_funcs``.
+SHAPING_REWARDS = ("soft_overlong_punishment_reward", "repetition_penalty_reward", "think_format_reward")
 #: the ``GRPOTrainer`` methods the mixin overrides, and what KTAE expects each to be.
 OVERRIDDEN = {"_generate_and_score_completions": "the method that returns a step's rewards, completion ids and "
                                                  "(B,) advantages (KTAE replaces them with (B, T) ones)",
@@ -52,6 +60,21 @@ def check_trainer_class(trainer_cls: type) -> None:
             raise missing_target("TRL", version, f"{trainer_cls.__name__} has no method {name}", expected)
 
 
+def check_mixin_order(cls: type) -> None:
+    """Raise TypeError when ``cls`` lists ``KTAEGRPOMixin`` after a ``GRPOTrainer`` class in its method
+    resolution order: ``GRPOTrainer``'s methods would run instead of KTAE's and training would be plain
+    GRPO. The message gives the order that works. Classes without ``GRPOTrainer`` are not checked."""
+    mro = cls.__mro__
+    if GRPOTrainer not in mro or mro.index(KTAEGRPOMixin) < mro.index(GRPOTrainer):
+        return
+    names = [base.__name__ for base in cls.__bases__]
+    first = [n for n, base in zip(names, cls.__bases__) if issubclass(base, KTAEGRPOMixin)]
+    works = first + [n for n in names if n not in first]
+    raise TypeError(f"class {cls.__name__}({', '.join(names)}): KTAEGRPOMixin comes after GRPOTrainer in the method "
+                    f"resolution order, so GRPOTrainer's methods would run instead of KTAE's and training would be "
+                    f"plain GRPO; list it first: class {cls.__name__}({', '.join(works)})")
+
+
 def liger_loss_takes_sequence_advantages(trainer_cls: type = GRPOTrainer) -> bool:
     """Whether this TRL's ``use_liger_kernel=True`` routes the loss through Liger's fused GRPO loss
     (TRL 1.x before 1.16), which takes ``(B,)`` advantages only."""
@@ -61,14 +84,21 @@ def liger_loss_takes_sequence_advantages(trainer_cls: type = GRPOTrainer) -> boo
 class KTAEGRPOMixin:
     """Turns a ``GRPOTrainer`` (sub)class into a KTAE one: ``class T(KTAEGRPOMixin, MyGRPOTrainer)``.
 
-    Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto"),
+    The mixin must come first (``class T(MyGRPOTrainer, KTAEGRPOMixin)`` raises TypeError when the class
+    is created). Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto"),
     ``ktae_use_trl_advantage`` (True: ``A_i`` is TRL's own advantage, following its ``scale_rewards``
     and ``multi_objective_aggregation``; False: ``ktae_config.baseline`` on the weighted reward),
     ``ktae_metrics`` ("advantages", "scores" or "off"), ``ktae_correct_reward_funcs`` (names of the
     reward functions that define correctness, e.g. ``["accuracy"]``: a rollout is correct when their
-    weighted sum is > ``ktae_config.correct_threshold``; None: the weighted sum of all of them) and
-    ``ktae_options`` (``ExecutionOptions``: how the kernels run; defaults when None).
+    weighted sum is > ``ktae_config.correct_threshold``; None: the only reward function, or the only
+    one that is not in ``SHAPING_REWARDS``; ValueError at construction when that leaves several or none)
+    and ``ktae_options`` (``ExecutionOptions``: how the kernels run; defaults when None).
+    ``ktae_rewards_per_func``: the last step's gathered ``[N, n_funcs]`` rewards (None before it).
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        check_mixin_order(cls)
 
     def __init__(self, *args: Any, ktae_config: KTAEConfig | None = None, ktae_backend: str = "auto",
                  ktae_use_trl_advantage: bool = True, ktae_metrics: str = "advantages",
@@ -89,7 +119,7 @@ class KTAEGRPOMixin:
         self.ktae_settings = AdapterSettings(ktae_config or KTAEConfig(), ktae_backend, ktae_metrics,
                                              options=ktae_options or ExecutionOptions())
         self.ktae_use_trl_advantage = ktae_use_trl_advantage
-        self._ktae_rewards_per_func: Tensor | None = None
+        self.ktae_rewards_per_func: Tensor | None = None
         self._ktae_sequence_advantages: Tensor | None = None
         super().__init__(*args, **kwargs)
         self.ktae_correct_columns = self._ktae_reward_columns(ktae_correct_reward_funcs)
@@ -99,21 +129,33 @@ class KTAEGRPOMixin:
         """The method's settings (``ktae_settings.config``)."""
         return self.ktae_settings.config
 
-    def _ktae_reward_columns(self, names: Sequence[str] | None) -> list[int] | None:
-        """Columns of ``rewards_per_func`` of the named reward functions (None: no names)."""
-        if names is None:
-            return None
+    def _ktae_reward_columns(self, names: Sequence[str] | None) -> list[int]:
+        """Columns of ``rewards_per_func`` that label rollouts: the named reward functions; without
+        names, the only one, or the only one that is not a TRL shaping reward (else ValueError)."""
         available = list(self.reward_func_names)
-        missing = [n for n in names if n not in available]
-        if missing or not names:
-            raise ValueError(f"`ktae_correct_reward_funcs` must name reward functions of this trainer, one of "
-                             f"{available}; got {list(names)}")
-        return [available.index(n) for n in names]
+        if names is not None:
+            missing = [n for n in names if n not in available]
+            if missing or not names:
+                raise ValueError(f"`ktae_correct_reward_funcs` must name reward functions of this trainer, one of "
+                                 f"{available}; got {list(names)}")
+            return [available.index(n) for n in names]
+        task = [i for i, n in enumerate(available) if n not in SHAPING_REWARDS]
+        if len(available) == 1 or len(task) == 1:
+            return task or [0]
+        shaping = [n for n in available if n in SHAPING_REWARDS]
+        example = available[task[0]] if task else available[0]
+        raise ValueError(f"KTAE splits each group into correct and wrong rollouts, and cannot tell which of the reward "
+                         f"functions {available} say whether an answer is correct"
+                         + (f" (TRL's shaping rewards {shaping} never do)" if shaping else "")
+                         + f": name them in `ktae_correct_reward_funcs`, e.g. ktae_correct_reward_funcs=[{example!r}] "
+                         f"(a rollout is correct when their weighted sum is > KTAEConfig.correct_threshold). Labels "
+                         f"from the sum of every reward would let a format or length reward turn a correct answer "
+                         f"wrong or a wrong one correct")
 
     # ----------------------------------------------------------------------------- advantages
     def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any, completion_ids_list: Any) -> Tensor:
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)  # type: ignore[misc]
-        self._ktae_rewards_per_func = rewards_per_func  # gathered over processes
+        self.ktae_rewards_per_func = rewards_per_func  # gathered over processes
         return rewards_per_func
 
     def _generate_and_score_completions(self, inputs: Any) -> dict[str, Any]:
@@ -133,7 +175,7 @@ class KTAEGRPOMixin:
             rollout_advantage = output["advantages"]
         several = self.accelerator.num_processes > 1
         return grpo_token_advantages(
-            output["completion_ids"], self._ktae_mask(output), self._ktae_rewards_per_func, self.reward_weights,
+            output["completion_ids"], self._ktae_mask(output), self.ktae_rewards_per_func, self.reward_weights,
             rollout_advantage, process_index=self.accelerator.process_index,
             num_generations=self._ktae_num_generations(), config=self.ktae_config,
             backend=self.ktae_settings.backend, process_group=dist.group.WORLD if several else None,
@@ -142,13 +184,11 @@ class KTAEGRPOMixin:
 
     def ktae_labels(self) -> Labels:
         """Correct / wrong flags of the gathered rows and their source (see the class docstring)."""
-        rewards, _, _ = grpo_groups(self._ktae_rewards_per_func, self.reward_weights,
+        rewards, _, _ = grpo_groups(self.ktae_rewards_per_func, self.reward_weights,
                                     num_generations=self._ktae_num_generations())
         columns = self.ktae_correct_columns
-        if columns is None:
-            return correct_labels(rewards, self.ktae_config.correct_threshold)
         weights = self.reward_weights.to(rewards.device)[columns]
-        task = (self._ktae_rewards_per_func[:, columns] * weights).nansum(dim=1)
+        task = (self.ktae_rewards_per_func[:, columns] * weights).nansum(dim=1)
         name = "+".join(self.reward_func_names[c] for c in columns)
         return correct_labels(rewards, self.ktae_config.correct_threshold, [(name, task)])
 
@@ -168,7 +208,7 @@ class KTAEGRPOMixin:
         gathered groups exactly as ``grpo_token_advantages`` forms them)."""
         if self.ktae_use_trl_advantage:
             return output["advantages"].detach().to(torch.float64)
-        rewards, group, _ = grpo_groups(self._ktae_rewards_per_func, self.reward_weights,
+        rewards, group, _ = grpo_groups(self.ktae_rewards_per_func, self.reward_weights,
                                         num_generations=self._ktae_num_generations())
         return rollout_baseline(rewards, group, self.ktae_config)[self._ktae_own_rows(output["completion_ids"].shape[0])]
 
@@ -184,7 +224,7 @@ class KTAEGRPOMixin:
         n = min(len(gathered), len(column))
         for i, value in enumerate(gathered[len(gathered) - n:].tolist()):
             column[len(column) - n + i] = value
-        rewards, group, unscorable = grpo_groups(self._ktae_rewards_per_func, self.reward_weights,
+        rewards, group, unscorable = grpo_groups(self.ktae_rewards_per_func, self.reward_weights,
                                                  num_generations=self._ktae_num_generations())
         own = self._ktae_own_rows(advantages.shape[0])
         labels = self.ktae_labels()
@@ -193,8 +233,10 @@ class KTAEGRPOMixin:
         scores = lambda: key_token_scores(output["completion_ids"], scored, rewards[own], group[own],  # noqa: E731
                                           config=self.ktae_config, backend=self.ktae_settings.backend,
                                           correct=local.correct, options=self.ktae_settings.options)
-        values = step_metrics(self.ktae_settings, local, started, scores=scores, advantages=advantages, mask=scored,
-                              rollout_advantage=base, group=group[own])
+        ran = backend_that_runs(self.ktae_settings.backend, advantages.device,
+                                distributed=self.accelerator.num_processes > 1)
+        values = step_metrics(self.ktae_settings, local, started, backend=ran, scores=scores, advantages=advantages,
+                              mask=scored, rollout_advantage=base, group=group[own])
         if values and self.accelerator.num_processes > 1:
             values = self._ktae_across_processes(values, scored.sum(), group, labels.correct)
         for name, value in values.items():
@@ -225,13 +267,19 @@ class KTAEGRPOMixin:
 
     # ------------------------------------------------------------------- sequence-level branches
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Tensor:
-        self._ktae_sequence_advantages = inputs.get(ROLLOUT_KEY)
+        if ROLLOUT_KEY not in inputs:  # the batch did not come through KTAE's _generate_and_score_completions
+            raise FrameworkMismatchError(
+                f"TRL {trl.__version__}: {type(self).__name__} computed a loss on a batch that KTAE's "
+                f"_generate_and_score_completions did not make, so its advantages are not KTAE's. Every override of "
+                f"_generate_and_score_completions must call super(); a TRL that builds batches another way is not "
+                f"supported")
+        self._ktae_sequence_advantages = inputs[ROLLOUT_KEY]
         try:
             return super()._compute_loss(model, inputs)  # type: ignore[misc]
         finally:
             self._ktae_sequence_advantages = None
 
-    def _ktae_sequence(self, advantages: Tensor) -> Tensor:
+    def ktae_per_sequence(self, advantages: Tensor) -> Tensor:
         """``[B, 1]`` rollout advantages in place of ``[B, T]`` token ones, where TRL branches per sequence."""
         seq = self._ktae_sequence_advantages
         if seq is None or advantages.dim() != 2 or advantages.shape[1] == 1:
@@ -239,10 +287,10 @@ class KTAEGRPOMixin:
         return seq.to(advantages.device, advantages.dtype).reshape(-1, 1)
 
     def get_off_policy_mask(self, advantages: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return super().get_off_policy_mask(self._ktae_sequence(advantages), *args, **kwargs)  # type: ignore[misc]
+        return super().get_off_policy_mask(self.ktae_per_sequence(advantages), *args, **kwargs)  # type: ignore[misc]
 
     def get_gamma_weights(self, advantages: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return super().get_gamma_weights(self._ktae_sequence(advantages), *args, **kwargs)  # type: ignore[misc]
+        return super().get_gamma_weights(self.ktae_per_sequence(advantages), *args, **kwargs)  # type: ignore[misc]
 
 
 class KTAEGRPOTrainer(KTAEGRPOMixin, GRPOTrainer):

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ...api import key_token_scores, token_advantage
 from ...validation import float64_row_sums
-from ..shared import AdapterSettings, column_values, correct_labels, rollout_baseline, step_metrics
+from ..shared import AdapterSettings, backend_that_runs, column_values, correct_labels, rollout_baseline, step_metrics
 from .framework import raise_if_moved
 from .settings import ktae_settings
 
@@ -126,8 +126,8 @@ def ktae_step(responses: Tensor, response_mask: Tensor, token_level_rewards: Ten
         kts = key_token_scores(responses[rows], mask[rows], rewards[rows], f_index, config=config, backend=backend,
                                correct=labels.correct[rows], options=settings.options)
         advantages = kts.token_advantage(responses, mask, index, base, config.weight)
-    metrics = step_metrics(settings, labels, started, scores=kts, advantages=advantages, mask=mask,
-                           rollout_advantage=base, group=index)
+    metrics = step_metrics(settings, labels, started, backend=backend_that_runs(backend, mask.device), scores=kts,
+                           advantages=advantages, mask=mask, rollout_advantage=base, group=index)
     return advantages, metrics
 
 

@@ -6,6 +6,7 @@ expected; the estimator raises it at the first step where no start-up check ran.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 from ..shared import check_version, missing_target
@@ -13,6 +14,10 @@ from ..shared import check_version, missing_target
 V1_MODULE = "verl.trainer.ppo.v1.trainer_base"
 LEGACY_MODULE = "verl.trainer.ppo.ray_trainer"
 CONFIG_MODULE = "verl.utils.config"
+METRICS_MODULE = "verl.trainer.ppo.metric_utils"
+#: the base of verl's experimental trainers (``one_step_off_policy``, ``fully_async_policy``): it calls
+#: the legacy ``compute_advantage`` and ``metric_utils.compute_data_metrics`` through its own names.
+SEPARATION_MODULE = "verl.experimental.separation.ray_trainer"
 #: per patched module: the attribute KTAE wraps there and what KTAE expected it to be.
 TARGETS: dict[str, tuple[str, str]] = {
     V1_MODULE: ("PPOTrainer._compute_advantage", "the v1 trainer's advantage step, which every trainer mode "
@@ -20,6 +25,10 @@ TARGETS: dict[str, tuple[str, str]] = {
     LEGACY_MODULE: ("compute_advantage", "the legacy trainer's function that calls the estimator (KTAE hands "
                     "it the response ids there)"),
     CONFIG_MODULE: ("validate_config", "the trainer config's start-up check (KTAE checks its settings there)"),
+    METRICS_MODULE: ("compute_data_metrics", "the step metrics function of the legacy and experimental trainers "
+                     "(KTAE adds the ktae/* metrics there)"),
+    SEPARATION_MODULE: ("compute_data_metrics", "the step metrics function the experimental trainers' "
+                        "SeparateRayPPOTrainer calls by this name (KTAE adds the ktae/* metrics there)"),
 }
 #: supported verl: >= MIN_VERSION (``register_adv_est``, ``VERL_USE_EXTERNAL_MODULES``), < BELOW_VERSION.
 MIN_VERSION = "0.6"
@@ -41,12 +50,15 @@ def attribute(owner: Any, dotted: str) -> Any:
     return owner
 
 
-def trainer_modules(config: Any) -> tuple[str, str]:
+def trainer_modules(config: Any) -> tuple[str, ...]:
     """The patched modules a run with verl's trainer ``config`` goes through: the config check and the
-    v1 trainer (``trainer.use_v1``) or the legacy one."""
+    v1 trainer (``trainer.use_v1``) or the legacy one with its metrics; and, where this process has
+    imported it (their entry points do before they validate the config), the experimental trainers' base."""
     trainer = config_get(config, "trainer")
     use_v1 = bool(config_get(trainer, "use_v1", False)) if trainer is not None else False
-    return CONFIG_MODULE, V1_MODULE if use_v1 else LEGACY_MODULE
+    experimental = (LEGACY_MODULE, METRICS_MODULE, SEPARATION_MODULE) if SEPARATION_MODULE in sys.modules else ()
+    main = (V1_MODULE,) if use_v1 else (LEGACY_MODULE, METRICS_MODULE)
+    return tuple(dict.fromkeys((CONFIG_MODULE, *main, *experimental)))
 
 
 def verl_version() -> str:

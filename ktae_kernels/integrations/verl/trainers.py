@@ -1,7 +1,9 @@
 """Wrappers of the places verl's trainers build the estimator's inputs, for "ktae" only: v1
-``PPOTrainer._compute_advantage`` (every v1 mode inherits it), the legacy ``compute_advantage`` and
-``compute_data_metrics``, and ``validate_config`` (the settings are checked at start-up).
-``PATCHES`` maps each verl module to the patch applied when it is imported.
+``PPOTrainer._compute_advantage`` (every v1 mode inherits it), the legacy ``compute_advantage``,
+``metric_utils.compute_data_metrics`` (the legacy trainer and the experimental ones that inherit
+``SeparateRayPPOTrainer`` log the ``ktae/*`` metrics through it), and ``validate_config`` (the settings
+are checked at start-up). ``PATCHES`` maps each verl module to the patch applied when it is imported;
+a module that took one of these functions by name before the patch gets the wrapped one too.
 
 A patch whose target verl moved records it in ``framework.PATCH_PROBLEMS`` instead of raising (see
 ``framework``)."""
@@ -13,7 +15,8 @@ from typing import Any, Callable
 from torch import Tensor
 
 from .estimator import StepInputs, fit_width, provide_step
-from .framework import CONFIG_MODULE, LEGACY_MODULE, PATCH_PROBLEMS, TARGETS, V1_MODULE, attribute
+from .framework import (CONFIG_MODULE, LEGACY_MODULE, METRICS_MODULE, PATCH_PROBLEMS, SEPARATION_MODULE, TARGETS,
+                        V1_MODULE, attribute)
 from .settings import check_trainer_config, is_ktae
 
 #: the v1 TransferQueue fields the estimator needs beside those verl fetches itself.
@@ -128,6 +131,16 @@ def _wrap_legacy(ray_trainer: Any) -> None:
         ray_trainer.compute_data_metrics = with_ktae_metrics(ray_trainer.compute_data_metrics)
 
 
+def _wrap_metrics(metric_utils: Any) -> None:
+    metric_utils.compute_data_metrics = with_ktae_metrics(metric_utils.compute_data_metrics)
+
+
+def _wrap_separation(separation: Any) -> None:
+    separation.compute_data_metrics = with_ktae_metrics(separation.compute_data_metrics)
+    if callable(getattr(separation, "compute_advantage", None)):
+        separation.compute_advantage = with_responses(separation.compute_advantage)
+
+
 def _wrap_config(config_module: Any) -> None:
     config_module.validate_config = with_ktae_check(config_module.validate_config)
 
@@ -137,4 +150,6 @@ PATCHES: dict[str, Callable[[Any], None]] = {
     V1_MODULE: lambda module: _patched(module, _wrap_v1),
     LEGACY_MODULE: lambda module: _patched(module, _wrap_legacy),
     CONFIG_MODULE: lambda module: _patched(module, _wrap_config),
+    METRICS_MODULE: lambda module: _patched(module, _wrap_metrics),
+    SEPARATION_MODULE: lambda module: _patched(module, _wrap_separation),
 }
