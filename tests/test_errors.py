@@ -1,5 +1,5 @@
-"""The errors and warnings a new user meets, read as they are printed: a mask value other than 0 / 1 (its
-value and where), a NaN reward (its row), ``backend="cuda"`` on a machine without a usable CUDA GPU (what
+"""The errors and warnings a new user meets, read as they are printed: a transposed batch (named as such,
+not as a bad `rewards`), a mask value other than 0 / 1 (its value and where), a NaN reward (its row), ``backend="cuda"`` on a machine without a usable CUDA GPU (what
 to use instead), a negative ``weight`` (allowed for ablations, with a warning) and "auto" running the
 torch backend because the native kernel is not built (warned once, with how to build it)."""
 from __future__ import annotations
@@ -16,6 +16,21 @@ from ktae_kernels.backends.base import BackendUnavailableError
 
 RESPONSES = torch.tensor([[5, 7, 2], [5, 8, 2]])
 REWARDS = torch.tensor([1.0, 0.0])
+
+
+def test_a_transposed_batch_is_named_not_blamed_on_the_rewards():
+    """``[L, B]`` ids with ``B`` rewards: the ids are the problem, and the fix is a transpose."""
+    responses = torch.arange(1, 25).reshape(8, 3)  # B = 8 rollouts of L = 3 tokens
+    rewards, index = torch.arange(8.0) % 2, torch.arange(8) // 4
+    with pytest.raises(ValueError) as raised:
+        token_advantage(responses.T, responses.T != 0, rewards, index)
+    assert str(raised.value) == ("`responses` must be [B, L], one row per rollout, got shape (3, 8), and `rewards` "
+                                 "has 8 values, one per column: the batch looks transposed; pass `responses.T` and "
+                                 "`response_mask.T`")
+    with pytest.raises(ValueError) as raised:
+        token_advantage(responses.T, responses != 0, rewards, index)
+    assert str(raised.value).endswith("got (8, 3); one of the two is transposed: both are [B, L]")
+    assert token_advantage(responses, responses != 0, rewards, index).shape == (8, 3)
 
 
 @pytest.mark.parametrize("mask, found", [
