@@ -47,7 +47,7 @@ ALLOWED: dict[str, set[str]] = {
     "plan": LOWER | {"backends.base", "backends.device", "registry"},
     "metrics": LOWER,
     "ktae_kernels": LOWER | PUBLIC | {"backends.base"},
-    "__main__": {"ktae_kernels", "viz"},
+    "__main__": {"ktae_kernels", "registry", "viz"},
     "viz": {"viz.decode", "viz.html", "viz.png"},
     "viz.": LOWER | PUBLIC | {"viz.common", "viz.decode", "viz.html", "viz.png"},
     "integrations": set(),

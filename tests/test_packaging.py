@@ -88,3 +88,18 @@ def test_setup_declares_no_source_outside_the_project(tmp_path):
     sources = (tmp_path / "ktae_kernels.egg-info" / "SOURCES.txt").read_text().splitlines()
     assert "csrc/cpu/ktae_cpu.cpp" in sources
     assert not [s for s in sources if s.endswith((".c", ".cc", ".cpp", ".cu")) and os.path.isabs(s)]
+
+
+def test_a_build_that_skips_the_native_kernel_says_so_in_a_banner(tmp_path):
+    """Without nanobind (a --no-build-isolation build) the package still builds, without ``_cpu``: the
+    build says so in a banner that names the reason and the check to run after installing."""
+    run = ("import runpy, sys; sys.modules['nanobind'] = None; sys.argv = ['setup.py', '-q', 'build_ext', "
+           f"'--build-lib', {str(tmp_path / 'lib')!r}, '--build-temp', {str(tmp_path / 'temp')!r}]; "
+           "runpy.run_path('setup.py', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", run], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KTAE_SKIP_CUDA_BUILD": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "!" * 79 + "\nWARNING: ktae_kernels: NOT building the native CPU kernel (ktae_kernels._cpu): nanobind is " \
+           "not importable in the build environment" in done.stderr
+    assert "Check an install with: python -m ktae_kernels --check" in done.stderr
+    assert not list(tmp_path.rglob("_cpu*.so"))
