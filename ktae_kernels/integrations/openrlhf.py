@@ -39,7 +39,7 @@ ESTIMATOR_FLAG = "--algo.advantage.estimator"
 #: the module whose ``RemoteExperienceMaker`` the trainer builds.
 TRAINER_MODULE = "openrlhf.trainer.ppo_trainer"
 #: supported OpenRLHF: >= MIN_VERSION (the dotted ``--algo.advantage.*`` flags), < BELOW_VERSION; the
-#: tests run on the README test command's OpenRLHF and, in CI, again on MIN_VERSION.
+#: tests run on the README whole-suite command's OpenRLHF and, in CI, again on MIN_VERSION.
 MIN_VERSION = "0.10.2"
 BELOW_VERSION = "0.12"
 #: ``worker_process_setup_hook`` in Ray's string form.
