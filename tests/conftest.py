@@ -23,8 +23,7 @@ if not torch.cuda.is_available():
 #: test and bench extras alone (no framework, no GPU kernel): the API and its errors, the method, Fisher,
 #: the torch and native backends, properties, the demo, ``--check`` and the README's quick start.
 CORE = frozenset({"test_api", "test_config", "test_cpu_backend", "test_demo", "test_docs", "test_errors",
-                  "test_fisher", "test_method", "test_metrics", "test_properties", "test_torch_backend",
-                  "test_upstream"})
+                  "test_fisher", "test_method", "test_metrics", "test_properties", "test_torch_backend"})
 
 
 @pytest.hookimpl(tryfirst=True)
