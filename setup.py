@@ -117,8 +117,13 @@ def _cpu_extension() -> list[Extension]:
 
 
 def _skip_cpu_kernel(reason: object) -> None:
-    print(f"ktae_kernels: not building the native CPU kernel ({reason}); backend='cpu' will be unavailable and "
-          "'auto' uses the slower torch backend", file=sys.stderr)
+    """Say, in a banner, that the package installs without its native CPU kernel. pip shows a build's
+    output only with -v or when it fails; after an install ``python -m ktae_kernels --check`` says it
+    (and exits 1), and "auto" warns at its first call."""
+    bar = "!" * 79
+    print(f"\n{bar}\nWARNING: ktae_kernels: NOT building the native CPU kernel (ktae_kernels._cpu): {reason}.\n"
+          "backend='cpu' will be unavailable and backend='auto' runs the slower torch backend on CPU tensors.\n"
+          f"Check an install with: python -m ktae_kernels --check\n{bar}\n", file=sys.stderr)
 
 
 def _with_openmp_fallback(base: type) -> type:

@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS_DIR,
                    help=f"output folder (default ./{RESULTS_DIR}/, in the current directory)")
     p.add_argument("--tag", default="", help="extra suffix of the output file names")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a result of the same name (default: a new -run2, -run3, ... file beside it)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none either when stderr is not a terminal)")
@@ -74,6 +76,16 @@ def _shape(text: str) -> Shape:
     if min(G, P, L) < 1:
         raise argparse.ArgumentTypeError(f"G, P and L must be >= 1, got {text!r}")
     return Shape(G, P, L)
+
+
+def result_stem(stem: Path, overwrite: bool = False) -> Path:
+    """Where a run writes ``.json`` (and ``.png``): ``stem``, or, when a result is already there and not
+    ``overwrite``, the first free ``stem-run2``, ``stem-run3``, ... (a same-day rerun keeps the first)."""
+    free, run = stem, 1
+    while not overwrite and any(free.with_suffix(s).exists() for s in (".json", ".png")):
+        run += 1
+        free = stem.with_name(f"{stem.name}-run{run}")
+    return free
 
 
 def default_backends(device: torch.device) -> list[str]:
@@ -121,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     budget = budget_for(device.type, args.preset)
     shapes = tuple(args.shape) if args.shape else PRESETS[args.preset]
     grid_name = "custom" if args.shape else args.preset
-    stem = args.out / (f"{machine_slug(device)}-{today()}" + ("" if grid_name == "default" else f"-{grid_name}")
-                       + (f"-{args.tag}" if args.tag else ""))
+    name = (f"{machine_slug(device)}-{today()}" + ("" if grid_name == "default" else f"-{grid_name}")
+            + (f"-{args.tag}" if args.tag else ""))
+    stem = result_stem(args.out / name, overwrite=args.overwrite)
     batches = f"{len(shapes)} batch" + ("" if len(shapes) == 1 else "es")
     print(f"ktae_kernels bench: {batches} ({grid_name} grid) on {device}: {', '.join(names)}")
     print(f"results: {stem}.json")

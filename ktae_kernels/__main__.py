@@ -1,17 +1,22 @@
 """`python -m ktae_kernels`: KTAE explained on a small built-in batch, its advantages, and a timing.
 
 ``python -m ktae_kernels --report demo.html`` also writes the batch's coloured key-token report, and
-``--png demo.png`` its matplotlib summary (the ``viz`` extra). Every line printed fits in ``WIDTH``.
+``--png demo.png`` its matplotlib summary (the ``viz`` extra). ``python -m ktae_kernels --check`` prints
+the backends this machine runs and why each missing one is missing, with the fix. Every line printed
+fits in ``WIDTH``.
 """
 from __future__ import annotations
 
 import argparse
+import platform
+import sys
 import textwrap
 import time
 
 import torch
 
-from . import KTAEConfig, available_backends, key_token_scores, token_advantage
+from . import KTAEConfig, __version__, available_backends, key_token_scores, token_advantage
+from .registry import availability, device_problem
 
 #: the demo's lines are shorter than this, so a terminal never wraps one.
 WIDTH = 99
@@ -71,11 +76,52 @@ def _aligned(responses, mask, adv, rollout: int, label: str) -> list[str]:
     return [f"  rollout {rollout} ({label})", "    token id " + "".join(ids), "    advantage" + "".join(vals)]
 
 
-def main(argv: list[str] | None = None) -> None:
+#: the device types whose backends ``--check`` reports.
+DEVICE_TYPES = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def _wrapped(text: str, indent: int) -> list[str]:
+    return textwrap.wrap(text, WIDTH - 1, initial_indent=" " * indent, subsequent_indent=" " * (indent + 2))
+
+
+def check() -> tuple[list[str], bool]:
+    """What ``--check`` prints: per device type this machine has, each backend and, where it cannot run,
+    the registry's reason and fix; and whether "auto" runs its first choice on every such device type."""
+    cuda = f", CUDA {torch.version.cuda}" if torch.version.cuda else ""
+    lines = [f"ktae_kernels {__version__}: torch {torch.__version__}{cuda}, Python {platform.python_version()}, "
+             f"{platform.system()} {platform.machine()}"]
+    fastest = True
+    for kind, label in DEVICE_TYPES.items():
+        problem = device_problem(kind)
+        if problem is not None:
+            lines += _wrapped(f"{label} tensors: none on this machine: {problem}", 0)
+            continue
+        statuses = availability(kind)
+        runs = [s.name for s in statuses if s.auto and s.problem is None]
+        first = next(s for s in statuses if s.auto)
+        picked = f"runs {runs[0]!r}" if runs else "has no backend"
+        fallback = f" instead of {first.name!r}, which is missing" if not runs or runs[0] != first.name else ""
+        fastest = fastest and not fallback
+        lines.append(f"{label} tensors: backend='auto' {picked}{fallback}")
+        for s in statuses:
+            lines += [f"  {s.name:<10} yes"] if s.problem is None else _wrapped(f"{s.name:<10} no: {s.problem}", 2)
+    lines.append("Every backend 'auto' prefers on this machine is there." if fastest else
+                 "backend='auto' runs a slower backend here: the fix is above.")
+    return lines, fastest
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ktae_kernels", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="print the backends this machine runs and why each missing one is missing, with the "
+                             "fix; exit 1 when backend='auto' runs a slower one than it prefers")
     parser.add_argument("--report", metavar="FILE.html", help="also write the demo batch's key-token HTML report")
     parser.add_argument("--png", metavar="FILE.png", help="also write its PNG summary (needs matplotlib: the viz extra)")
     args = parser.parse_args(argv)
+    if args.check:
+        lines, fastest = check()
+        print("\n".join(lines))
+        return 0 if fastest else 1
 
     responses, mask, rewards, index = demo_batch()
     config = KTAEConfig()
@@ -124,8 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     if not (args.report or args.png):
         print("See these key tokens coloured: python -m ktae_kernels --report demo.html --png demo.png")
     print(f"Next: `{NEXT_BENCH}` (under a minute) times every backend against the scipy\n"
-          "reference, the upstream-style loop and the memory floor; `python -m bench` runs the full grid.")
+          "reference, the upstream-style loop and the memory floor; `python -m bench` runs the full grid.\n"
+          "`python -m ktae_kernels --check`: the backends this machine runs, and why any other is missing.")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

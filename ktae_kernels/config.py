@@ -6,6 +6,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .options import named_fields
+
 Baseline = Literal["grpo", "mean", "none"]
 FisherMode = Literal["exact", "upstream"]
 
@@ -22,6 +24,8 @@ def _check_real(name: str, value: object, *, minimum: float | None = None, posit
         raise ValueError(f"KTAEConfig.{name} must be >= {minimum}, got {value!r}")
 
 
+@named_fields(moved={"threads": "the native kernel's thread count moved to ExecutionOptions: pass "
+                             "`options=ExecutionOptions(threads={value!r})` to the call"})
 @dataclass(frozen=True)
 class KTAEConfig:
     """Hyper-parameters of Key-token Advantage Estimation (see README, "The method").
@@ -42,6 +46,7 @@ class KTAEConfig:
 
     Raises:
         ValueError: a field is out of range or of the wrong type (the message names the field).
+        TypeError: an unknown keyword (the message lists the fields; ``threads`` is in ``ExecutionOptions``).
 
     Example:
         >>> from ktae_kernels import KTAEConfig
@@ -79,7 +84,7 @@ class KTAEConfig:
         if self.weight < 0:
             warnings.warn(f"KTAEConfig.weight={self.weight!r} is negative: the key-token term is reversed (tokens "
                           f"of correct rollouts are pushed down, those of wrong ones up); use weight >= 0 "
-                          f"unless this is an ablation", UserWarning, stacklevel=3)
+                          f"unless this is an ablation", UserWarning, stacklevel=4)
         _check_real("eps", self.eps, minimum=0.0)
         if self.baseline not in BASELINES:
             raise ValueError(f"KTAEConfig.baseline must be one of {BASELINES}, got {self.baseline!r}")

@@ -5,8 +5,43 @@ and the table-size knobs let tests and benchmarks force the backends' overflow p
 """
 from __future__ import annotations
 
+import difflib
+import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Callable, Mapping, TypeVar
+
+_Class = TypeVar("_Class", bound=type)
+
+
+def named_fields(moved: Mapping[str, str] | None = None) -> Callable[[_Class], _Class]:
+    """Class decorator of a dataclass: a keyword that is not a field raises a TypeError naming it, the
+    field it is closest to, or where it went (``moved``: former field -> a sentence, formatted with the
+    given ``value``), and every field. Python's own message names only the keyword."""
+
+    def decorate(cls: _Class) -> _Class:
+        init = cls.__init__
+        names = [f.name for f in fields(cls) if f.init]
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            try:
+                init(self, *args, **kwargs)
+            except TypeError:
+                unknown = [name for name in kwargs if name not in names]
+                if not unknown:
+                    raise
+                name = unknown[0]
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = (f": {moved[name].format(value=kwargs[name])}" if moved and name in moved
+                        else f" (did you mean {close[0]!r}?)" if close else "")
+                raise TypeError(f"{cls.__name__} has no field {name!r}{hint}; its fields are "
+                                f"{', '.join(names)}") from None
+
+        cls.__init__ = __init__
+        return cls
+
+    return decorate
 
 
 def _power_of_two(name: str, value: object, least: int) -> None:
@@ -19,6 +54,7 @@ def _positive_int(name: str, value: object, most: int | None = None) -> None:
         raise ValueError(f"{name} must be an int in [1, {most or 'inf'}], got {value!r}")
 
 
+@named_fields()
 @dataclass(frozen=True)
 class CudaTuning:
     """Launch choices of the ``cuda`` backend.
@@ -54,6 +90,7 @@ class CudaTuning:
                 raise ValueError(f"CudaTuning.{name} must be a bool, got {getattr(self, name)!r}")
 
 
+@named_fields()
 @dataclass(frozen=True)
 class TritonTuning:
     """Table sizes of the ``triton`` backend's first try (a group that overflows them is rebuilt on the
@@ -82,6 +119,7 @@ class TritonTuning:
         _positive_int("TritonTuning.budget_bytes", self.budget_bytes)
 
 
+@named_fields()
 @dataclass(frozen=True)
 class ExecutionOptions:
     """How ``token_advantage`` / ``key_token_scores`` / a plan run: per-backend knobs that never change

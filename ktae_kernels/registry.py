@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -50,6 +51,31 @@ def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
     """
     kind = torch.device(device).type
     return tuple(n for n, s in _REGISTRY.items() if kind in s.devices and s.unavailable(kind) is None)
+
+
+class BackendStatus(NamedTuple):
+    """A backend for tensors of one device type: ``problem`` is None where it can run here, else why not
+    and the fix; ``auto``: "auto" may pick it there."""
+
+    name: str
+    problem: str | None
+    auto: bool
+
+
+def availability(device: torch.device | str = "cpu") -> list[BackendStatus]:
+    """Every backend for tensors on ``device``'s type: those "auto" may pick first, in its order, then the
+    others (what ``python -m ktae_kernels --check`` prints)."""
+    kind = torch.device(device).type
+    names = sorted((n for n, s in _REGISTRY.items() if kind in s.devices),
+                   key=lambda n: _REGISTRY[n].auto_rank.get(kind, len(_REGISTRY)))
+    return [BackendStatus(n, _REGISTRY[n].unavailable(kind), kind in _REGISTRY[n].auto_rank) for n in names]
+
+
+def device_problem(device: torch.device | str) -> str | None:
+    """None when this machine can hold tensors of ``device``'s type (the CPU; CUDA with a usable GPU),
+    else why not."""
+    kind = torch.device(device).type
+    return None if kind == "cpu" else _no_cuda_gpu() if kind == "cuda" else f"no backend runs on {kind} tensors"
 
 
 def resolve(name: str, device: torch.device | str) -> BackendSpec:
@@ -137,7 +163,8 @@ def _no_cuda_gpu() -> str | None:
     if torch.cuda.is_available():
         return None
     if torch.version.cuda is None:
-        return f"this torch ({torch.__version__}) is a CPU-only build, so no CUDA GPU can be used"
+        return (f"this torch ({torch.__version__}) is a CPU-only build, so no CUDA GPU can be used (on a GPU "
+                f"machine, install a CUDA build of torch)")
     return "no usable CUDA GPU is visible (torch.cuda.is_available() is False)"
 
 

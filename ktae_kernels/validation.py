@@ -190,7 +190,9 @@ def _as_tensor(name: str, value: Any, device: torch.device | None = None, read: 
 
 def _check_mask(mask: Tensor, shape: tuple[int, ...], read: bool = True) -> Tensor:
     if tuple(mask.shape) != shape:
-        raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}")
+        transposed = "; one of the two is transposed: both are [B, L]" if tuple(mask.shape) == shape[::-1] else ""
+        raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}"
+                         f"{transposed}")
     return _zero_one_flags("response_mask", mask, "build it as `responses != pad_id`", read)
 
 
@@ -238,6 +240,10 @@ def _check_rewards(rewards: Tensor, shape: tuple[int, ...], read: bool = True) -
         if tuple(rewards.shape) != shape:
             raise ValueError(f"`rewards` as token-level rewards must have shape {shape}, got {tuple(rewards.shape)}")
         rewards = float64_row_sums(rewards.detach())
+    elif rewards.dim() == 1 and rewards.shape[0] == shape[1] != shape[0]:
+        raise ValueError(f"`responses` must be [B, L], one row per rollout, got shape {shape}, and `rewards` has "
+                         f"{shape[1]} values, one per column: the batch looks transposed; pass `responses.T` "
+                         f"and `response_mask.T`")
     elif rewards.dim() != 1 or rewards.shape[0] != shape[0]:
         raise ValueError(f"`rewards` must have shape [B] = [{shape[0]}] or [B, L] = {list(shape)}, "
                          f"got {tuple(rewards.shape)}")

@@ -265,3 +265,18 @@ def test_committed_results_are_the_ones_the_docs_cite():
     assert cited["benchmarks.md"] == committed
     missing = {doc: sorted(names - committed) for doc, names in cited.items() if names - committed}
     assert not missing, missing
+
+
+def test_a_same_day_rerun_never_overwrites_a_result_unless_told(tmp_path):
+    """bench's result files are named by machine, date and grid: a second run the same day gets -run2,
+    a third -run3; --overwrite replaces."""
+    from bench.__main__ import parse_args, result_stem
+
+    stem = tmp_path / "cpu-2core-2026-12-04-quick"
+    assert result_stem(stem) == stem
+    stem.with_suffix(".json").write_text("{}")
+    assert result_stem(stem) == tmp_path / "cpu-2core-2026-12-04-quick-run2"
+    (tmp_path / "cpu-2core-2026-12-04-quick-run2.png").write_bytes(b"")
+    assert result_stem(stem) == tmp_path / "cpu-2core-2026-12-04-quick-run3"
+    assert result_stem(stem, overwrite=True) == stem
+    assert parse_args(["--overwrite"]).overwrite and not parse_args([]).overwrite

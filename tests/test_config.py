@@ -1,9 +1,11 @@
-"""KTAEConfig: defaults from the method, frozen, and a ValueError naming each bad field."""
+"""KTAEConfig: defaults from the method, frozen, a ValueError naming each bad field, and a TypeError naming
+an unknown one (with the closest field, or where a former field went)."""
 import dataclasses
+import inspect
 
 import pytest
 
-from ktae_kernels import KTAEConfig
+from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig
 
 
 def test_defaults_follow_the_method():
@@ -37,3 +39,39 @@ def test_alpha_and_beta_not_both_zero():
     with pytest.raises(ValueError, match="alpha"):
         KTAEConfig(alpha=0.0, beta=0.0)
     assert KTAEConfig(alpha=0.0, beta=1.0).alpha == 0.0
+
+
+FIELDS = "alpha, beta, use_tf, top, k1, b, correct_threshold, ignore_token_ids, weight, baseline, eps, fisher"
+
+
+def test_threads_says_it_moved_to_execution_options():
+    with pytest.raises(TypeError) as raised:
+        KTAEConfig(threads=4)
+    assert str(raised.value) == ("KTAEConfig has no field 'threads': the native kernel's thread count moved to "
+                                 "ExecutionOptions: pass `options=ExecutionOptions(threads=4)` to the call; its "
+                                 f"fields are {FIELDS}")
+
+
+def test_a_misspelt_field_names_the_closest_one_and_every_field():
+    with pytest.raises(TypeError) as raised:
+        KTAEConfig(ignore_tokens=(151643,))
+    assert str(raised.value) == (f"KTAEConfig has no field 'ignore_tokens' (did you mean 'ignore_token_ids'?); "
+                                 f"its fields are {FIELDS}")
+    with pytest.raises(TypeError) as raised:
+        ExecutionOptions(thread=2)
+    assert str(raised.value) == ("ExecutionOptions has no field 'thread' (did you mean 'threads'?); its fields are "
+                                 "threads, cuda, triton")
+    with pytest.raises(TypeError, match=r"^CudaTuning has no field 'slots' \(did you mean 'table_slots'\?\)"):
+        CudaTuning(slots=4)
+
+
+def test_the_field_check_keeps_the_dataclass_behaviour():
+    """Positional arguments, ``dataclasses.replace`` and the signature are the dataclass's own; a negative
+    weight's warning still points at the caller's line."""
+    config = KTAEConfig(2.0, 3.0)
+    assert (config.alpha, config.beta) == (2.0, 3.0)
+    assert dataclasses.replace(config, weight=0.5).weight == 0.5
+    assert list(inspect.signature(KTAEConfig).parameters)[:2] == ["alpha", "beta"]
+    with pytest.warns(UserWarning) as caught:
+        KTAEConfig(weight=-1.0)
+    assert caught[0].filename == __file__

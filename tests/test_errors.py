@@ -1,12 +1,14 @@
-"""The errors and warnings a new user meets, read as they are printed: a mask value other than 0 / 1 (its
-value and where), a NaN reward (its row), ``backend="cuda"`` on a machine without a usable CUDA GPU (what
-to use instead), a negative ``weight`` (allowed for ablations, with a warning) and "auto" running the
-torch backend because the native kernel is not built (warned once, with how to build it)."""
+"""The errors and warnings a new user meets, read as they are printed: a transposed batch (named as such,
+not as a bad `rewards`), a mask value other than 0 / 1 (its value and where), a NaN reward (its row),
+``backend="cuda"`` on a machine without a usable CUDA GPU (what to use instead), a negative ``weight``
+(allowed for ablations, with a warning), "auto" running the torch backend because the native kernel is
+not built (warned once, with how to build it), and no numpy warning from Triton's interpreter."""
 from __future__ import annotations
 
 import dataclasses
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,6 +18,21 @@ from ktae_kernels.backends.base import BackendUnavailableError
 
 RESPONSES = torch.tensor([[5, 7, 2], [5, 8, 2]])
 REWARDS = torch.tensor([1.0, 0.0])
+
+
+def test_a_transposed_batch_is_named_not_blamed_on_the_rewards():
+    """``[L, B]`` ids with ``B`` rewards: the ids are the problem, and the fix is a transpose."""
+    responses = torch.arange(1, 25).reshape(8, 3)  # B = 8 rollouts of L = 3 tokens
+    rewards, index = torch.arange(8.0) % 2, torch.arange(8) // 4
+    with pytest.raises(ValueError) as raised:
+        token_advantage(responses.T, responses.T != 0, rewards, index)
+    assert str(raised.value) == ("`responses` must be [B, L], one row per rollout, got shape (3, 8), and `rewards` "
+                                 "has 8 values, one per column: the batch looks transposed; pass `responses.T` and "
+                                 "`response_mask.T`")
+    with pytest.raises(ValueError) as raised:
+        token_advantage(responses.T, responses != 0, rewards, index)
+    assert str(raised.value).endswith("got (8, 3); one of the two is transposed: both are [B, L]")
+    assert token_advantage(responses, responses != 0, rewards, index).shape == (8, 3)
 
 
 @pytest.mark.parametrize("mask, found", [
@@ -92,3 +109,21 @@ def test_auto_without_the_native_kernel_warns_once_how_to_build_it(monkeypatch):
         warnings.simplefilter("error")
         token_advantage(RESPONSES, RESPONSES != 0, REWARDS, [0, 0])
         token_advantage(RESPONSES, RESPONSES != 0, REWARDS, [0, 0], backend="torch")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs on the CPU only without a GPU")
+def test_triton_interpreter_leaks_no_numpy_warning(device):
+    """Under ``TRITON_INTERPRET=1`` every lane runs in numpy, masked-off ones too: their 0 / 0 ("invalid
+    value encountered in divide") must not reach the caller, whose numpy error state stays as it was."""
+    pytest.importorskip("triton")
+    from ktae_kernels import key_token_scores
+    from ktae_kernels.__main__ import demo_batch
+
+    batch = [t.to(device) for t in demo_batch()]
+    before = np.geterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adv = token_advantage(*batch, backend="triton")
+        key_token_scores(*batch, backend="triton")
+    torch.testing.assert_close(adv, token_advantage(*batch, backend="reference"), rtol=0, atol=1e-6)
+    assert np.geterr() == before

@@ -45,13 +45,17 @@ def test_package_is_typed():
     assert "py.typed" in pyproject()["tool"]["setuptools"]["package-data"]["ktae_kernels"]
 
 
-def test_triton_is_an_extra_that_the_tests_bring():
+def test_triton_is_an_extra_that_the_whole_suite_brings():
     """Triton (hundreds of MB) serves only ``backend="triton"``: a CUDA torch brings it, a CPU install does
-    not need it. The tests run its interpreter, so the test extra (the README's test command) brings it."""
+    not need it, nor do the README's core tests (the test extra). The whole suite runs its interpreter,
+    so the README's whole-suite command (which CI runs) installs the triton extra."""
     project = pyproject()["project"]
     assert not [d for d in project["dependencies"] if d.startswith("triton")]
     extras = project["optional-dependencies"]
-    assert [d for d in extras["triton"] if d.startswith("triton")] and [d for d in extras["test"] if d.startswith("triton")]
+    assert [d for d in extras["triton"] if d.startswith("triton")]
+    assert not [d for d in extras["test"] if d.startswith("triton")]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert 'pip install -e ".[test,triton,' in readme
 
 
 @pytest.mark.slow
@@ -88,3 +92,18 @@ def test_setup_declares_no_source_outside_the_project(tmp_path):
     sources = (tmp_path / "ktae_kernels.egg-info" / "SOURCES.txt").read_text().splitlines()
     assert "csrc/cpu/ktae_cpu.cpp" in sources
     assert not [s for s in sources if s.endswith((".c", ".cc", ".cpp", ".cu")) and os.path.isabs(s)]
+
+
+def test_a_build_that_skips_the_native_kernel_says_so_in_a_banner(tmp_path):
+    """Without nanobind (a --no-build-isolation build) the package still builds, without ``_cpu``: the
+    build says so in a banner that names the reason and the check to run after installing."""
+    run = ("import runpy, sys; sys.modules['nanobind'] = None; sys.argv = ['setup.py', '-q', 'build_ext', "
+           f"'--build-lib', {str(tmp_path / 'lib')!r}, '--build-temp', {str(tmp_path / 'temp')!r}]; "
+           "runpy.run_path('setup.py', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", run], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "KTAE_SKIP_CUDA_BUILD": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "!" * 79 + "\nWARNING: ktae_kernels: NOT building the native CPU kernel (ktae_kernels._cpu): nanobind is " \
+           "not importable in the build environment" in done.stderr
+    assert "Check an install with: python -m ktae_kernels --check" in done.stderr
+    assert not list(tmp_path.rglob("_cpu*.so"))

@@ -43,7 +43,7 @@ TRAINER_MODULE = "openrlhf.trainer.ppo_trainer"
 #: step it calls, where KTAE adds its term.
 MAKER_METHODS = ("make_experience_batch", "compute_advantages_and_returns")
 #: supported OpenRLHF: >= MIN_VERSION (the dotted ``--algo.advantage.*`` flags), < BELOW_VERSION; the
-#: tests run on the README test command's OpenRLHF and, in CI, again on MIN_VERSION.
+#: tests run on the README whole-suite command's OpenRLHF and, in CI, again on MIN_VERSION.
 MIN_VERSION = "0.10.2"
 BELOW_VERSION = "0.12"
 #: ``worker_process_setup_hook`` in Ray's string form.

@@ -9,6 +9,11 @@ p-values come from the published code on the CPU), the same tables' rows are rea
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
+import numpy as np
+import torch
 from torch import Tensor
 
 from ...config import KTAEConfig
@@ -21,18 +26,27 @@ from . import pipeline
 __all__ = ["key_token_scores", "token_advantage", "capture"]
 
 
+@contextlib.contextmanager
+def _launching(device: torch.device) -> Iterator[None]:
+    """``on_device``; under Triton's interpreter also without numpy's floating-point warnings: it runs
+    every lane in numpy, masked-off ones too (0 / 0 there is never stored), and its warnings would
+    surface in the caller's code."""
+    with on_device(device), np.errstate(all="ignore") if pipeline.interpreting() else contextlib.nullcontext():
+        yield
+
+
 def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions) -> KeyTokenScores:
-    with on_device(batch.device):
+    with _launching(batch.device):
         return pipeline.key_token_scores(batch, config, options.triton)
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
                     options: ExecutionOptions) -> Tensor:
-    with on_device(batch.device):
+    with _launching(batch.device):
         return pipeline.token_advantage(batch, config, given, out, options.triton)
 
 
 def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
             options: ExecutionOptions) -> tuple[Tensor, CapturedCall]:
-    with on_device(batch.device):
+    with _launching(batch.device):
         return pipeline.capture(batch, config, given, out, options.triton)
