@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import KTAEConfig, available_backends, token_advantage
+from ktae_kernels import KTAEConfig, available_backends, clear_caches, token_advantage
 from ktae_kernels import registry
 from ktae_kernels.backends.base import BackendUnavailableError
 
@@ -90,15 +90,22 @@ def test_a_negative_weight_is_allowed_with_a_warning():
     torch.testing.assert_close(flipped, -plain, rtol=0, atol=0)
 
 
-def test_auto_without_the_native_kernel_warns_once_how_to_build_it(monkeypatch):
+def test_auto_without_the_native_kernel_warns_once_how_to_build_it():
     """Where the native kernel is not built, "auto" runs the torch backend: the first call warns (at the
     caller's line) with the reason and how to build the kernel; later calls are quiet."""
     from ktae_kernels.backends import cpu
 
     reason = f"the native CPU kernel ktae_kernels._cpu is not built (stub); {cpu.BUILD_HINT}"
-    monkeypatch.setitem(registry._REGISTRY, "cpu", dataclasses.replace(registry._REGISTRY["cpu"],
-                                                                       unavailable=lambda kind: reason))
-    monkeypatch.setattr(registry, "_WARNED", set())
+    stub = dataclasses.replace(registry.backend_spec("cpu"), unavailable=lambda kind: reason)
+    real = registry.register_backend(stub)
+    clear_caches()  # "auto" warns once per process: forget earlier warnings
+    try:
+        _warns_once_how_to_build(reason)
+    finally:
+        registry.register_backend(real)
+
+
+def _warns_once_how_to_build(reason: str) -> None:
     with pytest.warns(RuntimeWarning) as caught:
         token_advantage(RESPONSES, RESPONSES != 0, REWARDS, [0, 0])
     (warning,) = caught
