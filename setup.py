@@ -1,6 +1,6 @@
 """Packaging; the metadata lives in pyproject.toml. This file adds the two compiled kernels.
 
-``ktae_kernels._cpu`` (csrc/cpu/) is the native CPU backend: C++17 with OpenMP and nanobind (typed
+``ktae_kernels._cpu`` (csrc/cpu/) is the native CPU backend: C++17 (its own threads) and nanobind (typed
 DLPack arrays; no torch at build time, so pip's isolated build never pulls torch). It is built
 whenever a C++ compiler and nanobind are there (an isolated build installs nanobind; without isolation,
 `pip install nanobind` first); without them (or if it fails) the package still installs,
@@ -106,14 +106,14 @@ def _nanobind_paths() -> tuple[list[str], list[str]] | str:
 def _cpu_extension() -> list[Extension]:
     """ktae_kernels._cpu (nanobind, typed array arguments): strict IEEE float64 (no FMA contraction), so its
     per-row formulas round as the torch path does. nanobind's own sources join when the extension is
-    built (``_with_openmp_fallback``): setuptools refuses absolute paths among the sources declared here,
+    built (``_with_nanobind``): setuptools refuses absolute paths among the sources declared here,
     and nanobind lives wherever the build environment has it (inside the project for a venv there)."""
-    flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden", "-fno-strict-aliasing"]
+    flags = ["-O3", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden", "-fno-strict-aliasing", "-pthread"]
     if _flag("KTAE_NATIVE_ARCH"):
         flags.append("-march=native")
     return [Extension("ktae_kernels._cpu", sources=["csrc/cpu/ktae_cpu.cpp"], language="c++",
                       include_dirs=["csrc/cpu"], depends=sorted(glob.glob("csrc/cpu/*.h")),
-                      extra_compile_args=flags, optional=True)]
+                      extra_compile_args=flags, extra_link_args=["-pthread"], optional=True)]
 
 
 def _skip_cpu_kernel(reason: object) -> None:
@@ -126,10 +126,9 @@ def _skip_cpu_kernel(reason: object) -> None:
           f"Check an install with: python -m ktae_kernels --check\n{bar}\n", file=sys.stderr)
 
 
-def _with_openmp_fallback(base: type) -> type:
-    """``base`` build_ext that builds ktae_kernels._cpu with nanobind's runtime and OpenMP, else without
-    OpenMP (one thread), else skips it with the reason: a machine without a working compiler or
-    nanobind still installs the package."""
+def _with_nanobind(base: type) -> type:
+    """``base`` build_ext that builds ktae_kernels._cpu with nanobind's runtime, else skips it with the
+    reason: a machine without a working compiler or nanobind still installs the package."""
 
     class BuildExt(base):
         def build_extension(self, ext):
@@ -138,18 +137,15 @@ def _with_openmp_fallback(base: type) -> type:
             paths = _nanobind_paths()
             if isinstance(paths, str):
                 return _skip_cpu_kernel(paths)
-            declared = ext.sources, ext.include_dirs, ext.extra_compile_args
+            declared = ext.sources, ext.include_dirs
             ext.sources, ext.include_dirs = declared[0] + paths[0], declared[1] + paths[1]
             try:  # the commands after this one (egg_info writing SOURCES.txt) see the declared sources
-                for extra in (["-fopenmp"], []):
-                    ext.extra_compile_args, ext.extra_link_args = declared[2] + extra, list(extra)
-                    try:
-                        return super().build_extension(ext)
-                    except Exception as err:  # noqa: BLE001 - any compiler failure: try the next option
-                        reason = err
-                return _skip_cpu_kernel(reason)
+                try:
+                    return super().build_extension(ext)
+                except Exception as err:  # noqa: BLE001 - any compiler failure: install without the kernel
+                    return _skip_cpu_kernel(err)
             finally:
-                ext.sources, ext.include_dirs, ext.extra_compile_args = declared
+                ext.sources, ext.include_dirs = declared
 
     return BuildExt
 
@@ -158,7 +154,7 @@ def _setup_arguments() -> dict:
     cuda = _cuda_extension()
     base = cuda.get("cmdclass", {}).get("build_ext", build_ext)
     return {"ext_modules": _cpu_extension() + cuda.get("ext_modules", []),
-            "cmdclass": {"build_ext": _with_openmp_fallback(base)}}
+            "cmdclass": {"build_ext": _with_nanobind(base)}}
 
 
 if __name__ == "__main__":  # also under pip: setuptools runs this file as __main__

@@ -7,6 +7,7 @@ Examples::
     python -m bench --quick               # a smoke run, under a minute
     python -m bench --device cuda --sweep --backends torch,triton,cuda
     python -m bench --full --repeats 10   # no caps (hours on a CPU)
+    python -m bench --contend             # the cpu backend's threads, quiet and beside a busy process
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch
 
 import ktae_kernels
-from bench import data
-from bench.contenders import ALL_NAMES, BENCH_CONFIG, REUSE_OUT, UPSTREAM
+from bench import contention, data
+from bench.contenders import ALL_NAMES, BENCH_CONFIG, REUSE_OUT, UPSTREAM, unavailable_reason
 from bench.data import Shape
 from bench.grid import PAPER_SHAPE, PRESETS, budget_for
 from bench.machine import load_average, machine_info, machine_slug, today
@@ -51,6 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5, help="timed runs per cell, at most (default 5)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice, usually one per core)")
+    p.add_argument("--contend", type=int, nargs="?", const=0, default=None, metavar="N",
+                   help="instead of the grid: the cpu backend at its default threads against one thread, on a "
+                        "quiet machine and beside a process of N-thread torch matrix products (default N: one "
+                        "per core), on --shape batches or 16x{8,64,256}x3072, 256x16x3072 and the paper batch")
     p.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR,
                    help=f"output folder (default ./{RESULTS_DIR}/, in the current directory)")
@@ -61,10 +66,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (there is none either when stderr is not a terminal)")
     args = p.parse_args(argv)
+    args.argv = argv
     if args.repeats < 1:
         p.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.contend is not None:
+        if args.contend < 0:
+            p.error(f"--contend takes the competing process's threads, >= 1, got {args.contend}")
+        if args.backends not in (None, "cpu") or args.device not in (None, "cpu"):
+            p.error("--contend times the cpu backend on the CPU: drop --backends and --device")
     return args
 
 
@@ -130,9 +141,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"--backends: unknown {unknown}; choose from {','.join(ALL_NAMES)}", file=sys.stderr)
         return 2
+    if args.contend is not None:
+        device, names = torch.device("cpu"), ["cpu"]
     budget = budget_for(device.type, args.preset)
-    shapes = tuple(args.shape) if args.shape else PRESETS[args.preset]
-    grid_name = "custom" if args.shape else args.preset
+    shapes = tuple(args.shape) if args.shape else contention.SHAPES if args.contend is not None else PRESETS[args.preset]
+    grid_name = "contend" if args.contend is not None else "custom" if args.shape else args.preset
     name = (f"{machine_slug(device)}-{today()}" + ("" if grid_name == "default" else f"-{grid_name}")
             + (f"-{args.tag}" if args.tag else ""))
     stem = result_stem(args.out / name, overwrite=args.overwrite)
@@ -144,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: the 1-minute load average is {load} on {os.cpu_count()} cores: other processes share\n"
               "the CPU, and the timings will be noisy")
 
+    if args.contend is not None:
+        return run_contend(args, shapes, stem)
     start = time.perf_counter()
     head = {"schema": "ktae_kernels.bench/1",
             "command": " ".join(["python -m bench", *(sys.argv[1:] if argv is None else argv)]),
@@ -177,6 +192,29 @@ def main(argv: list[str] | None = None) -> int:
         where = info["gpu"]["name"] if info["gpu"] else f"{info['cpu_model']} ({info['cpu_cores']} cores)"
         plot(results, stem.with_suffix(".png"), f"ktae_kernels on {where}, {today()}, {grid_name} grid")
     print(f"wrote {stem}.json" + ("" if args.no_plot else " and .png"))
+    return 0
+
+
+def run_contend(args: argparse.Namespace, shapes: tuple[Shape, ...], stem: Path) -> int:
+    """``--contend``: bench.contention on ``shapes``; prints its table, writes its JSON."""
+    reason = unavailable_reason("cpu", torch.device("cpu"))
+    if reason is not None:
+        print(f"--contend: the cpu backend cannot run here: {reason}", file=sys.stderr)
+        return 2
+    competitor = args.contend or contention.default_competitor_threads()
+    start = time.perf_counter()
+    show = (lambda text: print(f"  {text}", file=sys.stderr, flush=True)) if not args.no_progress else (lambda text: None)
+    results = contention.run_contention(shapes, competitor, seed=args.seed, on_progress=show)
+    print()
+    print(contention.format_contention(results, competitor))
+    print(f"\nwall time {time.perf_counter() - start:.0f} s")
+    write_json(stem.with_suffix(".json"), {
+        "schema": "ktae_kernels.bench-contend/1",
+        "command": " ".join(["python -m bench", *(sys.argv[1:] if args.argv is None else args.argv)]),
+        "machine": machine_info(torch.device("cpu")), "seed": args.seed,
+        **contention.contention_json(results, competitor), "wall_time_s": time.perf_counter() - start,
+    })
+    print(f"wrote {stem}.json")
     return 0
 
 

@@ -125,7 +125,7 @@ class ExecutionOptions:
     """How ``token_advantage`` / ``key_token_scores`` / a plan run: per-backend knobs that never change
     the result. ``ExecutionOptions()`` is every backend's default.
 
-    threads: OpenMP threads of the native CPU kernel (``backend="cpu"``), at most; None:
+    threads: threads of the native CPU kernel (``backend="cpu"``), at most; None:
         ``torch.get_num_threads()``. Small batches use fewer (one per group at most).
     cuda: ``CudaTuning``. triton: ``TritonTuning``.
 

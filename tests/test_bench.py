@@ -280,3 +280,82 @@ def test_a_same_day_rerun_never_overwrites_a_result_unless_told(tmp_path):
     assert result_stem(stem) == tmp_path / "cpu-2core-2026-12-04-quick-run3"
     assert result_stem(stem, overwrite=True) == stem
     assert parse_args(["--overwrite"]).overwrite and not parse_args([]).overwrite
+
+
+# ----------------------------------------------------------------------------------------- --contend
+def test_contend_calls_alternate_settings_round_by_round(monkeypatch):
+    """Both settings see the same machine: one call each per round, the order reversed every other
+    round, at least ``min_rounds`` rounds, after each one's warm-up."""
+    from bench import contention
+
+    calls: list[str] = []
+    monkeypatch.setattr(contention, "warm_up", lambda fn, device: calls.append("warm"))
+    monkeypatch.setattr(contention, "timed", lambda fn, device: (fn(), None))
+    samples = contention.interleaved({"a": lambda: calls.append("a") or 1e-3, "b": lambda: calls.append("b") or 2e-3},
+                                     budget_s=0.0, min_rounds=3)
+    assert calls == ["warm", "warm", "a", "b", "b", "a", "a", "b"]
+    assert samples == {"a": [1e-3] * 3, "b": [2e-3] * 3}
+
+
+def test_the_competing_process_runs_for_the_phase_and_no_longer():
+    from bench.contention import competing_process
+
+    with competing_process(1) as proc:
+        assert proc.poll() is None  # started and running matrix products
+    assert proc.poll() is not None
+
+
+def test_contend_table_and_json(tmp_path, monkeypatch):
+    """``python -m bench --contend 1 --shape ...``: the cpu backend at its default threads and at one
+    thread, quiet then beside the competing process, medians, ratios and loads, in the table and the JSON."""
+    import json
+
+    from bench import contention
+    from bench.__main__ import main
+    from ktae_kernels.backends import cpu
+
+    if cpu.unavailable_reason() is not None:
+        pytest.skip("the native CPU kernel is not built")
+    monkeypatch.setattr(contention, "BUDGET_S", 0.0)
+    monkeypatch.setattr(contention, "MIN_ROUNDS", 2)
+    phases = []
+    run_phase = contention._phase
+    monkeypatch.setattr(contention, "_phase", lambda batch, budget_s: phases.append(budget_s) or run_phase(batch, budget_s))
+    assert main(["--contend", "1", "--shape", "16x4x1024", "--shape", "4x2x64", "--out", str(tmp_path),
+                 "--tag", "t", "--no-progress"]) == 0
+    assert len(phases) == 4  # two batches, quiet and contended
+    (path,) = tmp_path.glob("*-contend-t.json")
+    payload = json.loads(path.read_text())
+    assert payload["competitor"]["threads"] == 1 and "--contend 1" in payload["command"]
+    big, small = payload["results"]
+    for row in (big, small):
+        for phase in ("quiet", "contended"):
+            medians = row[phase]["median_s"]
+            assert medians["default"] > 0 and medians["1 thread"] > 0
+            assert row[phase]["ratio"] == pytest.approx(medians["default"] / medians["1 thread"])
+            assert len(row[phase]["samples_s"]["default"]) >= 2 and len(row[phase]["load_average_1min"]) == 2
+    assert big["memory_floor_s"] > 0 and small["memory_floor_s"] is None  # no floor under 65,536 positions
+
+
+def test_contend_rejects_what_it_does_not_time(capsys):
+    from bench.__main__ import parse_args
+
+    for argv in (["--contend", "--backends", "torch"], ["--contend", "--device", "cuda"], ["--contend", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    assert "--contend" in capsys.readouterr().err
+
+
+def test_contend_table_prints_ratios_and_never_a_ratio_under_the_floor():
+    from bench.contention import ContentionResult, Phase, format_contention
+
+    def phase(default, one):
+        return Phase({"default": [default], "1 thread": [one]}, (0.4, 0.6))
+
+    ok = ContentionResult(Shape(16, 64, 3072), 2, phase(4e-3, 8e-3), phase(9.2e-3, 8e-3), floor_s=1e-3)
+    disturbed = ContentionResult(Shape(16, 8, 3072), 2, phase(0.5e-3, 1e-3), phase(1e-3, 1e-3), floor_s=1e-3)
+    table = format_contention([ok, disturbed], 2)
+    rows = {line.split("  ")[0]: line for line in table.splitlines() if " x 3072" in line}
+    assert "0.5x" in rows["16 x 64 x 3072"] and "1.15x" in rows["16 x 64 x 3072"] and "4x" in rows["16 x 64 x 3072"]
+    assert "error" in rows["16 x 8 x 3072"] and "0.5x" in rows["16 x 8 x 3072"]
+    assert "0.4-0.6" in table and "2-thread matrix products" in table

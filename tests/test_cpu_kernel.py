@@ -1,7 +1,8 @@
 """The native CPU kernel's own parts: its table statistics against ``method.table_statistics``, its
 memoising cache, the shapes users meet (big groups, ids past the dense map, long responses, sparse
-masks) against the reference, adversarial ids for its hash table, thread counts, the ``threads``
-setting and the typed binding's rejections."""
+masks) against the reference, adversarial ids for its hash table, thread counts and every split of
+the groups between threads (a worker that never runs, a forked child), the ``threads`` setting and the
+typed binding's rejections."""
 import ctypes
 import os
 
@@ -401,6 +402,96 @@ def test_kernel_threads(monkeypatch):
     assert cpu.kernel_threads(normal, 4) == 1  # a small batch: one thread
 
 
+# ------------------------------------------------------------------------------------------ work sharing
+# Groups are claimed one at a time from a shared counter by the calling thread and the workers that
+# start in time (csrc/cpu/workers.h): every split of the groups between threads must give the same bits.
+SPLITS = {
+    "many-tiny-groups": dict(sizes=[1, 2, 3] * 200, length=6, vocab=40),
+    "one-giant-group-among-tiny-ones": dict(sizes=[1, 300, 2, 1], length=20, vocab=500),
+    "one-group": dict(sizes=[16], length=40, vocab=151936),
+    "fewer-groups-than-threads": dict(sizes=[5, 16, 3], length=30, vocab=1000),
+}
+
+
+@pytest.fixture
+def together(kernel, monkeypatch):
+    """Every call on N threads shares its groups with the N - 1 workers it wakes (they join from any
+    core before a group is claimed), however small the batch; normal workers afterwards."""
+    monkeypatch.setattr(cpu, "POSITIONS_PER_THREAD", 1)
+    kernel.set_worker_mode("together")
+    yield kernel
+    kernel.set_worker_mode("normal")
+
+
+@pytest.mark.parametrize("name", SPLITS)
+def test_every_split_of_the_groups_between_threads_is_exact(name, together):
+    spec = SPLITS[name]
+    batch = make_batch(np.random.default_rng(len(name)), spec["sizes"], spec["length"], spec["vocab"], zipf=True,
+                       shuffle=True)
+    expected = token_advantage(*batch, backend="reference")
+    before = together.worker_items()
+    results = [token_advantage(*batch, options=ExecutionOptions(threads=n), backend="cpu") for n in (1, 2, 3, 8)]
+    torch.testing.assert_close(results[0], expected, rtol=0, atol=1e-6)
+    assert all(torch.equal(results[0], r) for r in results[1:]), "the result depends on the thread count"
+    if len(spec["sizes"]) > 100:
+        assert together.worker_items() > before  # the workers did run groups
+
+
+def _finishes(fn, seconds: float = 120.0):
+    """fn()'s result, run on a daemon thread; AssertionError when it has not returned after ``seconds``."""
+    import threading
+
+    result = []
+    thread = threading.Thread(target=lambda: result.append(fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert result, f"the call had not returned after {seconds} s"
+    return result[0]
+
+
+def test_a_worker_that_is_never_scheduled_holds_no_call_back(kernel, monkeypatch):
+    """Workers held (as threads the operating system does not run, on a busy node): calls on 2 and 4
+    threads return, on their own thread, with the exact result; released workers serve the next call."""
+    monkeypatch.setattr(cpu, "POSITIONS_PER_THREAD", 1)
+    batch = make_batch(np.random.default_rng(4), [16] * 12, 64, 151936, zipf=True)
+    expected = token_advantage(*batch, options=ExecutionOptions(threads=1), backend="cpu")
+    kernel.set_worker_mode("held")
+    try:
+        for threads in (2, 4):
+            got = _finishes(lambda: token_advantage(*batch, options=ExecutionOptions(threads=threads), backend="cpu"))
+            assert torch.equal(got, expected), threads
+    finally:
+        kernel.set_worker_mode("normal")
+    assert torch.equal(token_advantage(*batch, options=ExecutionOptions(threads=4), backend="cpu"), expected)
+
+
+def _advantage_in_child(batch, connection):
+    connection.send(token_advantage(*batch, options=ExecutionOptions(threads=2), backend="cpu").numpy())
+    connection.close()
+
+
+def test_a_forked_child_computes_on_its_own_workers(monkeypatch):
+    """A child made by fork (a data loader, a multiprocessing pool) has none of its parent's worker
+    threads: its calls start their own and give the exact result."""
+    import multiprocessing
+
+    monkeypatch.setattr(cpu, "POSITIONS_PER_THREAD", 1)
+    batch = make_batch(np.random.default_rng(6), [16] * 6, 40, 151936, zipf=True)
+    expected = token_advantage(*batch, options=ExecutionOptions(threads=2), backend="cpu")  # the parent's workers run
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_advantage_in_child, args=(batch, send))
+    child.start()
+    try:
+        assert receive.poll(120), "the child gave no result"
+        assert torch.equal(torch.from_numpy(receive.recv()), expected)
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
+
 # ---------------------------------------------------------------------------------------------- binding
 def _kernel_arguments():
     """Valid ``_cpu.advantage`` arguments for a 3-group batch (grid-free: native statistics)."""
@@ -604,3 +695,8 @@ def test_the_output_pool_fits_a_block_at_most_twice_the_request(kernel):
 def test_new_output_needs_a_positive_shape(kernel, rows, cols):
     with pytest.raises(ValueError, match="_cpu.new_output: `rows` and `cols` must be positive"):
         kernel.new_output(rows, cols, threads=1)
+
+
+def test_worker_modes_are_checked(kernel):
+    with pytest.raises(ValueError, match="`mode` must be 'normal', 'held' or 'together', got 'hold'"):
+        kernel.set_worker_mode("hold")

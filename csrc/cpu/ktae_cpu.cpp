@@ -1,6 +1,7 @@
-// Native CPU kernel of ktae_kernels (module ktae_kernels._cpu): C++17, OpenMP, nanobind, no torch at build time.
+// Native CPU kernel of ktae_kernels (module ktae_kernels._cpu): C++17, its own threads (workers.h),
+// nanobind, no torch at build time.
 //
-// One OpenMP task per group. A thread counts its group's tokens into a compact table reached from
+// One work item per group. A thread counts its group's tokens into a compact table reached from
 // the token id (a dense map for ids < kDenseIds, a seeded open-addressing hash table above), scores
 // every distinct id once from its table's statistics (strength = alpha F + beta IG and Cohen's h), and
 // writes the group's [G, L] advantages while its ids are still in cache. Groups are independent and
@@ -17,9 +18,11 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +42,7 @@
 #include "output_pool.h"
 #include "sparse_map.h"
 #include "statistics.h"
+#include "workers.h"
 
 namespace nb = nanobind;
 
@@ -965,21 +969,19 @@ int64_t emit_rows(Workspace& ws, int64_t row, int64_t* cols, int64_t capacity) {
   return int64_t(by_token.size());
 }
 
-int clamp_threads(int n) { return n < 1 ? 1 : n; }
-
-// fn(g, workspace) -> whether group g held an out-of-range id, for every group, on `threads` OpenMP
-// threads (dynamic schedule), each with a workspace from the pool. Returns whether any group did.
+// fn(g, workspace) -> whether group g held an out-of-range id, for every group, on up to `threads`
+// threads (workers.h: each group on one thread, claimed in turn), each with a workspace from the pool.
+// Returns whether any group did.
 template <typename Fn>
 bool for_each_group(int64_t n_groups, int threads, Fn fn) {
-  int bad = 0;
-#pragma omp parallel num_threads(clamp_threads(threads)) reduction(| : bad) if (threads > 1)
-  {
-    std::unique_ptr<Workspace> owned = pool().take();
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t g = 0; g < n_groups; ++g) bad |= fn(g, *owned) ? 1 : 0;
-    pool().give(std::move(owned));
-  }
-  return bad != 0;
+  std::atomic<bool> bad{false};
+  for_each_item(
+      n_groups, threads, [] { return pool().take(); },
+      [&](int64_t g, std::unique_ptr<Workspace>& ws) {
+        if (fn(g, *ws)) bad.store(true, std::memory_order_relaxed);
+      },
+      [](std::unique_ptr<Workspace>& ws) { pool().give(std::move(ws)); });
+  return bad.load(std::memory_order_relaxed);
 }
 
 // The batch's arrays as Python passes them: ids, mask, order, start, correct.
@@ -1125,14 +1127,6 @@ Output new_output(int64_t rows, int64_t cols, int threads) {
   return Output(block->data, {size_t(rows), size_t(cols)}, owner);
 }
 
-bool openmp() {
-#ifdef _OPENMP
-  return true;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 }  // namespace ktae
 
@@ -1161,5 +1155,19 @@ NB_MODULE(_cpu, m) {
         "(blocks, bytes) of returned outputs the pool keeps for reuse.");
   m.def("clear_output_pool", []() { return ktae::output_pool().clear(); },
         "Free the returned outputs the pool keeps; returns the bytes freed.");
-  m.def("openmp", &ktae::openmp, "Whether the module was built with OpenMP.");
+  m.def(
+      "set_worker_mode",
+      [](const std::string& mode) {
+        using Mode = ktae::Workers::Mode;
+        if (mode != "normal" && mode != "held" && mode != "together")
+          throw nb::value_error(("_cpu.set_worker_mode: `mode` must be 'normal', 'held' or 'together', got '" + mode +
+                                 "'").c_str());
+        ktae::workers().set_mode(mode == "held" ? Mode::kHeld : mode == "together" ? Mode::kTogether : Mode::kNormal);
+      },
+      "mode"_a,
+      "Test seam for the kernel's worker threads: 'held' (woken workers wait, as threads the operating system does not "
+      "schedule: calls run on their own thread), 'together' (a call claims no group before every worker it woke has "
+      "joined, from any core), 'normal' (as shipped).");
+  m.def("worker_items", []() { return ktae::workers().worker_items(); },
+        "Test seam: groups (and output-mapping chunks) that worker threads, not calling threads, have run.");
 }

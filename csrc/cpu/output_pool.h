@@ -18,6 +18,8 @@
 #include <cstdlib>
 #include <deque>
 #include <mutex>
+
+#include "workers.h"
 #include <new>
 
 #ifdef __linux__
@@ -97,9 +99,12 @@ class OutputPool {
     madvise(data, size, MADV_HUGEPAGE);
 #endif
     char* const bytes_of = static_cast<char*>(data);
-    const int64_t pages = int64_t(size / kPage);
-#pragma omp parallel for schedule(static) num_threads(threads < 1 ? 1 : threads) if (threads > 1)
-    for (int64_t p = 0; p < pages; ++p) bytes_of[p * int64_t(kPage)] = 0;
+    for_each_item(
+        int64_t(size / kHuge), threads, [] { return 0; },
+        [&](int64_t chunk, int) {
+          for (size_t at = size_t(chunk) * kHuge, end = at + kHuge; at < end; at += kPage) bytes_of[at] = 0;
+        },
+        [](int) {});
     return new Block{data, size};
   }
 

@@ -1,11 +1,14 @@
-"""Native CPU backend: the C++17 / OpenMP kernel of ``csrc/cpu/ktae_cpu.cpp`` (module ``ktae_kernels._cpu``).
+"""Native CPU backend: the C++17 kernel of ``csrc/cpu/ktae_cpu.cpp`` (module ``ktae_kernels._cpu``).
 
 groups (``method.group_counts``, ``[B]``-sized) -> for small groups, the statistics of every table the
 groups can have (``method.full_grid_statistics``, cached per group shape and config) -> one kernel
 call that, per group and on one thread, counts the tokens into a table indexed by token id, scores
 each distinct id from its table's statistics plus its BM25 term, and writes the group's advantages
 while its ids are still in cache. Groups run in parallel on ``ExecutionOptions.threads`` threads (default
-``torch.get_num_threads()``; fewer for small batches); the result does not depend on the thread count.
+``torch.get_num_threads()``; fewer for small batches): the calling thread and worker threads of the
+kernel's own (``csrc/cpu/workers.h``), which claim groups one at a time and join only while groups are
+left, so that a worker the operating system does not schedule (a node shared with other processes)
+holds no call back. The result does not depend on the thread count.
 
 When the full grid of tables is large (big groups), the kernel computes the statistics of each
 distinct table it meets itself (the same float64 formulas) and memoises them across groups and
@@ -88,7 +91,7 @@ POSITIONS_PER_THREAD = 1 << 16
 
 
 def kernel_threads(batch: Batch, threads: int | None) -> int:
-    """The kernel's OpenMP threads: ``threads`` (``ExecutionOptions.threads``; None:
+    """The kernel's threads: ``threads`` (``ExecutionOptions.threads``; None:
     ``torch.get_num_threads()``), fewer for small batches (at most one per group and per
     ``POSITIONS_PER_THREAD`` positions)."""
     B, L = batch.responses.shape
