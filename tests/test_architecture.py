@@ -141,17 +141,6 @@ def test_no_backend_imports_another_backend():
     assert not bad, bad
 
 
-#: uses of a private name in files other helpers' branches clean (each leaves with that branch's merge):
-#: (file, the use as ``private_uses`` reports it, without the line)
-PENDING = {
-    ("tests/compile_report.py", name) for name in (
-        "p._ranks_kernel", "p._lengths_kernel", "p._plan_kernel", "p._rebuild_plan_kernel", "p._clear_kernel",
-        "p._insert_kernel", "p._score_kernel", "p._rows_kernel", "p._advantage_kernel", "s._statistics_kernel")
-} | {
-    ("tests/test_cpu_backend.py", "'ktae_kernels._cpu'"),
-}
-
-
 def _private(part: str) -> bool:
     return part.startswith("_") and not part.startswith("__")
 
@@ -201,17 +190,10 @@ def private_uses(path: Path) -> list[str]:
 def test_tests_and_bench_use_no_private_name_of_the_package():
     """tests/ and bench/ reach the package through public names only, so that its internals can change
     without breaking them; what a test needs is a public seam, documented as one (docs/api.md)."""
-    bad, pending = [], set()
-    for path in sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")]):
-        name = str(path.relative_to(ROOT))
-        for use in private_uses(path):
-            key = (name, use.split(": ", 1)[1])
-            if key in PENDING:
-                pending.add(key)
-            else:
-                bad.append(f"{name}:{use}")
+    bad = [f"{path.relative_to(ROOT)}:{use}"
+           for path in sorted([*(ROOT / "tests").glob("*.py"), *(ROOT / "bench").glob("*.py")])
+           for use in private_uses(path)]
     assert not bad, "private names of the package used:\n" + "\n".join(bad)
-    assert not PENDING - pending, f"PENDING entries no longer used (remove them): {sorted(PENDING - pending)}"
 
 
 def test_the_private_name_rule_sees_each_kind_of_use(tmp_path):

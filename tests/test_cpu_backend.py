@@ -150,8 +150,8 @@ def test_not_built_is_reported_with_how_to_build(monkeypatch):
     real = importlib.import_module
 
     def without_kernel(name, *args, **kwargs):
-        if name == "ktae_kernels._cpu":
-            raise ImportError("No module named 'ktae_kernels._cpu'")
+        if name == cpu.EXTENSION:
+            raise ImportError(f"No module named {cpu.EXTENSION!r}")
         return real(name, *args, **kwargs)
 
     monkeypatch.setattr(importlib, "import_module", without_kernel)

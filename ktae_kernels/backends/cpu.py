@@ -37,6 +37,7 @@ from ..primitives import group_sum, repeat_counts, row_counts
 from ..types import Batch, KeyTokenScores
 from ..validation import check_token_ids
 
+EXTENSION = "ktae_kernels._cpu"  # the compiled kernel's module name
 BUILD_HINT = ("`pip install .` builds it on a machine with a C++17 compiler (g++ or clang++); "
               "reinstall with one on PATH, e.g. `pip install --force-reinstall --no-deps .` "
               "(with --no-build-isolation, `pip install nanobind` first)")
@@ -44,7 +45,7 @@ BUILD_HINT = ("`pip install .` builds it on a machine with a C++17 compiler (g++
 
 def load_extension() -> ModuleType:
     """The compiled kernel module; ImportError when it was not built."""
-    return importlib.import_module("ktae_kernels._cpu")
+    return importlib.import_module(EXTENSION)
 
 
 def unavailable_reason() -> str | None:
@@ -52,7 +53,7 @@ def unavailable_reason() -> str | None:
     try:
         load_extension()
     except ImportError as err:
-        return f"the native CPU kernel ktae_kernels._cpu is not built ({err}); {BUILD_HINT}"
+        return f"the native CPU kernel {EXTENSION} is not built ({err}); {BUILD_HINT}"
     return None
 
 
@@ -110,7 +111,7 @@ def _ignored_ids(ids: tuple[int, ...]) -> np.ndarray:
 def _clear() -> None:
     """This module's memo and, when the kernel was loaded, its statistics cache and output pool."""
     _ignored_ids.cache_clear()
-    kernel = sys.modules.get("ktae_kernels._cpu")
+    kernel = sys.modules.get(EXTENSION)
     if kernel is not None:
         kernel.clear_statistics_cache()
         kernel.clear_output_pool()
