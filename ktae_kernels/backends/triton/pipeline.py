@@ -491,6 +491,385 @@ def _advantage_kernel(B, L, group_ptr, rewards_ptr, given_ptr, n, grp_ptr, tab_p
 
 
 #: every kernel of the pipeline, by name (what a compile report builds: tests/compile_report.py)
-KERNELS = {"ranks": _ranks_kernel, "lengths": _lengths_kernel, "plan": _plan_kernel,
-           "rebuild_plan": _rebuild_plan_kernel, "clear": _clear_kernel, "insert": _insert_kernel,
-           "score": _score_kernel, "rows": _rows_kernel, "advantage": _advantage_kernel}
+KERNELS = {"ranks": _ranks_kernel, "lengths": _lengths_kernel, "plan": _plan_kernel, "rebuild_plan": _rebuild_plan_kernel,
+           "clear": _clear_kernel, "insert": _insert_kernel, "score": _score_kernel, "rows": _rows_kernel,
+           "advantage": _advantage_kernel}
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Static sizes of one call (host ints): ``bound``, the statistics' group bound (0: no score
+    kernel); ``group_limit``, the largest group the call takes; the slots and presence words its
+    tables may use and where each int32 array starts in the one int32 buffer; ``max_log_cap``,
+    log2 of the most slots of a group's first table; ``safe``, every table sized for its masked tokens
+    at most half full (no rebuild, no probe limit)."""
+
+    bound: int
+    group_limit: int
+    slots: int
+    words: int
+    order_at: int
+    bits_at: int
+    roll_at: int
+    index_at: int
+    int32_total: int
+    max_log_cap: int
+    safe: bool = False
+
+
+def _layout(B: int, L: int, bound: int, group_limit: int, slots: int, words: int, max_log_cap: int,
+            safe: bool) -> Sizes:
+    """``Sizes`` of tables of ``slots`` slots and ``words`` presence words: the int32 buffer holds keys,
+    claim order, presence words, per-rollout rank / correct / last, and the slot of each position."""
+    bits_at = 2 * slots
+    roll_at = bits_at + words
+    index_at = roll_at + 3 * B
+    return Sizes(bound, group_limit, slots, words, slots, bits_at, roll_at, index_at, index_at + B * L, max_log_cap,
+                 safe)
+
+
+def first_table_log_cap(keys: int | None, tuning: TritonTuning) -> int:
+    """log2 of the most slots of a group's first table: the smallest power of two (at least
+    ``2**_MIN_LOG_CAP``) whose 3/4 hold ``keys`` distinct ids (learnt by earlier calls), at most
+    ``tuning.max_first_slots``; that cap when ``keys`` is None (sized by masked tokens)."""
+    cap = tuning.max_first_slots.bit_length() - 1
+    log_cap = _MIN_LOG_CAP if keys is not None else cap
+    while log_cap < cap and (3 << log_cap) >> 2 < keys:
+        log_cap += 1
+    return log_cap
+
+
+def power_of_two(largest: int) -> int:
+    """The statistics bound of groups of ``largest`` rollouts: a power of two >= 16."""
+    return 1 << max(4, (max(largest, 1) - 1).bit_length())
+
+
+def sizes(B: int, L: int, n: int, tuning: TritonTuning, bound: int = 16, keys: int | None = None,
+          score: bool = True) -> Sizes:
+    """The allocations of a first try at a batch of ``B`` rollouts of ``L`` positions in ``n`` groups, its
+    groups assumed to hold at most ``bound`` rollouts (a bigger group is a retry) and at most ``keys``
+    distinct ids (None: sized by masked tokens); ``score``: the statistics are looked up (else the
+    rows are read back and any group size is taken)."""
+    largest = B - n + 1  # every group holds a rollout
+    group = min(largest, power_of_two(min(largest, bound)))
+    max_log_cap = first_table_log_cap(keys, tuning)
+    guess = tuning.first_guess
+    # a group's first slice: 2**log_cap <= max(2**MIN, 2 * ceil(guess * tokens)) (the kernel's guess is
+    # float32: its ceil may be one more), at most 2**max_log_cap
+    most = max(1 << _MIN_LOG_CAP, 2 * math.ceil(guess * group * L) + 2)
+    slots = min(n * min(1 << max_log_cap, most), math.ceil(2 * guess * B * L) + n * ((1 << _MIN_LOG_CAP) + 4))
+    # and room to rebuild groups whose first table overflows: a slice < max(16, 4 * tokens) each
+    slots += min(n * max(16, 4 * group * L), 4 * B * L + 16 * n)
+    words_per_slot = -(-group // 32)
+    slots = min(slots, tuning.budget_bytes // (16 + 4 * words_per_slot))
+    limit = power_of_two(group) if score else 2**62
+    return _layout(B, L, limit if score else 0, limit, slots, slots * words_per_slot, max_log_cap, False)
+
+
+def safe_sizes(B: int, L: int, flags: "Flags", score: bool = True) -> Sizes:
+    """The sizes of a second try after ``flags`` asked for one: every table sized for its masked
+    tokens, at most half full (the exact total the first try's plan computed), the bound covering
+    the largest group."""
+    bound = power_of_two(flags.largest) if score else 0
+    return _layout(B, L, bound, bound if score else 2**62, flags.safe_slots, flags.safe_words, _MAX_LOG_CAP, True)
+
+
+def inline(bound: int) -> bool:
+    """True when groups of ``bound`` rollouts are past the device grid: the score kernel computes the
+    statistics of each row's table."""
+    return device_state.grid_bound(bound) is None
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The flags a call leaves on the device, read back (``Run.read``): ``low`` / ``high``, the least
+    negative and the largest id past ``MAX_TOKEN_ID`` (0: none); ``retry`` bits; ``largest`` group;
+    ``distinct``, the most distinct ids a group held; ``safe_slots`` / ``safe_words``, what every
+    table at most half full takes; ``most_tokens`` of a group; ``slots`` / ``slots_from`` in use."""
+
+    low: int
+    high: int
+    retry: int
+    slots: int
+    slots_from: int
+    largest: int
+    distinct: int
+    safe_slots: int
+    safe_words: int
+    most_tokens: int
+
+    @classmethod
+    def of(cls, values: list[int]) -> "Flags":
+        return cls(low=values[_BAD_LOW.value], high=values[_BAD_HIGH.value], retry=values[_RETRY.value],
+                   slots=values[_SLOTS.value], slots_from=values[_SLOTS_FROM.value],
+                   largest=values[_LARGEST.value], distinct=values[_DISTINCT.value],
+                   safe_slots=values[_SAFE_SLOTS.value], safe_words=values[_SAFE_WORDS.value],
+                   most_tokens=values[_MOST_TOKENS.value])
+
+    def raise_input_errors(self) -> None:
+        """The API's ValueError for an id out of range or a group past ``MAX_GROUP_TOKENS``."""
+        if self.low or self.high:
+            check_id_range(self.low, self.high if self.high else MAX_TOKEN_ID)
+        if self.retry & RETRY_TOKENS:
+            raise ValueError(f"`responses`: a group holds {self.most_tokens} masked tokens; the triton backend "
+                             f"takes at most {MAX_GROUP_TOKENS} per group")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One call's device buffers: ``grp`` int64 (per-group rows, then the ``_N_FLAGS`` flags), ``tab``
+    int32 (keys, claim order, presence words, per-rollout rank / correct / last, slot index per position),
+    ``occ`` int64 per slot (counters, then the score's float64 bits)."""
+
+    grp: Tensor
+    tab: Tensor
+    occ: Tensor
+    n: int
+    sizes: Sizes
+
+    @property
+    def flags(self) -> Tensor:
+        return self.grp[_ROWS_PER_GROUP.value * self.n:]
+
+    def group_row(self, row: tl.constexpr) -> Tensor:
+        """int64 ``[n]``: one of the per-group rows (``_N_C`` ...)."""
+        return self.grp[row.value * self.n:(row.value + 1) * self.n]
+
+    def overflowed(self) -> Tensor:
+        """int64 ``[n]``: 1 where the group's first table overflowed (it was rebuilt), else 0."""
+        return self.group_row(_OVER)
+
+    def read(self, *extra: Tensor) -> tuple[Flags, list[int]]:
+        """The flags and ``extra`` int64 scalars, in one device -> host copy."""
+        values = torch.cat([self.flags, *(e.reshape(1) for e in extra)]).tolist()
+        return Flags.of(values), values[_N_FLAGS:]
+
+
+def constants(config: KTAEConfig, device: torch.device) -> Tensor:
+    """float64 ``[10 + k]``: ``alpha, beta, top``, the largest float below ``top``, ``k1, b``, the TF
+    epsilon, ``weight``, ``correct_threshold``, ``eps``, then the k ignored ids that can occur; uploaded
+    once per (config, device)."""
+    ignore = [float(t) for t in config.ignore_token_ids if t <= MAX_TOKEN_ID]
+    values = (config.alpha, config.beta, config.top, math.nextafter(config.top, 0.0), config.k1, config.b, TF_EPS,
+              config.weight, config.correct_threshold, config.eps, *ignore)
+    return device_state.state(device).constant(values, torch.float64)
+
+
+def _statistics(config: KTAEConfig, bound: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The score kernel's ``values`` (the device grid), ``lf``, ``angle`` and statistics constants: the
+    grid for groups of up to ``bound`` rollouts, or, past it, the tables the kernel computes rows from."""
+    state = device_state.state(device)
+    if not inline(bound):
+        values = state.grid(grid_statistics_kernel, config.alpha, config.beta, bound)
+        return values, values, values, values
+    lf, angle, consts = state.cached(("inline", config.alpha, config.beta, bound),
+                                     lambda: _inline_tables(config, bound, device))
+    return lf, lf, angle, consts
+
+
+def _inline_tables(config: KTAEConfig, bound: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    grid = device_state.tables_of(torch.zeros(4, 0, dtype=torch.int32, device=device), bound)
+    consts = torch.tensor(device_state.statistics_constants(config.alpha, config.beta), dtype=torch.float64)
+    return grid.log_factorial, grid.angle, consts.to(device)
+
+
+def build(batch: Batch, config: KTAEConfig, sizes: Sizes, tuning: TritonTuning, grpo: bool = False) -> Run:
+    """Enqueue the table build (ranks, lengths, plan, clear, insert, and the rebuild); no host sync.
+    ``grpo``: also sum each group's reward variance (the GRPO baseline)."""
+    device = batch.device
+    B, L = batch.responses.shape
+    n = batch.n_groups
+    consts = constants(config, device)
+    grp = torch.zeros(_ROWS_PER_GROUP.value * n + _N_FLAGS, dtype=torch.int64, device=device)
+    tab = torch.empty(sizes.int32_total, dtype=torch.int32, device=device)
+    occ = torch.empty(sizes.slots, dtype=torch.int64, device=device)
+    mask = batch.mask.contiguous().view(torch.uint8)
+    correct = batch.rewards if batch.correct is None else batch.correct.view(torch.uint8)
+    _ranks_kernel[(triton.cdiv(B, _BLOCK),)](
+        batch.group, batch.rewards, correct, consts, B, n, grp, tab, sizes.roll_at,
+        HAS_CORRECT=batch.correct is not None, BLOCK=_BLOCK)
+    rows, cols = tile_shape(L)
+    _lengths_kernel[(triton.cdiv(B, rows),)](mask, B, L, batch.group, n, grp, tab, sizes.roll_at, ROWS=rows, COLS=cols)
+    _plan_kernel[(1,)](grp, n, sizes.slots, sizes.words, sizes.group_limit, MAX_GROUP_TOKENS, tuning.first_guess,
+                       sizes.max_log_cap, SAFE=sizes.safe, MIN_LOG_CAP=_MIN_LOG_CAP,
+                       MAX_FIRST_LOG_CAP=tuning.max_first_slots.bit_length() - 1, MAX_LOG_CAP=_MAX_LOG_CAP,
+                       BLOCK=_BLOCK)
+    clear = min(triton.cdiv(max(sizes.slots, B), _BLOCK), _CLEAR_PROGRAMS)
+    _clear_kernel[(clear,)](grp, n, tab, occ, sizes.bits_at, batch.group, batch.rewards, B, GRPO=grpo, BLOCK=_BLOCK)
+    tiles = (triton.cdiv(B, rows), triton.cdiv(L, cols))
+    insert = (batch.responses.contiguous(), mask, B, L, batch.group, n, grp, tab, occ, sizes.roll_at, sizes.order_at,
+              sizes.bits_at, sizes.index_at)
+    probe_limit = _UNLIMITED if sizes.safe else tuning.probe_limit
+    _insert_kernel[tiles](*insert, probe_limit, ROWS=rows, COLS=cols, PREDICATED=not interpreting(), REBUILD=False)
+    if not sizes.safe:  # the groups whose first table overflowed, rebuilt (nothing to do when none did)
+        _rebuild_plan_kernel[(1,)](grp, n, sizes.slots, sizes.words, MIN_LOG_CAP=_MIN_LOG_CAP,
+                                   MAX_LOG_CAP=_MAX_LOG_CAP, BLOCK=_BLOCK)
+        _clear_kernel[(clear,)](grp, n, tab, occ, sizes.bits_at, batch.group, batch.rewards, B, GRPO=False,
+                                BLOCK=_BLOCK)
+        _insert_kernel[tiles](*insert, _UNLIMITED, ROWS=rows, COLS=cols, PREDICATED=not interpreting(), REBUILD=True)
+    return Run(grp, tab, occ, n, sizes)
+
+
+def score(run: Run, config: KTAEConfig, device: torch.device, table: tuple[Tensor, Tensor] | None = None) -> None:
+    """Enqueue the score kernel: every occupied slot's score in place of its counters. ``table``: per-table
+    ``values`` float64 ``[5, size]`` and int64 ``[2, n]`` grid offsets and strides of the rows' tables
+    (``fisher="upstream"``) in place of the device grid."""
+    consts = constants(config, device)
+    if table is None:
+        values, lf, angle, stat_consts = _statistics(config, run.sizes.bound, device)
+    else:
+        values, index = table
+        run.grp[_GRID_OFF.value * run.n:(_STRIDE.value + 1) * run.n].copy_(index.reshape(-1))
+        lf = angle = stat_consts = values
+    if run.n:
+        _score_kernel[(run.n, _SCORE_SPLIT)](
+            run.grp, run.n, run.tab, run.occ, run.sizes.order_at, run.sizes.bits_at, values, values.shape[-1], consts,
+            consts.shape[0] - _IGNORE.value, lf, angle, stat_consts, USE_TF=config.use_tf,
+            INLINE=table is None and inline(run.sizes.bound), BLOCK=_SCORE_BLOCK, enable_fp_fusion=False)
+
+
+def advantage(run: Run, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor, report: bool) -> None:
+    """Enqueue the advantage kernel into ``out`` (``report``: NaN after a retry, see ``_advantage_kernel``)."""
+    B, L = batch.responses.shape
+    rows, cols = tile_shape(L)
+    _advantage_kernel[(triton.cdiv(B, rows), triton.cdiv(L, cols))](
+        B, L, batch.group, batch.rewards, batch.rewards if given is None else given, run.n, run.grp, run.tab, run.occ,
+        run.sizes.roll_at, run.sizes.index_at, constants(config, batch.device), out,
+        BASELINE=baseline_code(config, given), REPORT=report, ROWS=rows, COLS=cols, enable_fp_fusion=False)
+
+
+def first_sizes(batch: Batch, tuning: TritonTuning, score_rows: bool) -> Sizes:
+    """A first try's sizes, from what earlier calls of this layout learnt (``device.learnt_key``, any
+    ``L``); a plan's batch takes its own largest group as the bound."""
+    B, L = batch.responses.shape
+    learnt = device_state.state(batch.device).learnt(_key(batch))
+    bound = batch.layout.largest if batch.layout is not None else learnt.largest if learnt is not None else 16
+    keys = learnt.distinct if learnt is not None else None
+    return sizes(B, L, batch.n_groups, tuning, bound, keys, score=score_rows)
+
+
+def _key(batch: Batch) -> tuple:
+    return device_state.learnt_key("triton", batch)
+
+
+def _built(batch: Batch, config: KTAEConfig, tuning: TritonTuning, score_rows: bool,
+           grpo: bool = False) -> tuple[Run, Flags, list[int]]:
+    """The tables (and, with ``score_rows``, the slots' scores), built once more in safe sizes when the
+    first try flagged a retry; the flags read back (with the rows' count when not ``score_rows``).
+    Raises the API's errors for bad inputs. ``grpo``: sum each group's reward variance."""
+    run = build(batch, config, first_sizes(batch, tuning, score_rows), tuning, grpo)
+    for safe in (False, True):
+        if score_rows:
+            score(run, config, batch.device)
+            flags, extra = run.read()
+        else:
+            flags, extra = run.read(run.group_row(_FILL).sum())
+        flags.raise_input_errors()
+        if not flags.retry:
+            break
+        if safe:  # cannot happen: safe tables are sized exactly and at most half full
+            raise RuntimeError(f"ktae_kernels.triton: a safe table build flagged retry {flags.retry} (internal error)")
+        if score_rows and flags.largest > INLINE_MAX_GROUP:
+            raise ValueError(f"`index`: a group holds {flags.largest} rollouts; the triton backend takes at most "
+                             f"{INLINE_MAX_GROUP} per group (backend='cuda' or 'torch' take any)")
+        B, L = batch.responses.shape
+        run = build(batch, config, safe_sizes(B, L, flags, score=score_rows), tuning, grpo)
+    if score_rows:
+        device_state.state(batch.device).learn(_key(batch), largest=flags.largest, distinct=flags.distinct)
+    return run, flags, extra
+
+
+def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
+                    tuning: TritonTuning) -> Tensor:
+    """float32 ``[B, L]`` advantages (``out`` when given); one read of the flags after the last launch
+    (two when a retry is needed). Raises the API's ValueError for a bad input, ``out`` untouched."""
+    B, L = batch.responses.shape
+    if out is None:
+        out = torch.empty(B, L, dtype=torch.float32, device=batch.device)
+    if B == 0 or L == 0:
+        return out
+    grpo = given is None and config.baseline == "grpo"
+    if config.fisher == "exact":
+        run, _, _ = _built(batch, config, tuning, True, grpo)
+    else:  # the rows' statistics come from the host (upstream float32 p-values)
+        run, rows = _rows(batch, config, tuning, grpo)
+        grid, table, _ = method.row_statistics(rows, run.group_row(_N_C), run.group_row(_N_W), config)
+        values = torch.stack([table.p_value, table.F, table.IG, table.h, table.strength])
+        score(run, config, batch.device, (values, torch.stack([grid.offset, grid.stride])))
+    advantage(run, batch, config, given, out, report=False)
+    return out
+
+
+def _rows(batch: Batch, config: KTAEConfig, tuning: TritonTuning, grpo: bool = False) -> tuple[Run, method.Rows]:
+    """The tables and their rows (``method.Rows``, each group's in claim order)."""
+    run, flags, (n_rows,) = _built(batch, config, tuning, False, grpo)
+    fill = run.group_row(_FILL)
+    ints = torch.empty(6, n_rows, dtype=torch.int64, device=batch.device)
+    if n_rows:
+        _rows_kernel[(run.n, _SCORE_SPLIT)](run.grp, run.n, run.tab, run.occ, run.sizes.order_at, run.sizes.bits_at,
+                                           torch.cumsum(fill, 0) - fill, ints, n_rows, BLOCK=_SCORE_BLOCK)
+    group = torch.repeat_interleave(torch.arange(run.n, device=batch.device), fill, output_size=n_rows)
+    return run, method.Rows(group=group, token=ints[0], a=ints[1], b=ints[2], f_c=ints[3], f_w=ints[4])
+
+
+def key_token_scores(batch: Batch, config: KTAEConfig, tuning: TritonTuning) -> KeyTokenScores:
+    """Per (group, token) statistics, rows sorted by (group, token), by ``method.score_rows``."""
+    if batch.responses.numel() == 0 or batch.n_groups == 0:
+        return method.score_rows(_empty_rows(batch.device), *_group_counts(batch, config), config, batch.group_labels)
+    run, rows = _rows(batch, config, tuning)
+    order = torch.argsort((rows.group << 31) | rows.token)
+    rows = method.Rows(*(getattr(rows, f)[order] for f in ("group", "token", "a", "b", "f_c", "f_w")))
+    counts = (run.group_row(_N_C), run.group_row(_N_W), run.group_row(_T_C), run.group_row(_T_W))
+    return method.score_rows(rows, *counts, config, batch.group_labels)
+
+
+def _empty_rows(device: torch.device) -> method.Rows:
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    return method.Rows(empty, empty, empty, empty, empty, empty)
+
+
+def _group_counts(batch: Batch, config: KTAEConfig) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    stats = method.group_stats(batch, config)
+    return stats.n_c, stats.n_w, stats.T_c, stats.T_w
+
+
+def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
+            tuning: TritonTuning) -> tuple[Tensor, CapturedCall]:
+    """``token_advantage`` (exact) enqueued while a CUDA graph captures: nothing read back, tables sized by
+    what the warm-up calls of this layout learnt (``device.learnt_key``; GraphCaptureError without one)
+    and, for a plan's batch, for its largest group. A replay that finds a bad input or needs a retry
+    writes NaN over ``out``. The returned ``CapturedCall`` holds what the graph reads from the backend's
+    caches and checks a replay's flags."""
+    B, L = batch.responses.shape
+    if out is None:
+        out = torch.empty(B, L, dtype=torch.float32, device=batch.device)
+    if B == 0 or L == 0:
+        return out, CapturedCall(keep=(), check=lambda: None)
+    learnt = device_state.state(batch.device).learnt(_key(batch))
+    if learnt is None:
+        raise GraphCaptureError(device_state.WARM_UP)
+    largest = batch.layout.largest if batch.layout is not None else learnt.largest
+    sizes_ = sizes(B, L, batch.n_groups, tuning, largest, learnt.distinct)
+    run = build(batch, config, sizes_, tuning, given is None and config.baseline == "grpo")
+    score(run, config, batch.device)
+    advantage(run, batch, config, given, out, report=True)
+    keep = (constants(config, batch.device), *_statistics(config, sizes_.bound, batch.device))
+    return out, CapturedCall(keep=keep, check=lambda: _check_replay(run))
+
+
+def _check_replay(run: Run) -> None:
+    """Raise when the last replay of a captured call found a bad input or needed a retry (``out`` holds
+    NaN either way)."""
+    flags, _ = run.read()
+    flags.raise_input_errors()
+    if flags.retry:
+        why = {RETRY_BIG_GROUP: f"a group of {flags.largest} rollouts is past the {run.sizes.group_limit} the capture "
+                                f"assumed",
+               RETRY_BUDGET: "its tables need more slots than the capture reserved",
+               RETRY_OVERFLOW: "a rebuilt table overflowed"}
+        reasons = "; ".join(text for bit, text in why.items() if flags.retry & bit)
+        raise GraphCaptureError(f"the last replay could not complete ({reasons}; its groups held up to "
+                                f"{flags.distinct} distinct ids) and left NaN in `out`. {device_state.WARM_UP_MORE}")

@@ -175,7 +175,3 @@ def _tanh_half(key):
     series = t * (1.0 - t / 2.0 * (1.0 - t / 3.0 * (1.0 - t / 4.0 * (1.0 - t / 5.0 * (1.0 - t / 6.0)))))
     m = tl.where(t < 0.02, series, 1.0 - tl.exp(-t))
     return tl.where(key < 0, -1.0, 1.0) * m / (2.0 - m)
-
-
-#: the kernels this module launches, by name (tests/compile_report.py compiles each for sm_80 and sm_90)
-KERNELS = {"statistics": _statistics_kernel}
