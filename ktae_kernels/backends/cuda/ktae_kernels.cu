@@ -24,19 +24,14 @@
 //
 // The same source builds for the CPU emulator (KTAE_CPU_EMULATION, csrc/emulation/), which runs
 // every CUDA thread as a host thread so the tests exercise this code without a GPU.
-#include <cmath>
-#include <cstdint>
-
-#include "ktae_kernels.h"
+// Device code only, for NVRTC (ktae_kernels/backends/cuda/runtime.py) and the emulator: no host
+// headers. The launches are ktae_kernels/backends/cuda/pipeline.py's.
+#include "ktae_args.h"
 
 #ifdef KTAE_CPU_EMULATION
 #define KTAE_NOINLINE __attribute__((noinline))
 #else
 #define KTAE_NOINLINE __noinline__
-#include <atomic>
-#include <mutex>
-
-#include <cuda_runtime.h>
 #define KTAE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
@@ -48,18 +43,6 @@ constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 constexpr double kTfEps = 1e-5;  // method.TF_EPS
 constexpr int64_t kMaxTokenId = 2147483647;  // api.MAX_TOKEN_ID
 
-// Blocks of kGroupsThreads threads for `items` work items of the groups passes (grid-stride beyond).
-inline unsigned groups_blocks(int64_t items) {
-  const int64_t blocks = (items + kGroupsThreads - 1) / kGroupsThreads;
-  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 65535 ? 65535 : blocks);
-}
-// Threads a block of nan_on_error_kernel, and its blocks for `positions` (grid-stride beyond; they exit
-// at once unless the flags hold a bad input).
-constexpr int kNanThreads = 256;
-inline unsigned nan_blocks(int64_t positions) {
-  const int64_t blocks = (positions + kNanThreads - 1) / kNanThreads;
-  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 1024 ? 1024 : blocks);
-}
 constexpr uint16_t kNoIndex = 0xFFFFu;  // a slot-index entry without a counted id (tables < 2^16 slots)
 
 // Block-wide scalars at the start of dynamic shared memory (see header_bytes).
@@ -921,143 +904,5 @@ __global__ void table_statistics_kernel(const StatsArgs args) {
 }
 
 }  // namespace
-
-bool runs_on_cpu() {
-#ifdef KTAE_CPU_EMULATION
-  return true;
-#else
-  return false;
-#endif
-}
-
-#ifndef KTAE_CPU_EMULATION
-
-namespace {
-
-constexpr int kMaxDevices = 64;
-
-// The dynamic shared memory limit each kernel has been given, per device: the four rows-kernel
-// variants (kMode * 2 + kSharedTable) and the two advantage passes (4 + kSharedTable). Raised under
-// the lock, read without it; clear_launch_state forgets them (the next launch sets its limit again).
-constexpr int kLimitedKernels = 6;
-std::atomic<int64_t> g_allowed[kLimitedKernels][kMaxDevices] = {};
-std::mutex g_allow_mutex;
-
-// Raises `kernel`'s dynamic shared memory limit to `bytes` on the current device, once per size
-// increase (so that a call inside a CUDA graph capture, after a warm-up, sets nothing). `which`: the
-// kernel's row of g_allowed. Two threads never lower each other's limit: the check, the set and the
-// record happen under one lock, and a limit only grows.
-template <class Kernel>
-cudaError_t allow_shared(Kernel kernel, int which, int64_t bytes) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool recorded = device >= 0 && device < kMaxDevices;
-  if (recorded && g_allowed[which][device].load(std::memory_order_acquire) >= bytes) return cudaSuccess;
-  std::lock_guard<std::mutex> lock(g_allow_mutex);
-  if (recorded && g_allowed[which][device].load(std::memory_order_relaxed) >= bytes) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (err == cudaSuccess && recorded) g_allowed[which][device].store(bytes, std::memory_order_release);
-  return err;
-}
-
-template <int kMode, bool kSharedTable>
-cudaError_t launch(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
-                   cudaStream_t stream) {
-  const auto kernel = group_kernel<kMode, kSharedTable>;
-  cudaError_t err = allow_shared(kernel, kMode * 2 + (kSharedTable ? 1 : 0), shared_bytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
-  return cudaGetLastError();
-}
-
-template <bool kSharedTable>
-cudaError_t launch_dynamic(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
-                           cudaStream_t stream) {
-  const auto kernel = dynamic_kernel<kSharedTable>;
-  cudaError_t err = allow_shared(kernel, 4 + (kSharedTable ? 1 : 0), shared_bytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
-  return cudaGetLastError();
-}
-
-constexpr int64_t kMaxGridBlocks = 2147483647;
-
-template <int kMode>
-cudaError_t launch_mode(const KernelArgs& args, bool shared_table, int64_t n_blocks, int threads,
-                        int64_t shared_bytes, cudaStream_t stream) {
-  return shared_table ? launch<kMode, true>(args, n_blocks, threads, shared_bytes, stream)
-                      : launch<kMode, false>(args, n_blocks, threads, shared_bytes, stream);
-}
-
-}  // namespace
-
-int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
-                        int threads, int64_t shared_bytes, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  switch (mode) {
-    case kCount: return launch_mode<kCount>(args, shared_table, n_blocks, threads, shared_bytes, s);
-    case kRows: return launch_mode<kRows>(args, shared_table, n_blocks, threads, shared_bytes, s);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
-}
-
-int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
-                     void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = cudaMemsetAsync(prepare.bad_ids, 0, kAdvantageFlags * sizeof(long long), s);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  if (prepare.B > 0) {
-    const int64_t blocks = prepare.B < kMaxGridBlocks ? prepare.B : kMaxGridBlocks;
-    scan_kernel<<<static_cast<unsigned>(blocks), threads, 32, s>>>(prepare);
-    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
-  }
-  groups_kernel<<<groups_blocks(prepare.B + 1), kGroupsThreads, 0, s>>>(prepare);
-  if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
-  if (prepare.n_groups > 0) {
-    group_sums_kernel<<<groups_blocks(32 * prepare.n_groups), kGroupsThreads, kGroupsThreads * sizeof(double), s>>>(
-        prepare);
-    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
-  }
-  if (kernel.n_items == 0) return 0;
-  if (kernel.shared_bytes > 0) {
-    const int64_t blocks = kernel.n_items < kMaxGridBlocks ? kernel.n_items : kMaxGridBlocks;
-    err = launch_dynamic<true>(kernel, blocks, threads, kernel.shared_bytes, s);
-    if (err != cudaSuccess) return static_cast<int>(err);
-  }
-  if (fallback_blocks > 0) {
-    err = launch_dynamic<false>(kernel, fallback_blocks, threads, sizeof(BlockState) * 2, s);
-    if (err != cudaSuccess) return static_cast<int>(err);
-  }
-  if (kernel.nan_on_error) {
-    nan_on_error_kernel<<<nan_blocks(prepare.B * prepare.L), kNanThreads, 0, s>>>(kernel, prepare.B * prepare.L);
-    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
-  }
-  return 0;
-}
-
-int launch_table_statistics(const StatsArgs& args, void* stream) {
-  if (args.size == 0) return 0;
-  const int64_t blocks = (args.size + kStatsThreads - 1) / kStatsThreads;
-  table_statistics_kernel<<<static_cast<unsigned>(blocks), kStatsThreads, 0, static_cast<cudaStream_t>(stream)>>>(args);
-  return static_cast<int>(cudaGetLastError());
-}
-
-const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
-
-void clear_launch_state() {
-  std::lock_guard<std::mutex> lock(g_allow_mutex);
-  for (auto& kernel : g_allowed) {
-    for (auto& device : kernel) device.store(0, std::memory_order_relaxed);
-  }
-}
-
-int64_t max_shared_bytes(int device) {
-  int bytes = 0;
-  const cudaError_t err = cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return err == cudaSuccess ? bytes : -static_cast<int64_t>(err);
-}
-
-#endif  // KTAE_CPU_EMULATION
 
 }  // namespace ktae

@@ -1,11 +1,26 @@
-// KTAE group kernels: the interface between the torch binding (ktae.cpp) and the kernels
-// (ktae_kernels.cu). Plain C++ on purpose: no torch and no CUDA headers, so the binding compiles
-// with any host compiler and the same kernels also build for the CPU emulator (csrc/emulation/).
+// The kernels' argument structs and constants: ONE definition, included by the device source
+// (ktae_kernels.cu, compiled by NVRTC or, for the tests, by the CPU emulator) and parsed by
+// ktae_kernels/backends/cuda/abi.py, which builds the ctypes structs the launches pass from it.
+// Plain declarations only (abi.py reads each struct field by field and each `constexpr` integer).
 #pragma once
 
+#ifdef __CUDACC_RTC__
+// NVRTC has no host headers: the fixed-width integers and NAN, as <cstdint> and <cmath> give them.
+typedef signed char int8_t;
+typedef short int16_t;
+typedef int int32_t;
+typedef long long int64_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#define NAN __int_as_float(0x7fc00000)
+#else
+#include <cmath>
 #include <cstdint>
+#endif
 
-// The few helpers the host and the kernels share are callable on both sides.
+// The few helpers the kernels share with the emulator's host code are callable on both sides.
 #ifdef __CUDACC__
 #define KTAE_HOST_DEVICE __host__ __device__
 #else
@@ -185,39 +200,6 @@ KTAE_HOST_DEVICE inline constexpr int64_t group_shared_need(int64_t words, bool 
   return shared_table_bytes(table_capacity(n_keys), words, packed);
 }
 
-// The int64 workspace of launch_advantage, in this order: the flags [6], status [n], starts [n + 1],
-// group_counts [4 n], lengths [B], extent [B], base [B] (float64), correct [B] (bool, rounded up
-// to 8 bytes), the global-memory tables (fallback_bytes, a multiple of 8), then, with a slot index,
-// B * L uint16 (rounded up to 8 bytes).
-struct AdvantageLayout {
-  int64_t status, starts, group_counts, lengths, extent, base, correct, tables, slot_index, total;
-};
-inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, int64_t fallback_bytes,
-                                                  int64_t index_positions = 0) {
-  AdvantageLayout l{};
-  l.status = kAdvantageFlags;
-  l.starts = l.status + n_groups;
-  l.group_counts = l.starts + n_groups + 1;
-  l.lengths = l.group_counts + 4 * n_groups;
-  l.extent = l.lengths + B;
-  l.base = l.extent + B;
-  l.correct = l.base + B;
-  l.tables = l.correct + (B + 7) / 8;
-  l.slot_index = l.tables + (fallback_bytes + 7) / 8;
-  l.total = l.slot_index + (2 * index_positions + 7) / 8;
-  return l;
-}
-
-// The whole token_advantage on `stream`, nothing read back: zero the flags, the scan and groups
-// passes, a shared-table pass over every group (n_groups blocks, `shared_bytes`, skipped where a
-// group's table does not fit), then, when fallback_blocks > 0, a global-memory pass of that many
-// blocks over the groups that did not complete (its blocks exit at once when none is left), and, with
-// kernel.nan_on_error, a pass that writes NaN over `advantage` when the flags hold a bad input (its
-// blocks exit at once otherwise). `kernel` carries the pointers and choices of the
-// group kernel (dynamic = true), `prepare` those of the bookkeeping. 0 or a CUDA error code.
-int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
-                     void* stream);
-
 // The per-table statistics of a grid (ktae_kernels/backends/device.py, GridTables): for each table
 // t, out[:, t] = p_value, F, IG, Cohen's h, strength (alpha F + beta IG), as method.table_statistics.
 struct StatsArgs {
@@ -232,25 +214,8 @@ struct StatsArgs {
 // Threads per block of the statistics kernel (one table per thread).
 constexpr int kStatsThreads = 128;
 
-// Launches the statistics kernel on `stream`; 0 or a CUDA error code.
-int launch_table_statistics(const StatsArgs& args, void* stream);
-
-// Launches one rows-kernel pass over `n_blocks` blocks (<= args.n_items) of `threads` threads with `shared_bytes`
-// of dynamic shared memory on `stream` (a cudaStream_t). Returns 0 or a CUDA error code.
-int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
-                        int threads, int64_t shared_bytes, void* stream);
-
-// The name of an error code returned by launch_group_kernel.
-const char* error_string(int code);
-
-// Forget what the launchers record between calls (the shared memory limits set per kernel and
-// device); thread-safe. The next launch of each kernel sets its limit again.
-void clear_launch_state();
-
-// Opt-in dynamic shared memory per block of `device`, in bytes; negative on error.
-int64_t max_shared_bytes(int device);
-
-// True for the CPU emulator build (tensors then live on the CPU).
-bool runs_on_cpu();
+// Threads a block of nan_on_error_kernel (grid-stride beyond its blocks; they exit at once unless the
+// flags hold a bad input).
+constexpr int kNanThreads = 256;
 
 }  // namespace ktae
