@@ -1,11 +1,5 @@
-"""The CUDA backend's host-side logic, on the CPU: table sizing, launch geometry, setup.py switches."""
+"""The CUDA backend's host-side logic, on the CPU: table sizing, launch geometry."""
 from __future__ import annotations
-
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +7,6 @@ import torch
 from ktae_kernels import CudaTuning
 from ktae_kernels.backends import cuda, device
 
-ROOT = Path(__file__).resolve().parents[1]
 H200_SHARED = 232448  # opt-in shared memory per block of an H100 / H200
 
 
@@ -72,34 +65,6 @@ def test_block_threads_covers_a_rollout_in_as_few_passes_as_possible():
         assert passes == max(1, -(-length // (cuda.MAX_THREADS * cuda.UNROLL)))
 
 
-def _setup_version(**env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("KTAE_")} | env
-    return subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, env=environ,
-                          capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch")
-def test_setup_skips_the_extension_without_cuda_and_fails_when_forced():
-    default = _setup_version()
-    assert default.returncode == 0, default.stderr
-    assert "not building the CUDA extension: torch" in default.stderr and "CPU-only" in default.stderr
-    skipped = _setup_version(KTAE_SKIP_CUDA_BUILD="1")
-    assert skipped.returncode == 0 and "KTAE_SKIP_CUDA_BUILD=1" in skipped.stderr
-    forced = _setup_version(KTAE_FORCE_CUDA_BUILD="1")
-    assert forced.returncode != 0
-    assert "KTAE_FORCE_CUDA_BUILD=1 but the CUDA extension cannot be built" in forced.stderr
-
-
-def test_setup_reads_every_arch_list_spelling():
-    """TORCH_CUDA_ARCH_LIST entries with a suffix ("9.0a", as CUDA images set it, "10.0f", "8.6+PTX")
-    are read by their number; names torch knows ("Hopper") pass."""
-    spec = importlib.util.spec_from_file_location("ktae_setup", ROOT / "setup.py")
-    setup_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup_module)  # defines the functions; setup() runs only as __main__
-    assert setup_module.old_archs("9.0a;10.0f 8.6+PTX Hopper 12.0") == []
-    assert setup_module.old_archs("6.1;7.0 5.2+PTX") == ["6.1", "5.2+PTX"]
-
-
 def test_big_groups_keep_many_fallback_blocks():
     """G = 1024 at the paper's token count (16 groups of ~1.1M masked tokens): the count pass's keys-only
     tables (2M slots, 8 MB) give every group its own block; so do the rows / advantage passes, whose
@@ -114,9 +79,9 @@ def test_big_groups_keep_many_fallback_blocks():
 
 
 class _SharedOnly:
-    """Stands in for the extension: static_plan reads only the opt-in shared memory."""
+    """Stands in for the launcher: static_plan reads only the opt-in shared memory."""
 
-    def max_shared_bytes(self, _device: int) -> int:
+    def max_shared_bytes(self) -> int:
         return H200_SHARED
 
 
@@ -251,7 +216,7 @@ def test_shared_memory_stays_within_the_opt_in_limit(arch):
     limit = OPT_IN_SHARED[arch]
 
     class Device:
-        def max_shared_bytes(self, _device: int) -> int:
+        def max_shared_bytes(self) -> int:
             return limit
 
     shapes = [(8, 4, 16), (256, 16, 3072), (16384, 1024, 3072), (2048, 2, 8192), (64, 1, 200_000)]

@@ -1,10 +1,10 @@
 """The CUDA backend: hand-written kernels (csrc/), one thread block per group of rollouts.
 
-``token_advantage`` is one binding call (``advantage``) sized from ``B``, ``L`` and the number of groups
+``token_advantage`` is one ``pipeline.advantage`` call sized from ``B``, ``L`` and the number of groups
 alone (``static_plan``), which enqueues: a scan pass (masked tokens, extents, the id-range flag), the
 groups passes (correct flags, offsets, counts, ``A_i``), a shared-memory pass in which each block builds
 its group's (token id -> a, b, f_c, f_w) hash table, scores every slot (its table's statistics from the
-device grid, ``device.DeviceState.grid``, computed by the extension's statistics kernel; groups past
+device grid, ``device.DeviceState.grid``, computed by the statistics kernel; groups past
 ``device.GRID_MAX_GROUP`` compute theirs per slot) and writes the group's advantages; then a
 global-memory pass that takes the groups whose distinct ids overflowed their shared table, splitting
 their ids into hash partitions until each fits (its blocks exit at once when none overflowed). The
@@ -16,57 +16,53 @@ reads them after a replay). A bad input leaves ``out`` untouched (the table pass
 a flag is set), or, in a replay of a captured call, NaN everywhere.
 
 ``key_token_scores``, and the rows whose float32 p-values ``fisher="upstream"`` computes on the host
-before its advantage call, come from the rows kernel (``launch``): a count pass, one device -> host
-copy of the rows' sizes, then a rows pass that sorts each group's table by token.
+before its advantage call, come from the rows kernel: a count pass, one device -> host
+copy of the rows' sizes, then a rows pass that sorts each group's table by token (``pipeline.rows_pass``).
 
-The compiled module ``ktae_kernels._C`` is imported on first use, so this module imports without it.
+The kernels are compiled at first use by NVRTC (``runtime``: cached on disk) and launched from Python on
+torch's current stream (``pipeline``); every function takes the ``launcher`` that runs them (default: the
+device's ``runtime.DriverLauncher``; the tests pass the CPU emulator).
 """
 from __future__ import annotations
 
-import importlib
-import sys
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from .. import caches, method
-from ..config import KTAEConfig
-from ..options import DEFAULT_OPTIONS, CudaTuning, ExecutionOptions
-from ..types import Batch, KeyTokenScores
-from ..validation import MAX_TOKEN_ID, check_id_range
-from . import device as device_state
-from .base import BackendUnavailableError, CapturedCall, GraphCaptureError
-from .device import MAX_GROUP_TOKENS, GridTables, baseline_code, grid_bound, on_device, statistics_constants
+from ... import method
+from ...config import KTAEConfig
+from ...options import DEFAULT_OPTIONS, CudaTuning, ExecutionOptions
+from ...types import Batch, KeyTokenScores
+from ...validation import MAX_TOKEN_ID, check_id_range
+from .. import device as device_state
+from ..base import BackendUnavailableError, CapturedCall, GraphCaptureError
+from ..device import MAX_GROUP_TOKENS, GridTables, baseline_code, grid_bound, on_device, statistics_constants
+from . import abi, pipeline, runtime
+from .pipeline import Launcher, advantage_workspace_size, header_bytes, shared_table_bytes
 
-#: the compiled extension's module name.
-MODULE = "ktae_kernels._C"
-#: how to build ``ktae_kernels._C`` (on a machine with nvcc and a CUDA build of torch).
-BUILD_COMMAND = 'TORCH_CUDA_ARCH_LIST="9.0" KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation'
-
-# Kernel modes and constants, as in csrc/ktae_kernels.h.
-COUNT, ROWS = 0, 1
-MAX_THREADS = 1024
-UNROLL = 4
+# Kernel modes and constants (ktae_args.h, read by ``abi``).
+COUNT, ROWS = abi.CONSTANTS["kCount"], abi.CONSTANTS["kRows"]
+MAX_THREADS = abi.CONSTANTS["kMaxThreads"]
+UNROLL = abi.CONSTANTS["kUnroll"]
 #: fewest threads per block and fewest slots of an automatically sized table.
 MIN_THREADS = 64
-MIN_CAPACITY = 32
+MIN_CAPACITY = abi.CONSTANTS["kMinCapacity"]
 #: most blocks of a global-memory fallback pass, and most bytes of workspace it may take: each block
 #: owns one table-sized slice and takes its groups one after another.
 FALLBACK_BLOCKS = 64
 FALLBACK_BYTES = 256 * 2**20
 #: most masked tokens of a group for the packed 12-byte slot (16-bit counters).
-PACKED_MAX_TOKENS = 65535
+PACKED_MAX_TOKENS = abi.CONSTANTS["kPackedMaxTokens"]
 #: most bytes of the global-memory tables of ``token_advantage``'s static-bound pass (sized without
 #: knowing the groups: every block of the pass owns one slice, and splits a group's ids into hash
 #: partitions until each fits it).
 STATIC_FALLBACK_BYTES = 128 * 2**20
-#: entries at the head of ``advantage``'s workspace (csrc ``kAdvantageFlags``): the least id below 0 and
+#: entries at the head of ``advantage``'s workspace (``kAdvantageFlags``): the least id below 0 and
 #: the excess of the largest past ``MAX_TOKEN_ID``, the most distinct ids a group held, the most shared
 #: memory a group's table needed, the groups the shared pass left, the masked tokens of a group past
 #: ``MAX_GROUP_TOKENS``
-ADVANTAGE_FLAGS = 6
+ADVANTAGE_FLAGS = abi.CONSTANTS["kAdvantageFlags"]
 
 
 def max_keys(capacity: int) -> int:
@@ -85,17 +81,6 @@ def table_capacity(n_keys: int) -> int:
 def presence_words(max_group_size: int) -> int:
     """32-bit presence words per slot: one bit per rollout of the largest group."""
     return max(1, -(-max_group_size // 32))
-
-
-def header_bytes(words: int) -> int:
-    """Per-block shared header: two counters and the correct-rollout bitmask, 8-byte aligned."""
-    return (8 + 4 * words + 7) // 8 * 8
-
-
-def shared_table_bytes(capacity: int, words: int, packed: bool = False) -> int:
-    """Dynamic shared memory of a block whose table of ``capacity`` slots lives in shared memory
-    (``packed``: 12 bytes a slot, see csrc/ktae_kernels.cu)."""
-    return header_bytes(words) + capacity * (12 if packed else 12 + 4 * words)
 
 
 def choose_shared_capacity(max_group_tokens: int, words: int, shared_limit: int, packed: bool = False) -> int:
@@ -155,22 +140,22 @@ def block_threads(length: int, max_threads: int | None = None) -> int:
 
 
 def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions = DEFAULT_OPTIONS, *,
-                     extension: ModuleType | None = None) -> KeyTokenScores:
+                     launcher: Launcher | None = None) -> KeyTokenScores:
     """Per (group, token) statistics, rows sorted by (group, token).
 
-    ``extension``: the compiled module (default ``ktae_kernels._C``; the tests pass the CPU emulator build).
+    ``launcher``: what runs the kernels (default ``load_launcher``; the tests pass the CPU emulator).
     """
     with on_device(batch.device):
-        plan = prepare(extension or load_extension(), batch, config, options.cuda)
+        plan = prepare(launcher or load_launcher(batch.device), batch, config, options.cuda)
         return _scores(plan, batch, config)
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None,
-                    options: ExecutionOptions = DEFAULT_OPTIONS, *, extension: ModuleType | None = None) -> Tensor:
+                    options: ExecutionOptions = DEFAULT_OPTIONS, *, launcher: Launcher | None = None) -> Tensor:
     """float32 ``[B, L]``: ``(A_i + weight * score[group(i), token]) * mask`` (arguments as above;
     ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``), in ``out`` when given.
     Raises the API's ValueError for a bad input, ``out`` untouched."""
-    ext = extension or load_extension()
+    ext = launcher or load_launcher(batch.device)
     with on_device(batch.device):
         rows = None
         if config.fisher != "exact":  # the rows' float32 p-values come from the host first
@@ -184,13 +169,13 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
 
 def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
             options: ExecutionOptions = DEFAULT_OPTIONS, *,
-            extension: ModuleType | None = None) -> tuple[Tensor, CapturedCall]:
+            launcher: Launcher | None = None) -> tuple[Tensor, CapturedCall]:
     """``token_advantage`` (exact) enqueued while a CUDA graph captures, nothing read back;
     GraphCaptureError before a call of this layout completed (``device.learnt_key``). Its tables cannot
     overflow (the global pass takes any group), so a replay completes unless an input is bad, and then
     writes NaN over ``out``; the returned ``CapturedCall`` holds the cached tensors the graph reads and
     reads a replay's flags."""
-    ext = extension or load_extension()
+    ext = launcher or load_launcher(batch.device)
     learnt = device_state.state(batch.device).learnt(device_state.learnt_key("cuda", batch))
     if learnt is None and batch.responses.numel():
         raise GraphCaptureError(device_state.WARM_UP)
@@ -205,30 +190,19 @@ def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor 
 
 
 def unavailable_reason() -> str | None:
-    """None when ``ktae_kernels._C`` imports, else why not and how to build it."""
+    """None when the kernels compile (or are cached) for the current GPU's arch, else why not and the fix
+    (cuda-core or NVRTC missing, an arch NVRTC does not know, a failed compile)."""
     try:
-        importlib.import_module(MODULE)
-    except ImportError as err:
-        return (f"the compiled extension ktae_kernels._C cannot be imported ({err}). Build it on a machine "
-                f"with the CUDA toolkit (nvcc) and a CUDA build of torch: `{BUILD_COMMAND}` (set "
-                f"TORCH_CUDA_ARCH_LIST to your GPU's compute capability)")
+        runtime.cubin(runtime.device_arch(torch.cuda.current_device()))
+    except BackendUnavailableError as err:
+        return str(err)
     return None
 
 
-def load_extension() -> ModuleType:
-    """``ktae_kernels._C``; BackendUnavailableError saying how to build it when it is missing."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise BackendUnavailableError(f"the cuda backend needs {reason}")
-    return importlib.import_module(MODULE)
-
-
-@caches.on_clear
-def _clear_extension() -> None:
-    """The extension's launch records (``clear_caches``), when it was loaded."""
-    extension = sys.modules.get(MODULE)
-    if extension is not None:
-        extension.clear_caches()
+def load_launcher(device: torch.device) -> runtime.DriverLauncher:
+    """The kernels loaded on ``device`` (compiled at first use); BackendUnavailableError naming the fix
+    when they cannot be."""
+    return runtime.launcher(_device_index(device))
 
 
 @dataclass(frozen=True)
@@ -238,10 +212,10 @@ class _Plan:
     inputs: the ``GroupInputs`` fields every pass shares (but ``status``). largest: rollouts of the
     largest group. max_tokens: masked tokens of the largest group (a bound of every group's distinct
     ids). words: presence words a slot. capacity: slots of the shared tables. packed: 12-byte slots.
-    threads: per block. stream: the CUDA stream handle (0 on the CPU emulator).
+    threads: per block.
     """
 
-    ext: ModuleType
+    ext: Launcher
     inputs: dict
     stats: method.GroupStats
     n_groups: int
@@ -251,10 +225,9 @@ class _Plan:
     capacity: int
     packed: bool
     threads: int
-    stream: int
 
 
-def prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTuning) -> _Plan:
+def prepare(ext: Launcher, batch: Batch, config: KTAEConfig, tuning: CudaTuning) -> _Plan:
     """The rows kernel's inputs and launch geometry for ``batch`` (``key_token_scores``, and the rows of
     ``fisher="upstream"``): one read of the largest group's size and masked tokens."""
     device = batch.device
@@ -267,7 +240,7 @@ def prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTunin
         _raise_input_errors([0, 0, 0, 0, 0, max_tokens])
     words = presence_words(max_size)
     packed = tuning.packed and words == 1 and max_tokens <= PACKED_MAX_TOKENS
-    opt_in = ext.max_shared_bytes(_device_index(device))
+    opt_in = ext.max_shared_bytes()
     blocks_per_sm = tuning.blocks_per_sm or 1
     if tuning.table_slots is None:
         capacity = choose_shared_capacity(max_tokens, words, shared_limit(opt_in, blocks_per_sm), packed)
@@ -284,19 +257,7 @@ def prepare(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTunin
         bad_ids=torch.zeros(2, dtype=torch.int64, device=device),  # written by the kernels
     )
     return _Plan(ext, inputs, stats, n, max_tokens, max_size, words, capacity, packed,
-                 block_threads(batch.responses.shape[1], max_threads), _stream(device))
-
-
-def _stream(device: torch.device) -> int:
-    """The current CUDA stream's handle on ``device`` (0 on the CPU: the emulator)."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
-def fill(struct: object, **fields: object) -> object:
-    """``struct`` (an argument class of ``ktae_kernels._C``) with ``fields`` set by name."""
-    for name, value in fields.items():
-        setattr(struct, name, value)
-    return struct
+                 block_threads(batch.responses.shape[1], max_threads))
 
 
 def _read_sizes(size: Tensor, group_tokens: Tensor) -> list[int]:
@@ -323,9 +284,8 @@ def _launch(plan: _Plan, mode: int, groups: Tensor, status: Tensor, *, capacity:
     if not n_items:
         return
     device = status.device
-    ext = plan.ext
-    table = fill(ext.TableArgs(), shared_table=capacity is None, words=plan.words, shared_capacity=plan.capacity,
-                 packed=plan.packed)
+    table = pipeline.TableArgs(shared_table=capacity is None, words=plan.words, shared_capacity=plan.capacity,
+                               packed=plan.packed)
     if capacity is None:
         blocks, skip_done = n_items, False
         shared_bytes = shared_table_bytes(plan.capacity, plan.words, plan.packed)
@@ -333,17 +293,16 @@ def _launch(plan: _Plan, mode: int, groups: Tensor, status: Tensor, *, capacity:
         keys_only = mode == COUNT
         blocks = fallback_blocks(n_items, widest, plan.words, keys_only)
         slots = blocks * widest
-        fill(table,
-             ws_keys=torch.empty(slots, dtype=torch.int32, device=device),
-             ws_counts=None if keys_only else torch.empty(slots, dtype=torch.int64, device=device),
-             ws_presence=None if keys_only else torch.empty(slots * plan.words, dtype=torch.int32, device=device),
-             ws_offset=torch.arange(n_items, device=device) % blocks * widest,
-             ws_capacity=capacity)
+        table.ws_keys = torch.empty(slots, dtype=torch.int32, device=device)
+        table.ws_counts = None if keys_only else torch.empty(slots, dtype=torch.int64, device=device)
+        table.ws_presence = None if keys_only else torch.empty(slots * plan.words, dtype=torch.int32, device=device)
+        table.ws_offset = torch.arange(n_items, device=device) % blocks * widest
+        table.ws_capacity = capacity
         skip_done = True
         shared_bytes = header_bytes(plan.words)
-    pass_ = fill(ext.PassArgs(), mode=mode, block_group=groups, blocks=blocks, skip_done=skip_done,
-                 threads=plan.threads, shared_bytes=shared_bytes, stream=plan.stream)
-    ext.launch(pass_, fill(ext.GroupInputs(), status=status, **plan.inputs, **rows), table)
+    pass_ = pipeline.PassArgs(mode=mode, block_group=groups, blocks=blocks, skip_done=skip_done,
+                              threads=plan.threads, shared_bytes=shared_bytes)
+    pipeline.rows_pass(plan.ext, pass_, pipeline.GroupInputs(status=status, **plan.inputs, **rows), table)
 
 
 def _new_status(plan: _Plan) -> Tensor:
@@ -412,18 +371,15 @@ def _given_rows(scores: KeyTokenScores) -> dict[str, Tensor]:
 
 @dataclass(frozen=True)
 class GridKernel:
-    """The extension's statistics kernel as a ``device.StatisticsKernel`` (equal per extension: the
-    device cache key)."""
+    """The statistics kernel as a ``device.StatisticsKernel`` (equal per launcher: the device cache key)."""
 
-    ext: ModuleType
+    ext: Launcher
 
     def __call__(self, grid: GridTables, alpha: float, beta: float) -> Tensor:
         device = grid.cells.device
         out = torch.empty(5, grid.size, dtype=torch.float64, device=device)
         constants = statistics_constants(alpha, beta)
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        self.ext.table_statistics(cells=grid.cells, log_factorial=grid.log_factorial, angle=grid.angle,
-                                  constants=constants, out=out, stream=stream)
+        pipeline.table_statistics(self.ext, grid.cells, grid.log_factorial, grid.angle, constants, out)
         return out
 
 
@@ -443,7 +399,7 @@ class StaticPlan:
     SM that ``shared_bytes`` and ``threads`` allow.
     """
 
-    ext: ModuleType
+    ext: Launcher
     largest: int
     bound: int | None
     shared_bytes: int
@@ -457,7 +413,7 @@ class StaticPlan:
     blocks_per_sm: int = 1
 
 
-def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaTuning = CudaTuning()) -> StaticPlan:
+def static_plan(ext: Launcher, batch: Batch, config: KTAEConfig, tuning: CudaTuning = CudaTuning()) -> StaticPlan:
     """The static-bound plan of ``token_advantage`` (host arithmetic only).
 
     Once a call of this ``(B, n_groups)`` has completed, the shared tables are sized for the most
@@ -473,7 +429,7 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaT
     largest = B - n + 1 if n else 0
     bound = grid_bound(min(largest, device_state.GRID_MAX_GROUP))
     words = presence_words(largest)
-    opt_in = ext.max_shared_bytes(_device_index(batch.device))
+    opt_in = ext.max_shared_bytes()
     widest = table_capacity(largest * L)  # the table of the largest possible group
     key = device_state.learnt_key("cuda", batch)
     if tuning.table_slots is None:
@@ -503,22 +459,15 @@ def static_plan(ext: ModuleType, batch: Batch, config: KTAEConfig, tuning: CudaT
                       fallback_bytes, threads, tuning.slot_index and shared_bytes > 0, key, blocks_per_sm)
 
 
-def advantage_workspace_size(B: int, n_groups: int, fallback_bytes: int, index_positions: int = 0) -> int:
-    """int64 entries of ``advantage``'s workspace (csrc/ktae_kernels.h, ``advantage_layout``)."""
-    return (ADVANTAGE_FLAGS + n_groups + (n_groups + 1) + 4 * n_groups + 3 * B + (B + 7) // 8
-            + (fallback_bytes + 7) // 8 + (2 * index_positions + 7) // 8)
-
-
 def workspace_views(workspace: Tensor, B: int, n_groups: int) -> dict[str, Tensor]:
     """The named parts of an ``enqueue`` workspace (for tests): ``flags, status, starts, group_counts,
-    lengths, extent, base, correct``."""
-    n, head = n_groups, ADVANTAGE_FLAGS
-    at = [head, head + n, head + 2 * n + 1, head + 6 * n + 1, head + 6 * n + 1 + B, head + 6 * n + 1 + 2 * B,
-          head + 6 * n + 1 + 3 * B]
-    part = lambda i, size: workspace[at[i]:at[i] + size]
-    return dict(flags=workspace[:head], status=part(0, n), starts=part(1, n + 1), group_counts=part(2, 4 * n).view(4, n),
-                lengths=part(3, B), extent=part(4, B), base=part(5, B).view(torch.float64),
-                correct=workspace[at[6]:at[6] + (B + 7) // 8].view(torch.bool)[:B])
+    lengths, extent, base, correct`` (``pipeline.layout``)."""
+    n, at = n_groups, pipeline.layout(B, n_groups, 0)
+    part = lambda start, size: workspace[start:start + size]  # noqa: E731
+    return dict(flags=workspace[:ADVANTAGE_FLAGS], status=part(at.status, n), starts=part(at.starts, n + 1),
+                group_counts=part(at.group_counts, 4 * n).view(4, n), lengths=part(at.lengths, B),
+                extent=part(at.extent, B), base=part(at.base, B).view(torch.float64),
+                correct=part(at.correct, (B + 7) // 8).view(torch.bool)[:B])
 
 
 def _cached_inputs(plan: StaticPlan, config: KTAEConfig, device: torch.device) -> tuple[Tensor | None, Tensor | None,
@@ -538,7 +487,7 @@ def _cached_inputs(plan: StaticPlan, config: KTAEConfig, device: torch.device) -
 
 def enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
             rows: dict[str, Tensor] | None, nan_on_error: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Everything ``token_advantage`` sends to the device, in one binding call (csrc ``launch_advantage``):
+    """Everything ``token_advantage`` sends to the device, in one ``pipeline.advantage`` call:
     the scan pass, the groups pass, the shared-table pass and the global-memory one; before it, the
     stable argsort of the group ids and two allocations. Nothing is read back. ``rows``: the given rows
     (``_given_rows``) in place of the device grid. ``nan_on_error``: a bad input writes NaN over ``out``
@@ -557,21 +506,21 @@ def enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | 
     positions = B * L if plan.slot_index else 0
     workspace = torch.empty(advantage_workspace_size(B, n, plan.fallback_bytes, positions), dtype=torch.int64,
                             device=device)
-    ext = plan.ext
-    inputs = fill(ext.AdvantageInputs(), responses=batch.responses.contiguous(), mask=batch.mask.contiguous(),
+    inputs = pipeline.AdvantageInputs(responses=batch.responses.contiguous(), mask=batch.mask.contiguous(),
                   group=batch.group.contiguous(), members=torch.argsort(batch.group, stable=True),
                   rewards=batch.rewards.contiguous(),
                   correct=None if batch.correct is None else batch.correct.contiguous(),
                   given=None if given is None else given.contiguous(), n_groups=n, workspace=workspace, out=out)
-    scoring = fill(ext.Scoring(), table_values=values, grid_bound=plan.bound or 0, log_factorial=log_factorial,
+    scoring = pipeline.Scoring(table_values=values, grid_bound=plan.bound or 0, log_factorial=log_factorial,
                    ignore_ids=ignore, params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight],
                    constants=statistics_constants(config.alpha, config.beta)[:4], use_tf=config.use_tf,
                    threshold=config.correct_threshold, baseline=baseline_code(config, given), eps=config.eps,
                    **(rows or {}))
-    shape = fill(ext.AdvantageLaunch(), shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
-                 allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks, fallback_bytes=plan.fallback_bytes,
-                 slot_index=plan.slot_index, threads=plan.threads, stream=_stream(device), nan_on_error=nan_on_error)
-    ext.advantage(inputs, scoring, shape)
+    shape = pipeline.AdvantageLaunch(shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
+                                     allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks,
+                                     fallback_bytes=plan.fallback_bytes, slot_index=plan.slot_index,
+                                     threads=plan.threads, nan_on_error=nan_on_error)
+    pipeline.advantage(plan.ext, inputs, scoring, shape)
     return out, workspace
 
 
