@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import io
 import json
 import logging
 import os
@@ -43,8 +44,9 @@ KERNELS = ("ktae::scan_kernel", "ktae::groups_kernel", "ktae::group_sums_kernel"
            "ktae::dynamic_kernel<false>", "ktae::nan_on_error_kernel", "ktae::table_statistics_kernel",
            "ktae::group_kernel<0, true>", "ktae::group_kernel<0, false>", "ktae::group_kernel<1, true>",
            "ktae::group_kernel<1, false>")
-#: NVRTC options (besides the arch): the header's host-callable helpers compile as device code.
-OPTIONS = dict(std="c++17", device_as_default_execution_space=True)
+#: NVRTC options (besides the arch): the header's host-callable helpers compile as device code; a fixed
+#: seed names the anonymous namespace, so that a compile is reproducible (the report reads the same code).
+OPTIONS = dict(std="c++17", device_as_default_execution_space=True, frandom_seed="ktae")
 
 
 @dataclass(frozen=True)
@@ -121,9 +123,9 @@ def cubin(arch: int, rebuild: bool = False) -> Cubin:
         return found
 
 
-def _compile(arch: int) -> Cubin:
+def _compile(arch: int, ptxas_log: list | None = None) -> Cubin:
     """NVRTC's cubin of every kernel for ``arch``; BackendUnavailableError for an unknown arch or a
-    failed compile."""
+    failed compile. ``ptxas_log``: a list that gets the compile log with ptxas's resource report."""
     if arch not in supported_archs():
         major, minor = nvrtc_version()
         raise BackendUnavailableError(
@@ -133,18 +135,32 @@ def _compile(arch: int) -> Cubin:
     from cuda.core import Program, ProgramOptions
 
     start = time.perf_counter()
-    options = ProgramOptions(arch=f"sm_{arch}", include_path=[str(SOURCE.parent)], name=SOURCE.name, **OPTIONS)
+    extra = {} if ptxas_log is None else dict(ptxas_options="-v")
+    options = ProgramOptions(arch=f"sm_{arch}", include_path=[str(SOURCE.parent)], name=SOURCE.name, **OPTIONS,
+                             **extra)
+    log = io.StringIO()
     try:
         program = Program(SOURCE.read_text(), "c++", options=options)
-        code = program.compile("cubin", name_expressions=KERNELS)
+        code = program.compile("cubin", name_expressions=KERNELS, logs=log)
     except Exception as err:
-        raise BackendUnavailableError(f"NVRTC failed to compile the cuda kernels for sm_{arch}: {err}. Report it "
-                                      f"with `python -m ktae_kernels --check`'s output; meanwhile use "
-                                      f"backend='triton'") from None
+        errors = [line.strip() for line in str(err).splitlines() if ": error" in line][:3] or [str(err)[:500]]
+        raise BackendUnavailableError(f"NVRTC failed to compile the cuda kernels for sm_{arch} ({'; '.join(errors)}): "
+                                      f"use backend='triton', and report this with the output of "
+                                      f"`python -m ktae_kernels --check`") from None
+    if ptxas_log is not None:
+        ptxas_log.append(log.getvalue())
     symbols = {name: _text(code.symbol_mapping[name]) for name in KERNELS}
     LOG.debug("compiled the cuda kernels for sm_%d with NVRTC in %.1f s (cached in %s)", arch,
               time.perf_counter() - start, cache_dir())
     return Cubin(arch, bytes(code.code), symbols)
+
+
+def compile_report(arch: int) -> tuple[Cubin, str]:
+    """The kernels for ``arch`` compiled as ``cubin`` compiles them, with ptxas's resource report
+    (registers, spills, stack and shared memory per kernel: the log of ``ptxas -v``); not cached."""
+    _nvrtc()
+    log: list[str] = []
+    return _compile(arch, log), log[0]
 
 
 def _text(symbol: bytes | str) -> str:
