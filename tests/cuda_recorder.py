@@ -1,8 +1,6 @@
 """A cuda launcher (the device's, or the emulator) with every launch recorded, for the cuda tests."""
 from __future__ import annotations
 
-import ctypes
-import re
 
 
 class Recorder:
@@ -10,7 +8,7 @@ class Recorder:
     and its argument structs in ``args``."""
 
     def __init__(self, launcher) -> None:
-        self.launcher, self.kernels, self.args, self._groups = launcher, [], [], {}
+        self.launcher, self.kernels, self.args = launcher, [], []
 
     def __getattr__(self, name: str):
         return getattr(self.launcher, name)
@@ -18,9 +16,6 @@ class Recorder:
     def launch(self, name: str, grid: int, block: int, smem: int, args: tuple) -> None:
         self.kernels.append((name, grid, block, smem))
         self.args.append(args)
-        if name.startswith("ktae::group_kernel") and args[0].n_items and getattr(self.launcher, "on_host", False):
-            # read now (host memory: the emulator): the tensor is freed later
-            self._groups[len(self.kernels) - 1] = list((ctypes.c_int64 * args[0].n_items).from_address(args[0].block_group))
         self.launcher.launch(name, grid, block, smem, args)
 
     def names(self) -> list[str]:
@@ -29,25 +24,24 @@ class Recorder:
 
     @property
     def launches(self) -> list[tuple]:
-        """Each rows-kernel pass as (mode, shared table, groups: read from host memory at the launch, so on
-        the emulator only), and each ``advantage`` call as ("advantage", shared pass, global-pass blocks)."""
-        out: list[tuple] = []
-        for i, (name, grid, *_) in enumerate(self.kernels):
-            if rows := re.fullmatch(r"ktae::group_kernel<(\d), (true|false)>", name):
-                out.append((int(rows.group(1)), rows.group(2) == "true", self._groups.get(i, [])))
-            elif name == "ktae::groups_kernel":
+        """Each call of the passes as (mode: "advantage", "count" or "rows"; whether a shared-table pass ran;
+        the global pass's blocks, 0: none)."""
+        modes = {0: "advantage", 1: "count", 2: "rows"}
+        out: list[list] = []
+        for (name, grid, *_), args in zip(self.kernels, self.args):
+            if name == "ktae::groups_kernel":
                 out.append(["advantage", False, 0])
             elif name == "ktae::dynamic_kernel<true>":
-                out[-1][1] = True
+                out[-1][:2] = modes[args[0].mode], True
             elif name == "ktae::dynamic_kernel<false>":
-                out[-1][2] = grid
+                out[-1][0], out[-1][2] = modes[args[0].mode], grid
         return [tuple(x) for x in out]
 
     def _advantage_args(self) -> list:
-        """The KernelArgs of each ``advantage`` call's table passes (one struct a call)."""
+        """The KernelArgs of each advantage-mode call's table passes (one struct a call)."""
         seen: dict = {}
         for (name, *_), args in zip(self.kernels, self.args):
-            if name.startswith("ktae::dynamic_kernel"):
+            if name.startswith("ktae::dynamic_kernel") and args[0].mode == 0:  # kAdvantage
                 seen.setdefault(id(args[0]), args[0])
         return list(seen.values())
 

@@ -56,7 +56,7 @@ def _build(target: Path) -> None:
     builds = sorted((p for p in target.parent.iterdir() if not p.name.startswith("build-")),
                     key=lambda p: p.stat().st_mtime, reverse=True)
     for stale in builds[KEEP_BUILDS:]:
-        stale.unlink(missing_ok=True)
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 
 
 class Emulator:

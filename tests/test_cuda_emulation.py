@@ -81,28 +81,21 @@ def test_matches_reference_when_groups_overflow_the_shared_table(emulator, case)
     check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=2))
 
 
-def test_overflowing_groups_and_only_they_take_the_global_table(emulator):
+def test_overflowing_groups_take_the_global_pass_in_every_mode(emulator):
+    """Tables of 16 slots (12 ids): the groups with more distinct ids leave the shared pass for the global
+    one, in the count and rows passes of key_token_scores as in token_advantage, and every result is
+    the reference's."""
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     distinct = reference.key_token_scores(batch, KTAEConfig()).group.bincount(minlength=batch.n_groups)
-    tokens = torch.zeros(batch.n_groups, dtype=torch.int64).index_add_(0, batch.group, batch.mask.sum(1))
-    slots = 16  # takes max_keys(16) = 12 ids
-    room = cuda.max_keys(slots)
-    assert (distinct > room).any() and (distinct <= room).any() and (tokens > room).any()
+    room = cuda.max_keys(16)
+    assert (distinct > room).any() and (distinct <= room).any()
     ext = Recorder(emulator)
-    check(ext, name, batch, KTAEConfig(), options=tuned(table_slots=slots))
-    all_groups = list(range(batch.n_groups))
-    spilled = torch.nonzero(distinct > room).flatten().tolist()
-    # the largest group may overflow (more masked tokens than the table takes): the fallback that
-    # follows a pass without waiting for it, or for a host list of groups, visits every group and
-    # skips those that completed; once the count pass has told the host the distinct ids, the rows
-    # pass sends exactly the spilled groups to the fallback
-    assert set(spilled) <= set(torch.nonzero(tokens > room).flatten().tolist())
-    # key_token_scores: count + rows, each a shared pass then the fallback; token_advantage: one
-    # static-bound call (shared pass, then a global pass of one block per group, nothing read back)
-    assert ext.launches == [(cuda.COUNT, True, all_groups), (cuda.COUNT, False, all_groups),
-                            (cuda.ROWS, True, [g for g in all_groups if g not in spilled]), (cuda.ROWS, False, spilled),
-                            ("advantage", True, batch.n_groups)]
+    check(ext, name, batch, KTAEConfig(), options=tuned(table_slots=16))
+    # key_token_scores: count, one read, rows; token_advantage: one call; each a shared pass and a
+    # global pass of one block per group, nothing read back between them
+    n = batch.n_groups
+    assert ext.launches == [("count", True, n), ("rows", True, n), ("advantage", True, n)]
 
 
 def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, monkeypatch):
@@ -129,15 +122,15 @@ def test_groups_past_the_grid_compute_their_statistics_per_slot(emulator, monkey
 
 
 def test_upstream_scores_the_rows_first(emulator):
-    """fisher="upstream": the rows (count and rows passes, their p-values on the host), then the same
-    advantage call as exact mode, the rows' scores given in place of the grid."""
+    """fisher="upstream": the rows (the passes in count and rows modes, their p-values on the host), then
+    the same advantage call as exact mode, the rows' scores given in place of the grid."""
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     ext = Recorder(emulator)
     config = KTAEConfig(fisher="upstream")
     torch.testing.assert_close(cuda.token_advantage(batch, config, None, launcher=ext),
                                expected(name, batch, config)[1], rtol=0.0, atol=1e-6)
-    assert [mode for mode, *_ in ext.launches] == [cuda.COUNT, cuda.ROWS, "advantage"]
+    assert [mode for mode, *_ in ext.launches] == ["count", "rows", "advantage"]
     assert ext.tables == [(False, False)] and ext.given_rows == [len(reference.key_token_scores(batch, config))]
 
 
@@ -174,43 +167,42 @@ def test_given_rollout_advantage(emulator, fisher):
     check(emulator, name, batch, KTAEConfig(fisher=fisher), given=given)
 
 
-def test_launches_reject_bad_arguments_naming_them(emulator):
+def test_launches_reject_bad_arguments_naming_them(emulator, monkeypatch):
+    """``pipeline.advantage`` checks what it is given before anything is launched; the arguments of a real
+    call, each changed in turn."""
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
-    plan = cuda.prepare(emulator, batch, KTAEConfig(), CudaTuning())
-    status = torch.empty(batch.n_groups, dtype=torch.int64)
-    n = batch.n_groups
+    calls, advantage = [], pipeline.advantage
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "advantage", lambda *args: (calls.append(args), advantage(*args)))
+        cuda.token_advantage(batch, KTAEConfig(), None, launcher=emulator)
+    launcher, inputs, scoring, shape = calls[0]
 
-    def launch(mode=cuda.COUNT, shared_table=True, **changes):
-        """One count pass over every group, the fields in ``changes`` replaced."""
-        pass_ = pipeline.PassArgs(mode=mode, block_group=torch.arange(n), blocks=n, skip_done=False,
-                                  threads=plan.threads,
-                                  shared_bytes=cuda.shared_table_bytes(plan.capacity, plan.words, plan.packed))
-        inputs = pipeline.GroupInputs(status=status, **plan.inputs)
-        table = pipeline.TableArgs(shared_table=shared_table, words=plan.words, shared_capacity=plan.capacity,
-                                   packed=plan.packed)
-        for name, value in changes.items():
-            setattr(next(s for s in (pass_, inputs, table) if hasattr(s, name)), name, value)
-        pipeline.rows_pass(emulator, pass_, inputs, table)
+    def launch(**changes):
+        """The call, the fields in ``changes`` replaced."""
+        structs = [dataclasses.replace(s) for s in (inputs, scoring, shape)]
+        for field, value in changes.items():
+            setattr(next(s for s in structs if hasattr(s, field)), field, value)
+        pipeline.advantage(launcher, *structs)
 
-    with pytest.raises(ValueError, match="`status` must be torch.int64"):
-        launch(status=status.int())
+    with pytest.raises(ValueError, match="`members` must be torch.int64"):
+        launch(members=inputs.members.int())
     with pytest.raises(ValueError, match="`mask` must have shape"):
-        launch(mask=batch.mask[:, :-1])
-    with pytest.raises(ValueError, match=r"`mode` must be 0 \(count\) or 1 \(rows\), got 2"):
-        launch(mode=2)
+        launch(mask=inputs.mask[:, :-1])
+    with pytest.raises(ValueError, match=r"`mode` must be 0 \(advantage\), 1 \(count\) or 2 \(rows\), got 3"):
+        launch(mode=3)
     with pytest.raises(ValueError, match="`row_offset` and `row_ints` are required in rows mode"):
         launch(mode=cuda.ROWS)
-    with pytest.raises(ValueError, match="`ws_keys` is required for a global-memory table"):
-        launch(shared_table=False)
+    with pytest.raises(ValueError, match="`nan_on_error`, `slot_index` and the given rows go with the advantage"):
+        launch(mode=cuda.COUNT, nan_on_error=True)
     with pytest.raises(ValueError, match="`threads` must be a multiple of 32"):
         launch(threads=48)
-    with pytest.raises(ValueError, match="`blocks` must be in"):
-        launch(blocks=n + 1)
-    with pytest.raises(ValueError, match="`group_counts` must be set"):  # a field left unset
-        launch(group_counts=None)
+    with pytest.raises(ValueError, match="`workspace` must hold"):
+        launch(workspace=inputs.workspace[:-1])
+    with pytest.raises(ValueError, match="`out` must be set"):  # a field left unset
+        launch(out=None)
     with pytest.raises(TypeError):
-        pipeline.PassArgs(mode=0, block_group=torch.arange(n), block=1)  # a misspelt field
+        pipeline.AdvantageLaunch(threads=64, blocks=1)  # a misspelt field
     with pytest.raises(RuntimeError, match="invalid launch configuration"):  # what the GPU would refuse
         launch(shared_bytes=emulator.max_shared_bytes() + 8)
     launch()  # and the unchanged call runs
@@ -265,23 +257,20 @@ def test_slot_layouts_and_two_blocks_per_sm(emulator, name, packed, blocks_per_s
     tuning = CudaTuning(packed=packed, blocks_per_sm=blocks_per_sm)
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda.prepare(emulator, batch, KTAEConfig(), tuning).packed == packed
+    assert cuda.static_plan(emulator, batch, KTAEConfig(), tuning).packed == packed
     check(emulator, name, batch, KTAEConfig(), options=ExecutionOptions(cuda=tuning))
     check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=16, packed=packed,
                                                                    blocks_per_sm=blocks_per_sm))
 
 
-def test_packed_slots_only_where_counts_fit_16_bits(emulator):
-    B, L = 2, 33_000  # 66,000 masked tokens in one group: f_c could pass 2^16 - 1
-    big = normalise_batch(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
-                          torch.tensor([1.0, 0.0]), torch.zeros(B, dtype=torch.int64))
-    assert not cuda.prepare(emulator, big, KTAEConfig(), CudaTuning()).packed
-    name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G40-two-words")
-    wide = normalise_batch(responses, mask, rewards, index)  # two presence words
-    assert not cuda.prepare(emulator, wide, KTAEConfig(), CudaTuning()).packed
-    name, responses, mask, rewards, index = CASES[0]
-    batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda.prepare(emulator, batch, KTAEConfig(), CudaTuning()).packed
+def test_counts_past_16_bits_take_the_wide_slot(emulator):
+    """A group of 99,000 masked tokens (one id, 66,000 times in correct rollouts): past
+    ``PACKED_MAX_TOKENS`` the kernels keep 32-bit counters, whatever ``CudaTuning.packed`` allows."""
+    B, L = 3, 33_000
+    batch = normalise_batch(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
+                            torch.tensor([1.0, 1.0, 0.0]), torch.zeros(B, dtype=torch.int64))
+    assert B * L > cuda.PACKED_MAX_TOKENS and cuda.static_plan(emulator, batch, KTAEConfig()).packed
+    check(emulator, "one-id-99000-times", batch, KTAEConfig())
 
 
 @pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (0.5, 2.0)])

@@ -35,10 +35,6 @@ bool dispatch(const char* name, void** params, int64_t grid, int block, int64_t 
     return run([&] { nan_on_error_kernel(arg<KernelArgs>(params, 0), arg<int64_t>(params, 1)); });
   }
   if (is("ktae::table_statistics_kernel")) return run([&] { table_statistics_kernel(arg<StatsArgs>(params, 0)); });
-  if (is("ktae::group_kernel<0, true>")) return run([&] { group_kernel<0, true>(arg<KernelArgs>(params, 0)); });
-  if (is("ktae::group_kernel<0, false>")) return run([&] { group_kernel<0, false>(arg<KernelArgs>(params, 0)); });
-  if (is("ktae::group_kernel<1, true>")) return run([&] { group_kernel<1, true>(arg<KernelArgs>(params, 0)); });
-  if (is("ktae::group_kernel<1, false>")) return run([&] { group_kernel<1, false>(arg<KernelArgs>(params, 0)); });
   return false;
 }
 

@@ -1,4 +1,4 @@
-"""The CUDA backend: hand-written kernels (csrc/), one thread block per group of rollouts.
+"""The CUDA backend: hand-written kernels (``ktae_kernels.cu``), one thread block per group of rollouts.
 
 ``token_advantage`` is one ``pipeline.advantage`` call sized from ``B``, ``L`` and the number of groups
 alone (``static_plan``), which enqueues: a scan pass (masked tokens, extents, the id-range flag), the
@@ -16,8 +16,9 @@ reads them after a replay). A bad input leaves ``out`` untouched (the table pass
 a flag is set), or, in a replay of a captured call, NaN everywhere.
 
 ``key_token_scores``, and the rows whose float32 p-values ``fisher="upstream"`` computes on the host
-before its advantage call, come from the rows kernel: a count pass, one device -> host
-copy of the rows' sizes, then a rows pass that sorts each group's table by token (``pipeline.rows_pass``).
+before its advantage call, come from the same passes in two other modes: ``COUNT`` (each group's
+distinct ids), one device -> host copy of those sizes, then ``ROWS`` (each group's rows, which the host
+sorts by (group, token)).
 
 The kernels are compiled at first use by NVRTC (``runtime``: cached on disk) and launched from Python on
 torch's current stream (``pipeline``); every function takes the ``launcher`` that runs them (default: the
@@ -41,17 +42,15 @@ from ..device import MAX_GROUP_TOKENS, GridTables, baseline_code, grid_bound, on
 from . import abi, pipeline, runtime
 from .pipeline import Launcher, advantage_workspace_size, header_bytes, shared_table_bytes
 
-# Kernel modes and constants (ktae_args.h, read by ``abi``).
-COUNT, ROWS = abi.CONSTANTS["kCount"], abi.CONSTANTS["kRows"]
+# The table passes' modes and the kernels' constants (ktae_args.h, read by ``abi``).
+ADVANTAGE, COUNT, ROWS = abi.CONSTANTS["kAdvantage"], abi.CONSTANTS["kCount"], abi.CONSTANTS["kRows"]
 MAX_THREADS = abi.CONSTANTS["kMaxThreads"]
 UNROLL = abi.CONSTANTS["kUnroll"]
 #: fewest threads per block and fewest slots of an automatically sized table.
 MIN_THREADS = 64
 MIN_CAPACITY = abi.CONSTANTS["kMinCapacity"]
-#: most blocks of a global-memory fallback pass, and most bytes of workspace it may take: each block
-#: owns one table-sized slice and takes its groups one after another.
+#: most blocks of the global-memory pass: each block owns one slice and takes its groups one after another.
 FALLBACK_BLOCKS = 64
-FALLBACK_BYTES = 256 * 2**20
 #: most masked tokens of a group for the packed 12-byte slot (16-bit counters).
 PACKED_MAX_TOKENS = abi.CONSTANTS["kPackedMaxTokens"]
 #: most bytes of the global-memory tables of ``token_advantage``'s static-bound pass (sized without
@@ -83,16 +82,6 @@ def presence_words(max_group_size: int) -> int:
     return max(1, -(-max_group_size // 32))
 
 
-def choose_shared_capacity(max_group_tokens: int, words: int, shared_limit: int, packed: bool = False) -> int:
-    """Slots of the shared-memory tables: enough for every id of the largest group if that fits in
-    ``shared_limit`` bytes, else the largest power of two that fits; 0 when not even
-    ``MIN_CAPACITY`` slots fit (every group then uses a global-memory table)."""
-    capacity = table_capacity(max_group_tokens)
-    while capacity >= MIN_CAPACITY and shared_table_bytes(capacity, words, packed) > shared_limit:
-        capacity //= 2
-    return capacity if capacity >= MIN_CAPACITY else 0
-
-
 def shared_limit(opt_in_bytes: int, blocks_per_sm: int) -> int:
     """Shared memory a block may take so that ``blocks_per_sm`` blocks fit an SM, from the opt-in
     limit per block (an SM holds the opt-in limit plus 1 KB, and each block reserves 1 KB, on sm_80
@@ -118,14 +107,6 @@ def most_threads(max_threads: int, blocks_per_sm: int) -> int:
     return min(max_threads, MAX_THREADS if blocks_per_sm <= 1 else 512)
 
 
-def fallback_blocks(n_items: int, widest: int, words: int, keys_only: bool) -> int:
-    """Blocks of a global-memory fallback pass over ``n_items`` groups with tables of at most ``widest``
-    slots: as many as ``FALLBACK_BLOCKS`` and ``FALLBACK_BYTES`` of workspace allow (a count pass's
-    table holds keys only, 4 bytes a slot; else ``12 + 4 * words``), at least one."""
-    per_block = widest * (4 if keys_only else 12 + 4 * words)
-    return max(1, min(n_items, FALLBACK_BLOCKS, FALLBACK_BYTES // per_block))
-
-
 def block_threads(length: int, max_threads: int | None = None) -> int:
     """Threads per block for rollouts of ``length`` positions.
 
@@ -146,8 +127,7 @@ def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions
     ``launcher``: what runs the kernels (default ``load_launcher``; the tests pass the CPU emulator).
     """
     with on_device(batch.device):
-        plan = prepare(launcher or load_launcher(batch.device), batch, config, options.cuda)
-        return _scores(plan, batch, config)
+        return _scores(launcher or load_launcher(batch.device), batch, config, options.cuda)
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None,
@@ -159,7 +139,7 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     with on_device(batch.device):
         rows = None
         if config.fisher != "exact":  # the rows' float32 p-values come from the host first
-            rows = _given_rows(_scores(prepare(ext, batch, config, options.cuda), batch, config))
+            rows = _given_rows(_scores(ext, batch, config, options.cuda))
         plan = static_plan(ext, batch, config, options.cuda)
         out, workspace = enqueue(plan, batch, config, given, out, rows)
         if workspace is not None:
@@ -205,67 +185,6 @@ def load_launcher(device: torch.device) -> runtime.DriverLauncher:
     return runtime.launcher(_device_index(device))
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """One call's inputs in kernel layout and its launch geometry.
-
-    inputs: the ``GroupInputs`` fields every pass shares (but ``status``). largest: rollouts of the
-    largest group. max_tokens: masked tokens of the largest group (a bound of every group's distinct
-    ids). words: presence words a slot. capacity: slots of the shared tables. packed: 12-byte slots.
-    threads: per block.
-    """
-
-    ext: Launcher
-    inputs: dict
-    stats: method.GroupStats
-    n_groups: int
-    max_tokens: int
-    largest: int
-    words: int
-    capacity: int
-    packed: bool
-    threads: int
-
-
-def prepare(ext: Launcher, batch: Batch, config: KTAEConfig, tuning: CudaTuning) -> _Plan:
-    """The rows kernel's inputs and launch geometry for ``batch`` (``key_token_scores``, and the rows of
-    ``fisher="upstream"``): one read of the largest group's size and masked tokens."""
-    device = batch.device
-    stats = method.group_stats(batch, config)
-    n = batch.n_groups
-    starts = torch.zeros(n + 1, dtype=torch.int64, device=device)
-    torch.cumsum(stats.size, 0, out=starts[1:])
-    max_size, max_tokens = _read_sizes(stats.size, stats.T_c + stats.T_w) if n else (0, 0)
-    if max_tokens > MAX_GROUP_TOKENS:
-        _raise_input_errors([0, 0, 0, 0, 0, max_tokens])
-    words = presence_words(max_size)
-    packed = tuning.packed and words == 1 and max_tokens <= PACKED_MAX_TOKENS
-    opt_in = ext.max_shared_bytes()
-    blocks_per_sm = tuning.blocks_per_sm or 1
-    if tuning.table_slots is None:
-        capacity = choose_shared_capacity(max_tokens, words, shared_limit(opt_in, blocks_per_sm), packed)
-    else:
-        capacity = _check_table_slots(tuning.table_slots, words, opt_in, packed)
-    max_threads = most_threads(tuning.max_threads, blocks_per_sm)
-    inputs = dict(
-        responses=batch.responses.contiguous(),
-        mask=batch.mask.contiguous(),
-        members=torch.argsort(batch.group, stable=True),
-        starts=starts,
-        correct=stats.correct.contiguous(),
-        group_counts=torch.stack([stats.n_c, stats.n_w, stats.T_c, stats.T_w]).contiguous(),
-        bad_ids=torch.zeros(2, dtype=torch.int64, device=device),  # written by the kernels
-    )
-    return _Plan(ext, inputs, stats, n, max_tokens, max_size, words, capacity, packed,
-                 block_threads(batch.responses.shape[1], max_threads))
-
-
-def _read_sizes(size: Tensor, group_tokens: Tensor) -> list[int]:
-    """The one device -> host copy before the rows kernel: the largest group's rollouts and masked
-    tokens (two ints, whatever the number of groups)."""
-    return torch.stack([size.max(), group_tokens.max()]).tolist()
-
-
 def _check_table_slots(slots: int, words: int, limit: int, packed: bool) -> int:
     if shared_table_bytes(slots, words, packed) > limit:
         raise ValueError(f"`table_slots` = {slots} needs {shared_table_bytes(slots, words, packed)} bytes of "
@@ -273,90 +192,28 @@ def _check_table_slots(slots: int, words: int, limit: int, packed: bool) -> int:
     return slots
 
 
-def _launch(plan: _Plan, mode: int, groups: Tensor, status: Tensor, *, capacity: Tensor | None = None,
-            widest: int = 0, **rows: Tensor) -> None:
-    """One kernel pass over ``groups`` (int64 ``[n_items]`` on the device): one block per group with
-    shared-memory tables, or, with ``capacity`` (int64 ``[n_items]``, each group's table slots, at
-    most ``widest``), a fallback over global-memory tables that skips the groups whose ``status``
-    is already set: at most ``FALLBACK_BLOCKS`` blocks, each reusing one slice of the workspace for
-    its groups ``i, i + blocks, ...``. ``rows``: ``row_offset`` and ``row_ints`` in rows mode."""
-    n_items = groups.shape[0]
-    if not n_items:
-        return
-    device = status.device
-    table = pipeline.TableArgs(shared_table=capacity is None, words=plan.words, shared_capacity=plan.capacity,
-                               packed=plan.packed)
-    if capacity is None:
-        blocks, skip_done = n_items, False
-        shared_bytes = shared_table_bytes(plan.capacity, plan.words, plan.packed)
-    else:
-        keys_only = mode == COUNT
-        blocks = fallback_blocks(n_items, widest, plan.words, keys_only)
-        slots = blocks * widest
-        table.ws_keys = torch.empty(slots, dtype=torch.int32, device=device)
-        table.ws_counts = None if keys_only else torch.empty(slots, dtype=torch.int64, device=device)
-        table.ws_presence = None if keys_only else torch.empty(slots * plan.words, dtype=torch.int32, device=device)
-        table.ws_offset = torch.arange(n_items, device=device) % blocks * widest
-        table.ws_capacity = capacity
-        skip_done = True
-        shared_bytes = header_bytes(plan.words)
-    pass_ = pipeline.PassArgs(mode=mode, block_group=groups, blocks=blocks, skip_done=skip_done,
-                              threads=plan.threads, shared_bytes=shared_bytes)
-    pipeline.rows_pass(plan.ext, pass_, pipeline.GroupInputs(status=status, **plan.inputs, **rows), table)
-
-
-def _new_status(plan: _Plan) -> Tensor:
-    return torch.full((plan.n_groups,), -1, dtype=torch.int64, device=plan.inputs["starts"].device)
-
-
-def _bounded_pass(plan: _Plan, mode: int, **outputs: Tensor | None) -> Tensor:
-    """Run ``mode`` on every group without waiting for the device or listing groups on the host:
-    shared-memory tables, then, right behind, when the largest group's masked tokens could overflow
-    them (or there is no shared table), a global-memory fallback over every group, with tables of
-    ``max_tokens`` ids, that skips the groups completed. Returns the status (int64 ``[n_groups]``:
-    distinct ids per group, on the device)."""
-    status = _new_status(plan)
-    groups = torch.arange(plan.n_groups, device=status.device)
-    if plan.capacity:
-        _launch(plan, mode, groups, status, **outputs)
-    if not plan.capacity or plan.max_tokens > max_keys(plan.capacity):
-        widest = table_capacity(plan.max_tokens)
-        _launch(plan, mode, groups, status, capacity=torch.full_like(groups, widest), widest=widest, **outputs)
-    return status
-
-
-def _listed_pass(plan: _Plan, mode: int, distinct: list[int], fits: list[int], **outputs: Tensor | None) -> Tensor:
-    """Run ``mode`` with the distinct ids per group known (host ints): the groups ``fits`` with
-    shared-memory tables, the others on global-memory tables of their own size. Returns the status."""
-    status = _new_status(plan)
-    device = status.device
-    fits = fits if plan.capacity else []
-    _launch(plan, mode, torch.tensor(fits, dtype=torch.int64).to(device), status, **outputs)
-    in_shared = set(fits)
-    rest = [g for g in range(plan.n_groups) if g not in in_shared]
-    capacity = [table_capacity(distinct[g]) for g in rest]
-    _launch(plan, mode, torch.tensor(rest, dtype=torch.int64).to(device), status,
-            capacity=torch.tensor(capacity, dtype=torch.int64).to(device), widest=max(capacity, default=0),
-            **outputs)
-    return status
-
-
-def _scores(plan: _Plan, batch: Batch, config: KTAEConfig) -> KeyTokenScores:
-    """The rows (a count pass, one read of the rows' sizes, a rows pass), scored by ``method.score_rows``."""
-    device = plan.inputs["starts"].device
-    counts = _bounded_pass(plan, COUNT)
-    row_offset = torch.zeros(plan.n_groups + 1, dtype=torch.int64, device=device)
+def _scores(ext: Launcher, batch: Batch, config: KTAEConfig, tuning: CudaTuning) -> KeyTokenScores:
+    """The rows (the passes in ``COUNT`` mode, one read of the rows' sizes and the flags, the passes in
+    ``ROWS`` mode, the rows sorted by (group, token)), scored by ``method.score_rows``."""
+    device, n = batch.device, batch.n_groups
+    plan = static_plan(ext, batch, config, tuning)
+    _, workspace = enqueue(plan, batch, config, None, None, None, mode=COUNT)
+    counts = torch.zeros(n, dtype=torch.int64, device=device)
+    if workspace is not None:
+        views = workspace_views(workspace, batch.responses.shape[0], n)
+        counts = views["status"].clone()
+        *host_counts, = torch.cat([views["flags"], counts]).tolist()  # sizes the rows: the one read
+        _raise_input_errors(host_counts[:ADVANTAGE_FLAGS])
+    row_offset = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=row_offset[1:])
-    *host_counts, low, excess = torch.cat([counts, plan.inputs["bad_ids"]]).tolist()  # sizes the rows
-    check_id_range(low, MAX_TOKEN_ID + excess)
-    n_rows = sum(host_counts)
-    ints = torch.empty(8, n_rows, dtype=torch.int64, device=device)
-    room = max_keys(plan.capacity) if plan.capacity else -1
-    fits = [g for g in range(plan.n_groups) if host_counts[g] <= room]
-    status = _listed_pass(plan, ROWS, host_counts, fits, row_offset=row_offset, row_ints=ints)
-    if not torch.equal(status, counts):
-        raise RuntimeError("ktae_kernels.cuda: the rows pass found other tokens than the count pass (internal error)")
-    stats = plan.stats
+    n_rows = int(row_offset[-1]) if n else 0
+    ints = torch.empty(abi.CONSTANTS["kRowInts"], n_rows, dtype=torch.int64, device=device)
+    if n_rows:
+        _, workspace = enqueue(plan, batch, config, None, None, None, mode=ROWS, row_out=(row_offset, ints))
+        if not torch.equal(workspace_views(workspace, batch.responses.shape[0], n)["status"], counts):
+            raise RuntimeError("ktae_kernels.cuda: the rows pass found other tokens than the count pass (internal error)")
+        ints = ints[:, torch.argsort(ints[0] << 31 | ints[1])]  # each group's rows came in slot order
+    stats = method.group_stats(batch, config)
     rows = method.Rows(group=ints[0], token=ints[1], a=ints[2], b=ints[3], f_c=ints[6], f_w=ints[7])
     return method.score_rows(rows, stats.n_c, stats.n_w, stats.T_c, stats.T_w, config, batch.group_labels)
 
@@ -486,31 +343,36 @@ def _cached_inputs(plan: StaticPlan, config: KTAEConfig, device: torch.device) -
 
 
 def enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None,
-            rows: dict[str, Tensor] | None, nan_on_error: bool = False) -> tuple[Tensor, Tensor | None]:
+            rows: dict[str, Tensor] | None, nan_on_error: bool = False, mode: int = ADVANTAGE,
+            row_out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor | None, Tensor | None]:
     """Everything ``token_advantage`` sends to the device, in one ``pipeline.advantage`` call:
     the scan pass, the groups pass, the shared-table pass and the global-memory one; before it, the
     stable argsort of the group ids and two allocations. Nothing is read back. ``rows``: the given rows
     (``_given_rows``) in place of the device grid. ``nan_on_error``: a bad input writes NaN over ``out``
-    (a captured call's replay), else nothing. Returns ``out`` and the workspace (``workspace_views``;
-    None for an empty batch)."""
+    (a captured call's replay), else nothing. ``mode``: ``ADVANTAGE``, or ``COUNT`` (the distinct ids
+    into the status) or ``ROWS`` (the rows into ``row_out`` = (row_offset int64 ``[n_groups + 1]``,
+    ints int64 ``[8, n_rows]``)), which write no ``out``. Returns ``out`` (None unless ``ADVANTAGE``) and
+    the workspace (``workspace_views``; None for an empty batch)."""
     device = batch.device
     B, L = batch.responses.shape
-    if out is None:
+    if out is None and mode == ADVANTAGE:
         out = torch.empty((B, L), dtype=torch.float32, device=device)
     if B == 0 or L == 0:
         return out, None
     n = batch.n_groups
-    values, log_factorial, ignore = _cached_inputs(plan, config, device)
+    values, log_factorial, ignore = _cached_inputs(plan, config, device) if mode == ADVANTAGE else (
+        None, None, torch.empty(0, dtype=torch.int64, device=device))
     if rows is not None:
         values = log_factorial = None
-    positions = B * L if plan.slot_index else 0
+    positions = B * L if plan.slot_index and mode == ADVANTAGE else 0
     workspace = torch.empty(advantage_workspace_size(B, n, plan.fallback_bytes, positions), dtype=torch.int64,
                             device=device)
     inputs = pipeline.AdvantageInputs(responses=batch.responses.contiguous(), mask=batch.mask.contiguous(),
                   group=batch.group.contiguous(), members=torch.argsort(batch.group, stable=True),
                   rewards=batch.rewards.contiguous(),
                   correct=None if batch.correct is None else batch.correct.contiguous(),
-                  given=None if given is None else given.contiguous(), n_groups=n, workspace=workspace, out=out)
+                  given=None if given is None else given.contiguous(), n_groups=n, workspace=workspace, out=out,
+                  mode=mode, **dict(zip(("row_offset", "row_ints"), row_out or ())))
     scoring = pipeline.Scoring(table_values=values, grid_bound=plan.bound or 0, log_factorial=log_factorial,
                    ignore_ids=ignore, params=[config.alpha, config.beta, config.k1, config.b, config.top, config.weight],
                    constants=statistics_constants(config.alpha, config.beta)[:4], use_tf=config.use_tf,
@@ -518,7 +380,7 @@ def enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | 
                    **(rows or {}))
     shape = pipeline.AdvantageLaunch(shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
                                      allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks,
-                                     fallback_bytes=plan.fallback_bytes, slot_index=plan.slot_index,
+                                     fallback_bytes=plan.fallback_bytes, slot_index=positions > 0,
                                      threads=plan.threads, nan_on_error=nan_on_error)
     pipeline.advantage(plan.ext, inputs, scoring, shape)
     return out, workspace

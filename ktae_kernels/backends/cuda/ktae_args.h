@@ -29,11 +29,11 @@ typedef unsigned long long uint64_t;
 
 namespace ktae {
 
-// What one launch of the rows kernel (key_token_scores, and the rows fisher="upstream" scores)
-// computes, one thread block per group.
+// What the table passes compute (KernelArgs.mode).
 enum Mode : int {
-  kCount = 0,  // distinct token ids of each group -> status
-  kRows = 1,   // the group's rows, sorted by token, at row_offset[g]
+  kAdvantage = 0,  // the advantages (token_advantage)
+  kCount = 1,      // distinct token ids of each group -> status (key_token_scores, first)
+  kRows = 2,       // each group's rows at row_offset[g], unsorted (key_token_scores, then)
 };
 
 // Most masked tokens one group may hold (keeps slot indices and counters in 32 bits; ktae_kernels
@@ -95,32 +95,18 @@ struct KernelArgs {
   const int64_t* ignore_ids;  // [n_ignore] sorted token ids whose score is 0
   int64_t n_ignore;
   // the launch
-  const int64_t* block_group;  // [n_items] the groups of this pass; block i takes items i, i + gridDim.x, ...
-  int64_t n_items;
-  bool skip_done;              // skip the groups whose status is already >= 0 (a fallback pass)
-  int32_t words;               // presence words per slot = ceil(G_max / 32)
-  // tables: in shared memory (capacity `shared_capacity`) or in a global workspace, where item i
-  // uses slots [ws_offset[i], ws_offset[i] + ws_capacity[i]) of ws_keys / ws_counts and
-  // [words * ws_offset[i], words * (ws_offset[i] + ws_capacity[i])) of ws_presence (items of one
-  // block may share slots: it takes them one after another).
-  int64_t shared_capacity;
-  bool packed;                 // the shared tables use the packed slot layout (words == 1, every
-                               // group below kPackedMaxTokens masked tokens)
-  uint32_t* ws_keys;
-  unsigned long long* ws_counts;
-  uint32_t* ws_presence;
-  const int64_t* ws_offset;    // [n_items]
-  const int64_t* ws_capacity;  // [n_items], powers of two
+  int64_t n_items;             // groups: block i takes groups i, i + gridDim.x, ...
+  int32_t mode;                // Mode
   // the method's hyper-parameters
   double alpha, beta, k1, bm25_b, top, weight;
   bool use_tf;
   // outputs
   long long* bad_ids;          // [2] least id < 0 under the mask (else 0), largest id > 2^31 - 1 (else 2^31 - 1)
   int64_t* status;             // [n_groups] distinct ids of the group, -1 when its table overflowed
-  const int64_t* row_offset;   // [n_groups + 1] (kRows; the advantage with given scores)
+  const int64_t* row_offset;   // [n_groups + 1] where each group's rows start (kRows; the given scores)
   int64_t* row_ints;           // [kRowInts, n_rows] (kRows)
   int64_t n_rows;
-  // the advantage pipeline (launch_advantage): every choice that depends on the data is made on the
+  // the table passes (pipeline.py): every choice that depends on the data is made on the
   // device, per group (presence words, slot layout, table size), so nothing is read back before or
   // between the launches; nothing is written when the flags hold a bad input
   const double* base;          // [B] rollout advantage A_i
@@ -152,7 +138,7 @@ struct KernelArgs {
   double log_rtol, log_err, p_one, ln2;  // as StatsArgs
 };
 
-// The [B]-sized bookkeeping of launch_advantage, on the device: a scan pass (one block per rollout:
+// The [B]-sized bookkeeping before the table passes (pipeline.py), on the device: a scan pass (one block per rollout:
 // masked tokens, extent, out-of-range ids) and the groups passes (a thread per rollout: correct
 // flags, group offsets from the members sorted by group; a thread per group: n_c, n_w, T_c, T_w and
 // the rollout advantage A_i).
@@ -185,7 +171,7 @@ enum Baseline : int { kBaselineGrpo = 0, kBaselineMean = 1, kBaselineNone = 2, k
 // Threads a block of the groups passes.
 constexpr int kGroupsThreads = 128;
 
-// The flags at the head of launch_advantage's workspace, zeroed by it and read back by the host after
+// The flags at the head of the passes' workspace (pipeline.py), zeroed before them and read back by the host after
 // the last launch: bad_ids [2], the most distinct ids a completed group held, the most dynamic shared
 // memory a completed group's table needed (group_shared_need), the groups the shared pass left to the
 // global pass, and the masked tokens of a group past kMaxGroupTokens. A bad input (bad_ids, a group

@@ -5,8 +5,9 @@ stream; the tests' CPU emulator runs the same sequence on host threads).
 ``advantage`` enqueues the whole ``token_advantage``, nothing read back: zero the flags, the scan and
 groups passes, a shared-table pass over every group, a global-memory pass over the groups it left
 (its blocks exit at once when none is left), and, with ``nan_on_error``, a pass that writes NaN over
-``out`` when the flags hold a bad input. ``rows_pass`` is one pass of the rows kernel
-(``key_token_scores``), ``table_statistics`` the statistics of a grid.
+``out`` when the flags hold a bad input. In ``kCount`` and ``kRows`` modes (``key_token_scores``) the
+table passes write each group's distinct ids, or its rows, instead of advantages.
+``table_statistics`` is the statistics of a grid.
 """
 from __future__ import annotations
 
@@ -58,126 +59,14 @@ def check_threads(threads: int) -> None:
                          f"got {threads}")
 
 
-# ------------------------------------------------------------------------------ the rows kernel
-@dataclass
-class GroupInputs:
-    """The rollouts and groups a rows-kernel pass reads: responses int64 [B, L], mask bool [B, L], members
-    int64 [B] (the rollouts sorted by group), starts int64 [n_groups + 1], correct bool [B], group_counts
-    int64 [4, n_groups]; written: bad_ids int64 [2], status int64 [n_groups]; rows mode: row_offset int64
-    [n_groups + 1], row_ints int64 [kRowInts, n_rows]."""
-
-    responses: Tensor
-    mask: Tensor
-    members: Tensor
-    starts: Tensor
-    correct: Tensor
-    group_counts: Tensor
-    bad_ids: Tensor
-    status: Tensor
-    row_offset: Tensor | None = None
-    row_ints: Tensor | None = None
-
-
-@dataclass
-class TableArgs:
-    """Where a rows-kernel pass keeps its tables: shared memory (``shared_capacity`` slots, ``packed``
-    12-byte slots), or, with ``shared_table`` False, one slice of the global workspace per block
-    (ws_keys int32 [slots]; ws_counts int64 and ws_presence int32 [slots * words] unless counting;
-    ws_offset and ws_capacity int64 [n_items])."""
-
-    shared_table: bool = True
-    words: int = 1
-    shared_capacity: int = 0
-    packed: bool = False
-    ws_keys: Tensor | None = None
-    ws_counts: Tensor | None = None
-    ws_presence: Tensor | None = None
-    ws_offset: Tensor | None = None
-    ws_capacity: Tensor | None = None
-
-
-@dataclass
-class PassArgs:
-    """One launch: kCount (0) or kRows (1) over the groups of ``block_group`` (int64 [n_items]) on
-    ``blocks`` blocks of ``threads`` threads with ``shared_bytes`` of dynamic shared memory."""
-
-    mode: int
-    block_group: Tensor
-    blocks: int = 1
-    skip_done: bool = False
-    threads: int = 0
-    shared_bytes: int = 0
-
-
-def rows_pass(launcher: Launcher, pass_: PassArgs, inputs: GroupInputs, table: TableArgs) -> None:
-    """One pass of the rows kernel over the groups in ``pass_.block_group`` (ktae_args.h, KernelArgs)."""
-    if pass_.mode not in (K["kCount"], K["kRows"]):
-        raise ValueError(f"ktae_kernels.cuda: `mode` must be 0 (count) or 1 (rows), got {pass_.mode}")
-    device = inputs.responses.device
-    if inputs.responses.dim() != 2:
-        raise ValueError(f"ktae_kernels.cuda: `responses` must be [B, L], got {tuple(inputs.responses.shape)}")
-    B, L = inputs.responses.shape
-    n_groups = inputs.starts.numel() - 1
-    n_items = pass_.block_group.numel()
-    for name, dtype, shape in (("responses", torch.int64, (B, L)), ("mask", torch.bool, (B, L)),
-                               ("members", torch.int64, (B,)), ("starts", torch.int64, (n_groups + 1,)),
-                               ("correct", torch.bool, (B,)), ("group_counts", torch.int64, (4, n_groups)),
-                               ("status", torch.int64, (n_groups,)), ("bad_ids", torch.int64, (2,))):
-        check(getattr(inputs, name), name, dtype, shape, device)
-    check(pass_.block_group, "block_group", torch.int64, (n_items,), device)
-    if not 1 <= pass_.blocks <= max(n_items, 1):
-        raise ValueError(f"ktae_kernels.cuda: `blocks` must be in [1, len(block_group)], got {pass_.blocks}")
-    if table.words < 1:
-        raise ValueError(f"ktae_kernels.cuda: `words` must be >= 1, got {table.words}")
-    check_threads(pass_.threads)
-    args = abi.KernelArgs(
-        responses=ptr(inputs.responses), mask=ptr(inputs.mask), length=L, members=ptr(inputs.members),
-        starts=ptr(inputs.starts), correct=ptr(inputs.correct), group_counts=ptr(inputs.group_counts),
-        n_groups=n_groups, block_group=ptr(pass_.block_group), n_items=n_items, skip_done=pass_.skip_done,
-        words=table.words, status=ptr(inputs.status), bad_ids=ptr(inputs.bad_ids))
-    if table.shared_table:
-        capacity = table.shared_capacity
-        if capacity < 2 or capacity & (capacity - 1):
-            raise ValueError(f"ktae_kernels.cuda: `shared_capacity` must be a power of two >= 2, got {capacity}")
-        if table.packed and table.words != 1:
-            raise ValueError("ktae_kernels.cuda: `packed` tables need `words` == 1")
-        if pass_.shared_bytes < shared_table_bytes(capacity, table.words, table.packed):
-            raise ValueError("ktae_kernels.cuda: `shared_bytes` is too small for the shared table")
-        args.shared_capacity, args.packed = capacity, table.packed
-    else:
-        keys = table.ws_keys
-        if keys is None:
-            raise ValueError("ktae_kernels.cuda: `ws_keys` is required for a global-memory table")
-        slots = keys.numel()
-        check(keys, "ws_keys", torch.int32, (slots,), device)
-        if pass_.mode != K["kCount"]:  # counting reads and writes keys only
-            check(table.ws_counts, "ws_counts", torch.int64, (slots,), device)
-            check(table.ws_presence, "ws_presence", torch.int32, (slots * table.words,), device)
-            args.ws_counts, args.ws_presence = ptr(table.ws_counts), ptr(table.ws_presence)
-        check(table.ws_offset, "ws_offset", torch.int64, (n_items,), device)
-        check(table.ws_capacity, "ws_capacity", torch.int64, (n_items,), device)
-        if pass_.shared_bytes < header_bytes(table.words):
-            raise ValueError("ktae_kernels.cuda: `shared_bytes` is too small")
-        args.ws_keys, args.ws_offset, args.ws_capacity = ptr(keys), ptr(table.ws_offset), ptr(table.ws_capacity)
-    if pass_.mode == K["kRows"]:
-        if inputs.row_ints is None or inputs.row_offset is None:
-            raise ValueError("ktae_kernels.cuda: `row_offset` and `row_ints` are required in rows mode")
-        n_rows = inputs.row_ints.shape[-1]
-        check(inputs.row_offset, "row_offset", torch.int64, (n_groups + 1,), device)
-        check(inputs.row_ints, "row_ints", torch.int64, (K["kRowInts"], n_rows), device)
-        args.row_offset, args.row_ints, args.n_rows = ptr(inputs.row_offset), ptr(inputs.row_ints), n_rows
-    if n_items == 0:
-        return
-    name = f"ktae::group_kernel<{pass_.mode}, {'true' if table.shared_table else 'false'}>"
-    launcher.launch(name, pass_.blocks, pass_.threads, pass_.shared_bytes, (args,))
-
-
 # ------------------------------------------------------------------------------ token_advantage
 @dataclass
 class AdvantageInputs:
     """The batch and where the results go: responses, mask, group (dense ids), members (sorted by group),
     rewards float64 [B], correct (caller labels, bool [B]) and given (rollout advantage, float64 [B])
-    when given; workspace int64 (``advantage_workspace_size``, its head the flags) and out float32 [B, L]."""
+    when given; workspace int64 (``advantage_workspace_size``, its head the flags, then each group's
+    status: its distinct ids); ``mode`` (ktae_args.h ``Mode``): kAdvantage writes out float32 [B, L], kRows
+    the rows into row_ints int64 [kRowInts, n_rows] from row_offset int64 [n_groups + 1], kCount nothing more."""
 
     responses: Tensor
     mask: Tensor
@@ -186,9 +75,12 @@ class AdvantageInputs:
     rewards: Tensor
     n_groups: int
     workspace: Tensor
-    out: Tensor
+    out: Tensor | None = None
     correct: Tensor | None = None
     given: Tensor | None = None
+    mode: int = K["kAdvantage"]
+    row_offset: Tensor | None = None
+    row_ints: Tensor | None = None
 
 
 @dataclass
@@ -281,9 +173,21 @@ def _check_advantage(inputs: AdvantageInputs, scoring: Scoring, shape: Advantage
                                      ("mask", inputs.mask, torch.bool, (B, L)), ("group", inputs.group, torch.int64, (B,)),
                                      ("members", inputs.members, torch.int64, (B,)),
                                      ("rewards", inputs.rewards, torch.float64, (B,)),
-                                     ("out", inputs.out, torch.float32, (B, L)),
                                      ("ignore_ids", scoring.ignore_ids, torch.int64, (scoring.ignore_ids.numel(),))):
         check(value, name, dtype, size, device)
+    if inputs.mode not in (K["kAdvantage"], K["kCount"], K["kRows"]):
+        raise ValueError(f"ktae_kernels.cuda: `mode` must be 0 (advantage), 1 (count) or 2 (rows), got {inputs.mode}")
+    if inputs.mode == K["kRows"]:
+        if inputs.row_ints is None or inputs.row_offset is None:
+            raise ValueError("ktae_kernels.cuda: `row_offset` and `row_ints` are required in rows mode")
+        check(inputs.row_offset, "row_offset", torch.int64, (n + 1,), device)
+        check(inputs.row_ints, "row_ints", torch.int64, (K["kRowInts"], inputs.row_ints.shape[-1]), device)
+    advantages = inputs.mode == K["kAdvantage"]
+    if advantages:
+        check(inputs.out, "out", torch.float32, (B, L), device)
+    elif shape.nan_on_error or shape.slot_index or scoring.given_token is not None:
+        raise ValueError("ktae_kernels.cuda: `nan_on_error`, `slot_index` and the given rows go with the "
+                         "advantage mode only")
     if inputs.correct is not None:
         check(inputs.correct, "correct", torch.bool, (B,), device)
     if inputs.given is not None:
@@ -330,7 +234,7 @@ def _check_advantage(inputs: AdvantageInputs, scoring: Scoring, shape: Advantage
         check(scoring.given_token, "given_token", torch.int64, (n_rows,), device)
         check(scoring.given_score, "given_score", torch.float64, (n_rows,), device)
         check(scoring.row_offset, "row_offset", torch.int64, (n + 1,), device)
-    elif (scoring.table_values is None or largest > scoring.grid_bound) and lf_size <= largest:
+    elif advantages and (scoring.table_values is None or largest > scoring.grid_bound) and lf_size <= largest:
         raise ValueError(f"ktae_kernels.cuda: `log_factorial` must hold log(k!) up to B - n_groups + 1 = {largest} "
                          f"(groups past the grid), got {lf_size} entries")
     return parts
@@ -361,7 +265,7 @@ def advantage(launcher: Launcher, inputs: AdvantageInputs, scoring: Scoring, sha
         grid_bound=min(scoring.grid_bound, 2**31 - 1), log_factorial=ptr(scoring.log_factorial),
         lf_size=0 if scoring.log_factorial is None else scoring.log_factorial.numel(),
         log_rtol=log_rtol, log_err=log_err, p_one=p_one, ln2=ln2,
-        ignore_ids=ptr(scoring.ignore_ids), n_ignore=scoring.ignore_ids.numel(), n_items=n, words=1,
+        ignore_ids=ptr(scoring.ignore_ids), n_ignore=scoring.ignore_ids.numel(), n_items=n, mode=inputs.mode,
         alpha=alpha, beta=beta, k1=k1, bm25_b=b, top=top, weight=weight, use_tf=scoring.use_tf,
         bad_ids=ws, status=at(parts.status), base=ptr(inputs.given) if inputs.given is not None else prepare.base,
         advantage=ptr(inputs.out), extent=prepare.extent, shared_bytes=shape.shared_bytes,
@@ -369,6 +273,9 @@ def advantage(launcher: Launcher, inputs: AdvantageInputs, scoring: Scoring, sha
         nan_on_error=shape.nan_on_error, allow_packed=shape.allow_packed, ws_bytes=at(parts.tables),
         ws_slice_bytes=shape.fallback_bytes // shape.fallback_blocks // 8 * 8 if shape.fallback_blocks else 0,
         slot_index=at(parts.slot_index) if shape.slot_index else 0)
+    if inputs.mode == K["kRows"]:
+        kernel.row_offset, kernel.row_ints = ptr(inputs.row_offset), ptr(inputs.row_ints)
+        kernel.n_rows = inputs.row_ints.shape[-1]
     if scoring.given_token is not None:
         kernel.use_given = True
         kernel.row_offset, kernel.given_token = ptr(scoring.row_offset), ptr(scoring.given_token)

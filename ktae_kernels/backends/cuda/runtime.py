@@ -41,9 +41,7 @@ SOURCE = Path(__file__).with_name("ktae_kernels.cu")
 INSTALL = 'pip install "ktae_kernels[cuda]"'
 #: every kernel the backend launches, as NVRTC name expressions (the emulator takes the same names).
 KERNELS = ("ktae::scan_kernel", "ktae::groups_kernel", "ktae::group_sums_kernel", "ktae::dynamic_kernel<true>",
-           "ktae::dynamic_kernel<false>", "ktae::nan_on_error_kernel", "ktae::table_statistics_kernel",
-           "ktae::group_kernel<0, true>", "ktae::group_kernel<0, false>", "ktae::group_kernel<1, true>",
-           "ktae::group_kernel<1, false>")
+           "ktae::dynamic_kernel<false>", "ktae::nan_on_error_kernel", "ktae::table_statistics_kernel")
 #: NVRTC options (besides the arch): the header's host-callable helpers compile as device code; a fixed
 #: seed names the anonymous namespace, so that a compile is reproducible (the report reads the same code).
 OPTIONS = dict(std="c++17", device_as_default_execution_space=True, frandom_seed="ktae")
