@@ -185,3 +185,46 @@ def test_the_constants_come_from_the_header():
     assert parsed.structs == {"S": [("p", "double*"), ("q", "unsigned long long"), ("r", "unsigned long long")]}
     with pytest.raises(ValueError, match="cannot read the field"):
         abi.parse("struct T { float3 v; };")
+
+
+# ------------------------------------------------------------------------------ the driver launcher
+@needs_nvrtc
+def test_the_driver_launcher_enqueues_on_torchs_stream_and_raises_shared_memory_once(cache, monkeypatch):
+    """``DriverLauncher`` with the driver's calls recorded (no GPU): the cubin compiled for the device's
+    arch is loaded in its primary context, each launch goes to torch's current stream with a pointer to
+    each argument, and a kernel's shared memory limit is set only when a launch needs more than before."""
+    import types
+
+    from cuda.bindings import driver
+
+    ok, calls = driver.CUresult.CUDA_SUCCESS, []
+
+    def launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        pointed = ctypes.c_void_p.from_address(params).value  # the first argument's address
+        calls.append(("launch", f, (gx, gy, gz), (bx, by, bz), smem, int(stream), pointed))
+        return (ok,)
+
+    fake = dict(cuInit=lambda flags: (ok,), cuDeviceGet=lambda index: (ok, index),
+                cuDevicePrimaryCtxRetain=lambda device: (ok, "context"),
+                cuCtxSetCurrent=lambda context: (calls.append(("current", context)), (ok,))[1],
+                cuModuleLoadData=lambda image: (calls.append(("load", bytes(image))), (ok, "module"))[1],
+                cuModuleGetFunction=lambda module, name: (ok, name.decode()),
+                cuDeviceGetAttribute=lambda attribute, device: (ok, 166912),
+                cuFuncSetAttribute=lambda f, attribute, value: (calls.append(("limit", f, value)), (ok,))[1],
+                cuLaunchKernel=launch)
+    for name, call in fake.items():
+        monkeypatch.setattr(driver, name, call)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=4242))
+    launcher = runtime.launcher(0)
+    assert launcher.max_shared_bytes() == 166912 and runtime.launcher(0) is launcher
+    assert ("load", runtime.cubin(80).code) in calls
+    symbol = runtime.cubin(80).symbols["ktae::dynamic_kernel<true>"]
+    args = abi.KernelArgs(n_items=3)
+    calls.clear()
+    for smem in (100_000, 100_000, 90_000, 120_000):
+        launcher.launch("ktae::dynamic_kernel<true>", 3, 256, smem, (args,))
+    assert [c for c in calls if c[0] == "limit"] == [("limit", symbol, 100_000), ("limit", symbol, 120_000)]
+    launches = [c for c in calls if c[0] == "launch"]
+    assert launches[0] == ("launch", symbol, (3, 1, 1), (256, 1, 1), 100_000, 4242, ctypes.addressof(args))
+    assert [c[4] for c in launches] == [100_000, 100_000, 90_000, 120_000]
