@@ -12,7 +12,7 @@ table passes write each group's distinct ids, or its rows, instead of advantages
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
