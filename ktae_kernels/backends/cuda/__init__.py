@@ -198,15 +198,15 @@ def _scores(ext: Launcher, batch: Batch, config: KTAEConfig, tuning: CudaTuning)
     device, n = batch.device, batch.n_groups
     plan = static_plan(ext, batch, config, tuning)
     _, workspace = enqueue(plan, batch, config, None, None, None, mode=COUNT)
-    counts = torch.zeros(n, dtype=torch.int64, device=device)
+    counts, n_rows = torch.zeros(n, dtype=torch.int64, device=device), 0
     if workspace is not None:
         views = workspace_views(workspace, batch.responses.shape[0], n)
         counts = views["status"].clone()
-        *host_counts, = torch.cat([views["flags"], counts]).tolist()  # sizes the rows: the one read
-        _raise_input_errors(host_counts[:ADVANTAGE_FLAGS])
+        read = torch.cat([views["flags"], counts]).tolist()  # sizes the rows: the one read
+        _raise_input_errors(read[:ADVANTAGE_FLAGS])
+        n_rows = sum(read[ADVANTAGE_FLAGS:])
     row_offset = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=row_offset[1:])
-    n_rows = int(row_offset[-1]) if n else 0
     ints = torch.empty(abi.CONSTANTS["kRowInts"], n_rows, dtype=torch.int64, device=device)
     if n_rows:
         _, workspace = enqueue(plan, batch, config, None, None, None, mode=ROWS, row_out=(row_offset, ints))
