@@ -2,10 +2,11 @@
 # The hardware run for a short GPU loan (15 minutes of device time, the machine's start included): at
 # most KTAE_GPU_BUDGET_S seconds of script (default 340), each stage capped, a failed or cut stage
 # recorded and the script carrying on. In order:
-#   versions  python, torch, triton, setuptools, nanobind, nvcc, the driver; fails, naming what is missing,
-#             when an import a later stage needs fails (tqdm: the [bench] extra; pytest: [test])
-#   build     the CUDA extension and the CPU kernel in place (setup.py build_ext --inplace), else by
-#             pip install -e . --no-build-isolation
+#   versions  python, torch, triton, cuda-core, NVRTC, setuptools, nanobind, the driver; fails, naming what
+#             is missing, when an import a later stage needs fails (tqdm: the [bench] extra; pytest: [test];
+#             cuda.core: [cuda])
+#   build     the CPU kernel in place (setup.py build_ext --inplace), else by pip install -e .
+#             --no-build-isolation; then the CUDA kernels' first-use NVRTC compile, timed
 #   check     bench/gpu_check.py: the paper batch's correctness and timings of cuda and triton against
 #             torch first, then the other checks (streams, graphs, overflow, races, big groups, tuning)
 #   tests     the tests that need a GPU (KTAE_GPU_TESTS: other test files, e.g. for a rerun):
@@ -104,7 +105,7 @@ versions() {
   "$PY" - <<'PY'
 import importlib, platform
 print("python", platform.python_version())
-for name in ("torch", "triton", "setuptools", "nanobind", "numpy"):
+for name in ("torch", "triton", "cuda.core", "cuda.bindings", "setuptools", "nanobind", "numpy"):
     try:
         print(name, importlib.import_module(name).__version__)
     except Exception as err:
@@ -117,6 +118,8 @@ import importlib, sys
 # what the later stages import, and where it comes from
 need = {"numpy": "a dependency", "scipy": "a dependency", "torch": "a dependency",
         "tqdm": "the [bench] extra: pip install tqdm", "pytest": "the [test] extra: pip install pytest",
+        "cuda.core": 'the [cuda] extra: pip install -e ".[cuda]"',
+        "ktae_kernels.backends.cuda.runtime": "the cuda backend",
         "bench.gpu_check": "the check stage", "bench.runner": "the bench stage"}
 missing = []
 for name, where in need.items():
@@ -130,16 +133,16 @@ if missing:
 print("the later stages' imports: ok")
 PY
   local imports=$?
-  nvcc --version 2>&1 | tail -n 2
+  "$PY" -c "from ktae_kernels.backends.cuda import runtime; print('NVRTC', runtime.nvrtc_version(), '| cache', runtime.cache_dir())" 2>&1
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1
   return $imports
 }
 
 build() {
-  export KTAE_FORCE_CUDA_BUILD=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
   "$PY" setup.py build_ext --inplace ||
     "$PY" -m pip install -e . --no-build-isolation --no-deps --no-index
-  "$PY" -c "import ktae_kernels._C, ktae_kernels as k; print('backends on cuda:', k.available_backends('cuda'))"
+  "$PY" -c "import time, ktae_kernels as k; t = time.perf_counter(); b = k.available_backends('cuda'); \
+print('backends on cuda:', b, f'(the cuda kernels compiled or loaded in {time.perf_counter() - t:.1f} s)')"
 }
 
 GPU_TESTS=${KTAE_GPU_TESTS:-"tests/test_gpu_backends.py tests/test_cuda_backend.py tests/test_plan.py

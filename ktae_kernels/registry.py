@@ -1,7 +1,7 @@
 """The backend registry: ``backend=`` name -> ``BackendSpec``, availability, and the "auto" order.
 
 "auto" order: on CPU tensors the native ``cpu`` kernel, then ``torch``. On CUDA tensors ``cuda`` (when
-its extension is built), then ``triton``, then ``torch``: the order of their paper-batch times on an
+NVRTC compiles its kernels for the GPU: the ``cuda`` extra), then ``triton``, then ``torch``: the order of their paper-batch times on an
 H200, where all three pass the GPU tests (docs/benchmarks.md). ``reference`` is never chosen
 automatically.
 """
@@ -184,7 +184,7 @@ def _triton_unavailable(kind: str) -> str | None:
 
 def _cuda_unavailable(_: str) -> str | None:
     if _rocm():
-        return "ROCm is not supported: the extension is written for NVIDIA GPUs"
+        return "ROCm is not supported: the CUDA kernels are written for NVIDIA GPUs"
     if _no_cuda_gpu() is not None:
         return _no_cuda_gpu()
     from .backends import cuda

@@ -1,8 +1,9 @@
 """What the GPU kernels cost in registers, spills and shared memory, without a GPU.
 
 Every Triton kernel variant the backend launches is compiled for sm_80 and sm_90 (Triton's compiler
-and its bundled ptxas), and csrc/ktae_kernels.cu is compiled with nvcc for both; ``ptxas -v`` reports
-each kernel's registers, spill stores and loads, and static shared memory. The Triton kernels' TTGIR is
+and its bundled ptxas), and every CUDA kernel the cuda backend launches is compiled for both by NVRTC,
+as users' first call compiles it (``ktae_kernels.backends.cuda.runtime.compile_report``); ``ptxas -v``
+reports each kernel's registers, spill stores and loads, and static shared memory. The Triton kernels' TTGIR is
 also scanned for atomics whose result a kernel uses in a layout that replicates tensor elements over
 threads (before Triton 3.5 only one replica received the result, triton-lang/triton#7402).
 
@@ -211,26 +212,39 @@ def _used_after(name: str, lines: list[str]) -> bool:
 
 
 # ------------------------------------------------------------------------------ CUDA
-def nvcc() -> str | None:
-    return shutil.which("nvcc") or next(
-        (str(p) for p in (Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc",) if p.exists()), None)
+def cuobjdump() -> str | None:
+    """A cuobjdump (CUDA's, or the one in Triton's wheel), for the SASS of the cubins; None without one."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
 
 
-def cuda_command(arch: int, std: str = "c++17") -> list[str]:
-    """nvcc compiling csrc/ktae_kernels.cu to object code for ``sm_<arch>``, warnings as errors, ptxas -v."""
-    return [nvcc(), "-c", f"-std={std}", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Werror",
-            "all-warnings", "-Xcompiler", "-Wall,-Wextra", "-Xptxas", "-v", str(ROOT / "csrc" / "ktae_kernels.cu"),
-            "-o", os.devnull]
+def sass(code: bytes) -> str:
+    """The SASS of a cubin (cuobjdump -sass)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(code)
+        f.flush()
+        done = subprocess.run([cuobjdump(), "-sass", f.name], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-4000:])
+    return done.stdout
 
 
 def cuda_report() -> dict:
-    """Per arch, per kernel entry of csrc/ktae_kernels.cu: ptxas's registers, spills, shared memory."""
+    """Per arch, per kernel of the cuda backend (``runtime.KERNELS``, by readable name): ptxas's
+    registers, spills, shared memory, from NVRTC's compile of the device source."""
+    from ktae_kernels.backends.cuda import runtime
+
     report = {}
     for arch in ARCHS:
-        done = subprocess.run(cuda_command(arch), capture_output=True, text=True, timeout=600)
-        if done.returncode != 0:
-            raise RuntimeError(done.stderr[-4000:])
-        report[f"sm_{arch}"] = {_demangled(name): entry for name, entry in ptxas_report(done.stdout + done.stderr).items()}
+        _, log = runtime.compile_report(arch)
+        report[f"sm_{arch}"] = {_demangled(name): entry for name, entry in ptxas_report(log).items()}
     return report
 
 
@@ -254,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {}
     if args.only in (None, "triton"):
         report["triton"] = triton_report()
-    if args.only in (None, "cuda") and nvcc():
+    if args.only in (None, "cuda"):
         report["cuda"] = cuda_report()
     text = json.dumps(report, indent=1, sort_keys=True)
     if args.out:

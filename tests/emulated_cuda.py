@@ -1,20 +1,18 @@
 """The cuda backend on the CPU emulator's kernels, as a backend module a ``BackendSpec`` can load (for
-plans in tests): each function is ``ktae_kernels.backends.cuda``'s with ``extension`` = ``EXTENSION``,
-which the test sets to the emulator build (the ``emulator`` fixture)."""
-from types import ModuleType
-
+plans in tests): each function is ``ktae_kernels.backends.cuda``'s with ``launcher`` = ``LAUNCHER``,
+which the test sets to the emulator (the ``emulator`` fixture)."""
 from ktae_kernels.backends import cuda
 
-EXTENSION: ModuleType | None = None
+LAUNCHER = None
 
 
 def key_token_scores(batch, config, options):
-    return cuda.key_token_scores(batch, config, options, extension=EXTENSION)
+    return cuda.key_token_scores(batch, config, options, launcher=LAUNCHER)
 
 
 def token_advantage(batch, config, given, out, options):
-    return cuda.token_advantage(batch, config, given, out, options, extension=EXTENSION)
+    return cuda.token_advantage(batch, config, given, out, options, launcher=LAUNCHER)
 
 
 def capture(batch, config, given, out, options):
-    return cuda.capture(batch, config, given, out, options, extension=EXTENSION)
+    return cuda.capture(batch, config, given, out, options, launcher=LAUNCHER)

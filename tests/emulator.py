@@ -1,85 +1,101 @@
-"""The CUDA kernels built for the CPU emulator (csrc/emulation/): csrc/ktae.cpp and csrc/ktae_kernels.cu
-compiled against ``cuda_on_cpu.h`` into a test-only extension whose tensors live on the CPU, and a
-backend module over it (``backend``), so that plans and the API's paths run the cuda backend's code.
+"""The CUDA kernels on the CPU emulator (csrc/emulation/): the device source NVRTC compiles
+(ktae_kernels/backends/cuda/ktae_kernels.cu) built as plain C++ against ``cuda_on_cpu.h`` into a
+shared library, and ``Emulator``, a launcher (``pipeline.Launcher``) over it: the cuda backend's Python
+launches run unchanged, on CPU tensors.
 
-The build (about 80 s on a loaded 2-core machine) is cached in ``$KTAE_CACHE_DIR`` (default
-``~/.cache/ktae_kernels``), keyed by a hash of the sources, the build script and its flags, torch and
-Python, so a fresh clone on the same machine reuses it.
+The build (a few seconds) is cached in ``$KTAE_CACHE_DIR`` (default ``~/.cache/ktae_kernels``), keyed by
+a hash of the sources and the compile command, so a fresh clone on the same machine reuses it.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
-import importlib.util
 import os
 import shutil
 import subprocess
-import sys
-import tempfile
 from pathlib import Path
-from types import ModuleType
 
 import pytest
-import torch
 
 from build_cache import cache_root
 
-CSRC = Path(__file__).resolve().parents[1] / "csrc"
-SOURCES = [CSRC / "ktae.cpp", CSRC / "emulation" / "ktae_emulated.cpp"]
-DEPENDS = [CSRC / "ktae_kernels.h", CSRC / "ktae_kernels.cu", CSRC / "emulation" / "cuda_on_cpu.h"]
-
-_BUILD = """
-from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
-setup(name="ktae_emulated", script_args=["build_ext", "--parallel", "2", "--build-lib", {lib!r}, "--build-temp", {tmp!r}],
-      ext_modules=[CppExtension("ktae_emulated", {sources!r}, include_dirs=[{csrc!r}],
-                                extra_compile_args=["-O2", "-g0", "-pthread", "-Wno-unknown-pragmas"],
-                                extra_link_args=["-pthread"])],
-      cmdclass={{"build_ext": BuildExtension.with_options(use_ninja=False)}})
-"""
-
-
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE = ROOT / "csrc" / "emulation" / "ktae_emulated.cpp"
+DEPENDS = [ROOT / "csrc" / "emulation" / "cuda_on_cpu.h", ROOT / "ktae_kernels" / "backends" / "cuda" / "ktae_kernels.cu",
+           ROOT / "ktae_kernels" / "backends" / "cuda" / "ktae_args.h"]
 #: emulator builds kept in the cache (one per source version).
 KEEP_BUILDS = 3
 
 
+def compiler() -> str | None:
+    """The C++ compiler (``$CXX``, else ``c++``), or None."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def command(output: Path) -> list[str]:
+    """The compile command of the emulator library."""
+    return [compiler(), "-std=c++17", "-O2", "-g0", "-shared", "-fPIC", "-pthread", "-Wall", "-Wno-unknown-pragmas",
+            str(SOURCE), "-o", str(output)]
+
+
 def _build_key() -> str:
-    """A hash of everything the build depends on: the sources, the build script (flags), torch, Python."""
-    digest = hashlib.sha256(f"{torch.__version__} {sys.version} {_BUILD}".encode())
-    for path in SOURCES + DEPENDS:
+    digest = hashlib.sha256(" ".join(command(Path("out"))).encode())
+    for path in [SOURCE, *DEPENDS]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
 def _build(target: Path) -> None:
-    """Compile the emulator extension into ``target`` (atomically: concurrent runs may race)."""
+    """Compile the emulator library to ``target`` (atomically: concurrent runs may race)."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="build-", dir=target.parent))
-    script = _BUILD.format(lib=str(work / "lib"), tmp=str(work / "tmp"), sources=[str(s) for s in SOURCES], csrc=str(CSRC))
-    result = subprocess.run([sys.executable, "-c", script], cwd=work, capture_output=True, text=True, timeout=1200)
+    tmp = target.with_name(f"build-{os.getpid()}-{target.name}")
+    result = subprocess.run(command(tmp), capture_output=True, text=True, timeout=1200)
     if result.returncode != 0:
-        shutil.rmtree(work, ignore_errors=True)
-        pytest.fail(f"building the CUDA emulator extension failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-    try:
-        os.replace(work / "lib", target)
-    except OSError:  # another run finished first
-        assert target.exists()
-    shutil.rmtree(work, ignore_errors=True)
-    # keep the newest KEEP_BUILDS (branches or clones of other sources share the cache), drop older ones
+        pytest.fail(f"building the CUDA emulator failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    os.replace(tmp, target)
     builds = sorted((p for p in target.parent.iterdir() if not p.name.startswith("build-")),
                     key=lambda p: p.stat().st_mtime, reverse=True)
     for stale in builds[KEEP_BUILDS:]:
-        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 
 
-def load() -> ModuleType:
-    """The emulator build (built first when the cache lacks it); skips the test without a compiler."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
+class Emulator:
+    """A launcher (``ktae_kernels.backends.cuda.pipeline.Launcher``) that runs each kernel on the CPU,
+    block by block, on host threads; the device memory is the CPU tensors' memory."""
+
+    on_host = True
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self.lib = library
+        self.lib.ktae_emulated_launch.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
+                                                  ctypes.c_void_p]
+        for name in ("max_shared_bytes", "max_keys", "header_bytes", "shared_table_bytes", "group_shared_need"):
+            getattr(self.lib, f"ktae_emulated_{name}").restype = ctypes.c_int64
+        self.lib.ktae_emulated_shared_table_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_bool]
+        self.lib.ktae_emulated_group_shared_need.argtypes = [ctypes.c_int64, ctypes.c_bool, ctypes.c_int64]
+        self.lib.ktae_emulated_max_keys.argtypes = self.lib.ktae_emulated_header_bytes.argtypes = [ctypes.c_int64]
+
+    def launch(self, name: str, grid: int, block: int, smem: int, args: tuple) -> None:
+        params = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
+        if self.lib.ktae_emulated_launch(name.encode(), grid, block, smem, params) != 0:
+            raise RuntimeError(f"ktae_kernels.cuda: launching {name} failed: invalid launch configuration "
+                               f"(CPU emulator: grid {grid}, block {block}, shared memory {smem})")
+
+    def max_shared_bytes(self) -> int:
+        return self.lib.ktae_emulated_max_shared_bytes()
+
+    def __getattr__(self, name: str):
+        """The header's table sizes as the emulator's C++ computes them (``max_keys``, ``header_bytes``, ...)."""
+        if name.startswith("_") or name == "lib":
+            raise AttributeError(name)
+        return getattr(self.lib, f"ktae_emulated_{name}")
+
+
+def load() -> Emulator:
+    """The emulator (built first when the cache lacks it); skips the test without a compiler."""
+    if compiler() is None:
         pytest.skip("no C++ compiler")
-    target = cache_root() / "cuda_emulator" / _build_key()
+    target = cache_root() / "cuda_emulator" / f"{_build_key()}.so"
     if not target.exists():
         _build(target)
-    so = next(target.glob("ktae_emulated*.so"))
-    spec = importlib.util.spec_from_file_location("ktae_emulated", so)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return Emulator(ctypes.CDLL(str(target)))

@@ -12,6 +12,7 @@ or uploaded while capturing. The real capture and replay are tests/test_plan.py'
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import weakref
 from pathlib import Path
@@ -26,6 +27,7 @@ from ktae_kernels import (ExecutionOptions, GraphCaptureError, KTAEConfig, Trito
                           token_advantage)
 from ktae_kernels.backends import device as device_state
 from ktae_kernels.backends.base import BackendSpec, CapturedCall
+from ktae_kernels.backends.cuda import pipeline as cuda_pipeline
 from ktae_kernels.plan import TokenAdvantagePlan
 
 pytest.importorskip("triton")
@@ -35,10 +37,10 @@ BACKENDS = ["triton", "cuda"]
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """The backend's module path: the Triton backend (in the interpreter), or the cuda backend over the
-    emulator build."""
+    """The backend's module path: the Triton backend (in the interpreter), or the cuda backend launching
+    on the emulator."""
     if request.param == "cuda":
-        emulated_cuda.EXTENSION = request.getfixturevalue("emulator")
+        emulated_cuda.LAUNCHER = request.getfixturevalue("emulator")
         return "emulated_cuda"
     return "ktae_kernels.backends.triton"
 
@@ -255,7 +257,7 @@ def _live_storages() -> list:
 @contextlib.contextmanager
 def _launched(module: str, monkeypatch):
     """The storages of every tensor handed to a kernel launch inside the block (Triton's interpreted
-    launches, or the emulator's ``advantage`` call), by id, as weak references only."""
+    launches, or the tensors of the cuda backend's ``pipeline.advantage`` call), by id, as weak references only."""
     read: dict[int, weakref.ref] = {}
 
     def record(values):
@@ -264,13 +266,13 @@ def _launched(module: str, monkeypatch):
 
     with monkeypatch.context() as m:
         if module == "emulated_cuda":
-            advantage = emulated_cuda.EXTENSION.advantage
+            advantage = cuda_pipeline.advantage
 
-            def recording(*structs):
-                record(getattr(s, name) for s in structs for name in dir(s) if not name.startswith("_"))
-                return advantage(*structs)
+            def recording(launcher, *structs):
+                record(getattr(s, f.name) for s in structs for f in dataclasses.fields(s))
+                return advantage(launcher, *structs)
 
-            m.setattr(emulated_cuda.EXTENSION, "advantage", recording)
+            m.setattr(cuda_pipeline, "advantage", recording)
         else:
             from triton.runtime.interpreter import InterpretedFunction
 

@@ -1,11 +1,10 @@
-"""backend="cuda" against the reference on a GPU (skipped without CUDA and the built extension
-ktae_kernels._C), and the error it raises when the extension is missing (runs anywhere).
+"""backend="cuda" against the reference on a GPU (skipped without CUDA, cuda-core and NVRTC), and the
+error it raises when NVRTC is missing (runs anywhere).
 
 Without a GPU the same code paths run under the CPU emulator: tests/test_cuda_emulation.py.
 """
 from __future__ import annotations
 
-import importlib
 import sys
 
 import numpy as np
@@ -22,16 +21,8 @@ from cases import (adversarial_cases, assert_replays_match_torch, assert_scores_
                    random_cases)
 
 
-def _extension_built() -> bool:
-    try:
-        importlib.import_module(cuda.MODULE)
-    except ImportError:
-        return False
-    return True
-
-
-needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and _extension_built()),
-                               reason="needs a CUDA GPU and the built extension ktae_kernels._C")
+needs_gpu = pytest.mark.skipif(not (torch.cuda.is_available() and cuda.unavailable_reason() is None),
+                               reason="needs a CUDA GPU, cuda-core and NVRTC (pip install -e \".[cuda]\")")
 
 CASES = random_cases() + adversarial_cases()
 _expected: dict = {}
@@ -89,8 +80,8 @@ def test_groups_too_diverse_for_shared_memory_spill_by_themselves():
     rewards = torch.as_tensor(rng.random(32) < 0.5, dtype=torch.float32)
     index = torch.arange(32) // 16
     batch = normalise_batch(*_on_gpu(responses, mask, rewards, index))
-    ext = Recorder(cuda.load_extension())
-    got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
+    ext = Recorder(cuda.load_launcher(batch.device))
+    got = cuda.token_advantage(batch, KTAEConfig(), None, launcher=ext)
     assert ext.launches == [("advantage", True, 2)]  # a shared pass, then a global pass of a block a group
     want = token_advantage(responses, mask, rewards, index, backend="torch")
     torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
@@ -112,11 +103,11 @@ def test_tables_follow_the_distinct_ids_seen_and_overflow_exactly():
     diverse = torch.as_tensor(rng.integers(0, 5000, size=(B, L)))
     mask = torch.ones(B, L, dtype=torch.bool)
     rewards = torch.as_tensor(rng.random(B) < 0.5, dtype=torch.float32)
-    ext = cuda.load_extension()
+    ext = cuda.load_launcher(torch.device("cuda", torch.cuda.current_device()))
     state = device.state(torch.device("cuda", torch.cuda.current_device()))
     for responses in (repeated, repeated, diverse, diverse):
         batch = normalise_batch(*_on_gpu(responses, mask, rewards, index))
-        got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
+        got = cuda.token_advantage(batch, KTAEConfig(), None, launcher=ext)
         want = token_advantage(responses, mask, rewards, index, backend="torch")
         torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
         if responses is repeated:
@@ -153,16 +144,16 @@ def test_positions_beyond_2_to_the_31():
     torch.testing.assert_close(rows.score[last].cpu(), expected.score, rtol=1e-9, atol=1e-9)
 
 
-def test_cuda_backend_without_the_extension_says_how_to_build_it(monkeypatch):
-    monkeypatch.setitem(sys.modules, cuda.MODULE, None)  # as if never built
+def test_cuda_backend_without_nvrtc_says_how_to_install_it(monkeypatch):
+    """cuda-core missing (as in a CPU-only install): the backend is unavailable and the reason names the
+    extra that brings it."""
+    monkeypatch.setitem(sys.modules, "cuda.core", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with pytest.raises(BackendUnavailableError, match=r"ktae_kernels\._C.*pip install -e \. --no-build-isolation"):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    with pytest.raises(BackendUnavailableError, match=r'cuda-core is not installed.*pip install "ktae_kernels\[cuda\]"'):
         get_backend("cuda", "cuda")
-    with pytest.raises(BackendUnavailableError, match="TORCH_CUDA_ARCH_LIST"):
-        cuda.load_extension()
-    _, responses, mask, rewards, index = CASES[0]
-    with pytest.raises(BackendUnavailableError, match="KTAE_FORCE_CUDA_BUILD=1 pip install -e . --no-build-isolation"):
-        cuda.token_advantage(normalise_batch(responses, mask, rewards, index), KTAEConfig(), None)
 
 
 @needs_gpu

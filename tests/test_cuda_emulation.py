@@ -1,9 +1,10 @@
-"""The CUDA backend end to end without a GPU: csrc/ktae.cpp and csrc/ktae_kernels.cu built against
-the CPU emulator (csrc/emulation/), driven by ktae_kernels/cuda.py, checked against the reference.
+"""The CUDA backend end to end without a GPU: the device source (ktae_kernels/backends/cuda/ktae_kernels.cu)
+built against the CPU emulator (csrc/emulation/), launched by the backend's own Python launches
+(ktae_kernels/backends/cuda/pipeline.py), checked against the reference.
 
 The emulator runs every CUDA thread of a block as a host thread, with real barriers and warp
 exchanges, so this checks the kernels' indexing, hash table, presence bitmasks, overflow fallback,
-sort and statistics, the binding's argument checks and the host orchestration. It cannot check
+sort and statistics, the launches' argument checks and the host orchestration. It cannot check
 CUDA's memory model, performance or device limits: tests/test_cuda_backend.py does that on a GPU.
 The build is cached (tests/emulator.py). Marked slow (``-m "not slow"`` skips it).
 """
@@ -17,6 +18,7 @@ import torch
 
 from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig, method, reference
 from ktae_kernels.backends import cuda, device as device_state
+from ktae_kernels.backends.cuda import pipeline
 from ktae_kernels.validation import normalise_batch
 from cases import adversarial_cases, assert_scores_match, distinct_and_repeated_groups, make_batch, random_cases
 from cuda_recorder import Recorder
@@ -47,21 +49,18 @@ def tuned(**tuning) -> ExecutionOptions:
 
 def check(ext, name, batch, config, *, options=ExecutionOptions(), given=None) -> None:
     scores, advantage = expected(name, batch, config, given)
-    assert_scores_match(scores, cuda.key_token_scores(batch, config, options, extension=ext))
-    actual = cuda.token_advantage(batch, config, given, None, options, extension=ext)
+    assert_scores_match(scores, cuda.key_token_scores(batch, config, options, launcher=ext))
+    actual = cuda.token_advantage(batch, config, given, None, options, launcher=ext)
     assert actual.dtype == torch.float32 and actual.shape == advantage.shape
     torch.testing.assert_close(actual, advantage, rtol=0.0, atol=1e-6)
 
 
 def test_emulator_agrees_with_the_host_mirror_of_the_kernel_constants(emulator):
-    assert emulator.RUNS_ON_CPU
-    assert (emulator.MAX_THREADS, emulator.UNROLL) == (cuda.MAX_THREADS, cuda.UNROLL)
     for words in (1, 2, 3, 33):
         assert emulator.header_bytes(words) == cuda.header_bytes(words)
         for capacity in (2, 32, 1024, 8192):
-            assert emulator.shared_table_bytes(capacity, words) == cuda.shared_table_bytes(capacity, words)
+            assert emulator.shared_table_bytes(capacity, words, False) == cuda.shared_table_bytes(capacity, words)
             assert emulator.shared_table_bytes(capacity, words, True) == cuda.shared_table_bytes(capacity, words, True)
-    assert emulator.PACKED_MAX_TOKENS == cuda.PACKED_MAX_TOKENS and emulator.MIN_CAPACITY == cuda.MIN_CAPACITY
     for words, packed, n_keys in [(1, True, 0), (1, True, 25), (1, False, 4617), (2, False, 100), (481, False, 3)]:
         assert emulator.group_shared_need(words, packed, n_keys) == _shared_need(words, packed, n_keys)
     assert [emulator.max_keys(c) for c in (2, 4, 32, 8192)] == [cuda.max_keys(c) for c in (2, 4, 32, 8192)]
@@ -82,28 +81,21 @@ def test_matches_reference_when_groups_overflow_the_shared_table(emulator, case)
     check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=2))
 
 
-def test_overflowing_groups_and_only_they_take_the_global_table(emulator):
+def test_overflowing_groups_take_the_global_pass_in_every_mode(emulator):
+    """Tables of 16 slots (12 ids): the groups with more distinct ids leave the shared pass for the global
+    one, in the count and rows passes of key_token_scores as in token_advantage, and every result is
+    the reference's."""
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     distinct = reference.key_token_scores(batch, KTAEConfig()).group.bincount(minlength=batch.n_groups)
-    tokens = torch.zeros(batch.n_groups, dtype=torch.int64).index_add_(0, batch.group, batch.mask.sum(1))
-    slots = 16  # takes max_keys(16) = 12 ids
-    room = cuda.max_keys(slots)
-    assert (distinct > room).any() and (distinct <= room).any() and (tokens > room).any()
+    room = cuda.max_keys(16)
+    assert (distinct > room).any() and (distinct <= room).any()
     ext = Recorder(emulator)
-    check(ext, name, batch, KTAEConfig(), options=tuned(table_slots=slots))
-    all_groups = list(range(batch.n_groups))
-    spilled = torch.nonzero(distinct > room).flatten().tolist()
-    # the largest group may overflow (more masked tokens than the table takes): the fallback that
-    # follows a pass without waiting for it, or for a host list of groups, visits every group and
-    # skips those that completed; once the count pass has told the host the distinct ids, the rows
-    # pass sends exactly the spilled groups to the fallback
-    assert set(spilled) <= set(torch.nonzero(tokens > room).flatten().tolist())
-    # key_token_scores: count + rows, each a shared pass then the fallback; token_advantage: one
-    # static-bound call (shared pass, then a global pass of one block per group, nothing read back)
-    assert ext.launches == [(cuda.COUNT, True, all_groups), (cuda.COUNT, False, all_groups),
-                            (cuda.ROWS, True, [g for g in all_groups if g not in spilled]), (cuda.ROWS, False, spilled),
-                            ("advantage", True, batch.n_groups)]
+    check(ext, name, batch, KTAEConfig(), options=tuned(table_slots=16))
+    # key_token_scores: count, one read, rows; token_advantage: one call; each a shared pass and a
+    # global pass of one block per group, nothing read back between them
+    n = batch.n_groups
+    assert ext.launches == [("count", True, n), ("rows", True, n), ("advantage", True, n)]
 
 
 def test_a_fallback_with_fewer_blocks_than_groups_takes_them_in_turn(emulator, monkeypatch):
@@ -123,22 +115,22 @@ def test_groups_past_the_grid_compute_their_statistics_per_slot(emulator, monkey
     ext = Recorder(emulator)
     _, advantage = expected(name, batch, KTAEConfig())
     assert cuda.static_plan(emulator, batch, KTAEConfig()).bound is None
-    got = cuda.token_advantage(batch, KTAEConfig(), None, extension=ext)
+    got = cuda.token_advantage(batch, KTAEConfig(), None, launcher=ext)
     torch.testing.assert_close(got, advantage, rtol=0.0, atol=1e-6)
     assert ext.launches == [("advantage", True, 0)]
     assert ext.tables == [(False, True)]  # no grid: the log-factorials
 
 
 def test_upstream_scores_the_rows_first(emulator):
-    """fisher="upstream": the rows (count and rows passes, their p-values on the host), then the same
-    advantage call as exact mode, the rows' scores given in place of the grid."""
+    """fisher="upstream": the rows (the passes in count and rows modes, their p-values on the host), then
+    the same advantage call as exact mode, the rows' scores given in place of the grid."""
     name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G4-mixed-shuffled")
     batch = normalise_batch(responses, mask, rewards, index)
     ext = Recorder(emulator)
     config = KTAEConfig(fisher="upstream")
-    torch.testing.assert_close(cuda.token_advantage(batch, config, None, extension=ext),
+    torch.testing.assert_close(cuda.token_advantage(batch, config, None, launcher=ext),
                                expected(name, batch, config)[1], rtol=0.0, atol=1e-6)
-    assert [mode for mode, *_ in ext.launches] == [cuda.COUNT, cuda.ROWS, "advantage"]
+    assert [mode for mode, *_ in ext.launches] == ["count", "rows", "advantage"]
     assert ext.tables == [(False, False)] and ext.given_rows == [len(reference.key_token_scores(batch, config))]
 
 
@@ -146,7 +138,7 @@ def test_writes_into_out(emulator):
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
     out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
-    got = cuda.token_advantage(batch, KTAEConfig(), None, out, extension=emulator)
+    got = cuda.token_advantage(batch, KTAEConfig(), None, out, launcher=emulator)
     assert got.data_ptr() == out.data_ptr()
     torch.testing.assert_close(out, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
 
@@ -175,45 +167,44 @@ def test_given_rollout_advantage(emulator, fisher):
     check(emulator, name, batch, KTAEConfig(fisher=fisher), given=given)
 
 
-def test_binding_rejects_bad_arguments_naming_them(emulator):
+def test_launches_reject_bad_arguments_naming_them(emulator, monkeypatch):
+    """``pipeline.advantage`` checks what it is given before anything is launched; the arguments of a real
+    call, each changed in turn."""
     name, responses, mask, rewards, index = CASES[0]
     batch = normalise_batch(responses, mask, rewards, index)
-    plan = cuda.prepare(emulator, batch, KTAEConfig(), CudaTuning())
-    status = torch.empty(batch.n_groups, dtype=torch.int64)
-    n = batch.n_groups
+    calls, advantage = [], pipeline.advantage
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "advantage", lambda *args: (calls.append(args), advantage(*args)))
+        cuda.token_advantage(batch, KTAEConfig(), None, launcher=emulator)
+    launcher, inputs, scoring, shape = calls[0]
 
-    def launch(mode=cuda.COUNT, shared_table=True, **changes):
-        """One count pass over every group, the fields in ``changes`` replaced."""
-        pass_ = cuda.fill(emulator.PassArgs(), mode=mode, block_group=torch.arange(n), blocks=n, skip_done=False,
-                          threads=plan.threads, stream=0,
-                          shared_bytes=cuda.shared_table_bytes(plan.capacity, plan.words, plan.packed))
-        inputs = cuda.fill(emulator.GroupInputs(), status=status, **plan.inputs)
-        table = cuda.fill(emulator.TableArgs(), shared_table=shared_table, words=plan.words,
-                          shared_capacity=plan.capacity, packed=plan.packed)
-        inputs = changes.pop("inputs", inputs)
-        for name, value in changes.items():
-            cuda.fill(next(s for s in (pass_, inputs, table) if hasattr(s, name)), **{name: value})
-        emulator.launch(pass_, inputs, table)
+    def launch(**changes):
+        """The call, the fields in ``changes`` replaced."""
+        structs = [dataclasses.replace(s) for s in (inputs, scoring, shape)]
+        for field, value in changes.items():
+            setattr(next(s for s in structs if hasattr(s, field)), field, value)
+        pipeline.advantage(launcher, *structs)
 
-    with pytest.raises(RuntimeError, match="`status` must be Long"):
-        launch(status=status.int())
-    with pytest.raises(RuntimeError, match="`mask` must have shape"):
-        launch(mask=batch.mask[:, :-1])
-    with pytest.raises(RuntimeError, match=r"`mode` must be 0 \(count\) or 1 \(rows\), got 2"):
-        launch(mode=2)
-    with pytest.raises(RuntimeError, match="`row_ints` is required in rows mode"):
+    with pytest.raises(ValueError, match="`members` must be torch.int64"):
+        launch(members=inputs.members.int())
+    with pytest.raises(ValueError, match="`mask` must have shape"):
+        launch(mask=inputs.mask[:, :-1])
+    with pytest.raises(ValueError, match=r"`mode` must be 0 \(advantage\), 1 \(count\) or 2 \(rows\), got 3"):
+        launch(mode=3)
+    with pytest.raises(ValueError, match="`row_offset` and `row_ints` are required in rows mode"):
         launch(mode=cuda.ROWS)
-    with pytest.raises(RuntimeError, match="`ws_keys` is required for a global-memory table"):
-        launch(shared_table=False)
-    with pytest.raises(RuntimeError, match="`threads` must be a multiple of 32"):
+    with pytest.raises(ValueError, match="`nan_on_error`, `slot_index` and the given rows go with the advantage"):
+        launch(mode=cuda.COUNT, nan_on_error=True)
+    with pytest.raises(ValueError, match="`threads` must be a multiple of 32"):
         launch(threads=48)
-    with pytest.raises(RuntimeError, match="`blocks` must be in"):
-        launch(blocks=n + 1)
-    with pytest.raises(RuntimeError, match="`group_counts` must be set"):  # a field left unset
-        launch(**{"inputs": cuda.fill(emulator.GroupInputs(), status=status, **{
-            k: v for k, v in plan.inputs.items() if k != "group_counts"})})
-    with pytest.raises(AttributeError):
-        cuda.fill(emulator.PassArgs(), block=1)  # a misspelt field
+    with pytest.raises(ValueError, match="`workspace` must hold"):
+        launch(workspace=inputs.workspace[:-1])
+    with pytest.raises(ValueError, match="`out` must be set"):  # a field left unset
+        launch(out=None)
+    with pytest.raises(TypeError):
+        pipeline.AdvantageLaunch(threads=64, blocks=1)  # a misspelt field
+    with pytest.raises(RuntimeError, match="invalid launch configuration"):  # what the GPU would refuse
+        launch(shared_bytes=emulator.max_shared_bytes() + 8)
     launch()  # and the unchanged call runs
 
 
@@ -224,7 +215,7 @@ def test_table_slots_is_checked(emulator):
         with pytest.raises(ValueError, match="CudaTuning.table_slots must be a power of two"):
             tuned(table_slots=bad)
     with pytest.raises(ValueError, match="`table_slots` = 65536 needs"):
-        cuda.key_token_scores(batch, KTAEConfig(), tuned(table_slots=65536), extension=emulator)
+        cuda.key_token_scores(batch, KTAEConfig(), tuned(table_slots=65536), launcher=emulator)
 
 
 def test_long_rollouts_use_blocks_of_more_than_512_threads(emulator):
@@ -247,16 +238,16 @@ def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message):
     mask[0, -1] = False
     responses[0, -1] = -(2**40)  # under mask 0: never read
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
-    torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator),
+    torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, launcher=emulator),
                                reference.token_advantage(batch, KTAEConfig(), None), rtol=0.0, atol=1e-6)
     mask[1, 0] = mask[2, 1] = True
     responses[1, 0], responses[2, 1] = bad, bad - 2 if bad < 0 else bad + 2
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
     for config in (KTAEConfig(), KTAEConfig(fisher="upstream")):
         with pytest.raises(ValueError, match=message):
-            cuda.token_advantage(batch, config, None, extension=emulator)
+            cuda.token_advantage(batch, config, None, launcher=emulator)
         with pytest.raises(ValueError, match=message):
-            cuda.key_token_scores(batch, config, extension=emulator)
+            cuda.key_token_scores(batch, config, launcher=emulator)
 
 
 @pytest.mark.parametrize("packed, blocks_per_sm", [(False, 1), (True, 2), (False, 2)])
@@ -266,23 +257,20 @@ def test_slot_layouts_and_two_blocks_per_sm(emulator, name, packed, blocks_per_s
     tuning = CudaTuning(packed=packed, blocks_per_sm=blocks_per_sm)
     _, responses, mask, rewards, index = next(c for c in CASES if c[0] == name)
     batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda.prepare(emulator, batch, KTAEConfig(), tuning).packed == packed
+    assert cuda.static_plan(emulator, batch, KTAEConfig(), tuning).packed == packed
     check(emulator, name, batch, KTAEConfig(), options=ExecutionOptions(cuda=tuning))
     check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=16, packed=packed,
                                                                    blocks_per_sm=blocks_per_sm))
 
 
-def test_packed_slots_only_where_counts_fit_16_bits(emulator):
-    B, L = 2, 33_000  # 66,000 masked tokens in one group: f_c could pass 2^16 - 1
-    big = normalise_batch(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
-                          torch.tensor([1.0, 0.0]), torch.zeros(B, dtype=torch.int64))
-    assert not cuda.prepare(emulator, big, KTAEConfig(), CudaTuning()).packed
-    name, responses, mask, rewards, index = next(c for c in CASES if c[0] == "G40-two-words")
-    wide = normalise_batch(responses, mask, rewards, index)  # two presence words
-    assert not cuda.prepare(emulator, wide, KTAEConfig(), CudaTuning()).packed
-    name, responses, mask, rewards, index = CASES[0]
-    batch = normalise_batch(responses, mask, rewards, index)
-    assert cuda.prepare(emulator, batch, KTAEConfig(), CudaTuning()).packed
+def test_counts_past_16_bits_take_the_wide_slot(emulator):
+    """A group of 99,000 masked tokens (one id, 66,000 times in correct rollouts): past
+    ``PACKED_MAX_TOKENS`` the kernels keep 32-bit counters, whatever ``CudaTuning.packed`` allows."""
+    B, L = 3, 33_000
+    batch = normalise_batch(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
+                            torch.tensor([1.0, 1.0, 0.0]), torch.zeros(B, dtype=torch.int64))
+    assert B * L > cuda.PACKED_MAX_TOKENS and cuda.static_plan(emulator, batch, KTAEConfig()).packed
+    check(emulator, "one-id-99000-times", batch, KTAEConfig())
 
 
 @pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (0.5, 2.0)])
@@ -312,18 +300,18 @@ def test_statistics_kernel_is_checked_against_its_own_tables(emulator):
     assert_matches_method(cuda.GridKernel(emulator)(noisy, 1.0, 1.0), noisy, KTAEConfig())
 
 
-def test_statistics_binding_rejects_bad_arguments_naming_them(emulator):
+def test_statistics_launch_rejects_bad_arguments_naming_them(emulator):
     from ktae_kernels.backends.device import grid_tables
 
     grid = grid_tables(16, torch.device("cpu"))
     args = dict(cells=grid.cells, log_factorial=grid.log_factorial, angle=grid.angle, constants=[0.0] * 6,
-                out=torch.empty(5, grid.size, dtype=torch.float64), stream=0)
-    with pytest.raises(RuntimeError, match="`cells` must be Int"):
-        emulator.table_statistics(**dict(args, cells=grid.cells.long()))
-    with pytest.raises(RuntimeError, match="`out` must have shape"):
-        emulator.table_statistics(**dict(args, out=torch.empty(5, 3, dtype=torch.float64)))
-    with pytest.raises(RuntimeError, match="`constants` must be"):
-        emulator.table_statistics(**dict(args, constants=[0.0]))
+                out=torch.empty(5, grid.size, dtype=torch.float64))
+    with pytest.raises(ValueError, match="`cells` must be torch.int32"):
+        pipeline.table_statistics(emulator, **dict(args, cells=grid.cells.long()))
+    with pytest.raises(ValueError, match="`out` must have shape"):
+        pipeline.table_statistics(emulator, **dict(args, out=torch.empty(5, 3, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="`constants` must be"):
+        pipeline.table_statistics(emulator, **dict(args, constants=[0.0]))
 
 
 @pytest.mark.parametrize("bad, message", [(-7, r"token ids >= 0 where the mask is 1, found -7"),
@@ -343,21 +331,13 @@ def test_bad_ids_leave_out_untouched(emulator, bad, message, slots):
     assert plan is not None and (plan.fallback_blocks > 0) == (slots is not None)
     out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
     with pytest.raises(ValueError, match=message):
-        cuda.token_advantage(batch, KTAEConfig(), None, out, ExecutionOptions(cuda=tuning), extension=emulator)
+        cuda.token_advantage(batch, KTAEConfig(), None, out, ExecutionOptions(cuda=tuning), launcher=emulator)
     assert torch.isnan(out).all(), "a table pass wrote `out` although an id was out of range"
     # the same `out` afterwards, with the id fixed: every position written
     responses[1, 0] = 5
     batch = normalise_batch(responses, mask, rewards, index)
-    cuda.token_advantage(batch, KTAEConfig(), None, out, ExecutionOptions(cuda=tuning), extension=emulator)
+    cuda.token_advantage(batch, KTAEConfig(), None, out, ExecutionOptions(cuda=tuning), launcher=emulator)
     torch.testing.assert_close(out, reference.token_advantage(batch, KTAEConfig(), None), rtol=0.0, atol=1e-6)
-
-
-def test_workspace_size_matches_the_binding(emulator):
-    for B, n, fallback in [(0, 0, 0), (1, 1, 0), (8, 3, 64), (16384, 1024, 128 * 2**20), (7, 7, 8 * 100)]:
-        assert cuda.advantage_workspace_size(B, n, fallback) == emulator.advantage_workspace_size(B, n, fallback)
-        for positions in (1, 3, 4, B * 3072):
-            assert (cuda.advantage_workspace_size(B, n, fallback, positions)
-                    == emulator.advantage_workspace_size(B, n, fallback, positions))
 
 
 BOOKKEEPING_CASES = ["G4-mixed-shuffled", "graded-rewards", "one-rollout-groups", "all-masked-rollouts", "G40-two-words"]
@@ -393,7 +373,7 @@ def test_given_correct_labels_and_rollout_advantage(emulator):
     batch = normalise_batch(responses, mask, rewards, index, correct=correct)
     given = torch.linspace(-1.0, 2.0, responses.shape[0], dtype=torch.float64)
     for g in (None, given):
-        torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), g, extension=emulator),
+        torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), g, launcher=emulator),
                                    reference.token_advantage(batch, KTAEConfig(), g), rtol=0.0, atol=1e-6)
     plan = cuda.static_plan(emulator, batch, KTAEConfig())
     views = cuda.workspace_views(cuda.enqueue(plan, batch, KTAEConfig(), None, torch.empty(responses.shape), None)[1],
@@ -437,7 +417,7 @@ def test_one_group_holding_every_distinct_id(emulator, monkeypatch, slots, fallb
         slice_slots = plan.fallback_bytes // plan.fallback_blocks // 12
         assert cuda.max_keys(1 << (slice_slots.bit_length() - 1)) < distinct  # more ids than a slice holds
     want = reference.token_advantage(batch, KTAEConfig(), None)
-    got = cuda.token_advantage(batch, KTAEConfig(), None, None, ExecutionOptions(cuda=tuning), extension=emulator)
+    got = cuda.token_advantage(batch, KTAEConfig(), None, None, ExecutionOptions(cuda=tuning), launcher=emulator)
     torch.testing.assert_close(got, want, rtol=0.0, atol=1e-6)
 
 
@@ -534,7 +514,7 @@ def test_shared_tables_follow_the_distinct_ids_seen(emulator):
     assert views["flags"][2:4].tolist() == [3, _shared_need(1, True, 3)]  # the most distinct ids, shared need
     torch.testing.assert_close(out, reference.token_advantage(repeated, KTAEConfig(), None), rtol=0.0, atol=1e-6)
 
-    cuda.token_advantage(repeated, KTAEConfig(), None, extension=emulator)  # reads the flags back
+    cuda.token_advantage(repeated, KTAEConfig(), None, launcher=emulator)  # reads the flags back
     assert learnt(repeated).distinct == 3
     sized = cuda.static_plan(emulator, repeated, KTAEConfig())
     assert (sized.max_capacity, sized.fallback_blocks, sized.blocks_per_sm) == (32, 2, 2)
@@ -546,7 +526,7 @@ def test_shared_tables_follow_the_distinct_ids_seen(emulator):
     torch.testing.assert_close(out, reference.token_advantage(distinct, KTAEConfig(), None), rtol=0.0, atol=1e-6)
 
     recorder = Recorder(emulator)
-    got = cuda.token_advantage(distinct, KTAEConfig(), None, extension=recorder)
+    got = cuda.token_advantage(distinct, KTAEConfig(), None, launcher=recorder)
     assert recorder.launches == [("advantage", True, 2)]
     torch.testing.assert_close(got, reference.token_advantage(distinct, KTAEConfig(), None), rtol=0.0, atol=1e-6)
     assert learnt(distinct).distinct == 160
@@ -563,7 +543,7 @@ def test_second_call_sized_by_the_distinct_ids_of_the_first(emulator, name):
     batch = normalise_batch(responses, mask, rewards, index)
     want = expected(name, batch, KTAEConfig())[1]
     for _ in range(2):
-        got = cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator)
+        got = cuda.token_advantage(batch, KTAEConfig(), None, launcher=emulator)
         torch.testing.assert_close(got, want, rtol=0.0, atol=1e-6)
     most = max(_distinct_per_group(batch), default=0)
     assert (learnt(batch) is None) if most == 0 else (learnt(batch).distinct == most)
@@ -592,15 +572,15 @@ def test_second_call_runs_two_blocks_per_sm_and_matches(emulator, name):
     out = torch.empty(B, L, dtype=torch.float32)
     views = cuda.workspace_views(cuda.enqueue(first, batch, KTAEConfig(), None, out, None)[1], B, batch.n_groups)
     need = _most_shared_need(batch)
-    assert views["flags"][3] == need and need <= cuda.shared_limit(emulator.max_shared_bytes(0), 2)
+    assert views["flags"][3] == need and need <= cuda.shared_limit(emulator.max_shared_bytes(), 2)
     torch.testing.assert_close(out, want, rtol=0.0, atol=1e-6)
 
-    cuda.token_advantage(batch, KTAEConfig(), None, extension=emulator)  # reads the flags back
+    cuda.token_advantage(batch, KTAEConfig(), None, launcher=emulator)  # reads the flags back
     assert learnt(batch).shared_need == need
     second = cuda.static_plan(emulator, batch, KTAEConfig())
     assert second.blocks_per_sm == 2 and second.shared_bytes == min(need, first.shared_bytes)
     recorder = Recorder(emulator)
-    torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, extension=recorder), want,
+    torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, launcher=recorder), want,
                                rtol=0.0, atol=1e-6)
     assert recorder.shapes == [(second.shared_bytes, second.threads)] and second.threads <= 512
 
@@ -628,7 +608,7 @@ def test_a_group_needing_more_than_the_two_block_tables_takes_the_global_pass(em
     the global pass), the global pass redoes it and the result equals the reference; the need read
     back then sizes the next call (still two blocks per SM)."""
     even, grown = _grown_group_batches(big_vocab)
-    torch.testing.assert_close(cuda.token_advantage(even, KTAEConfig(), None, extension=emulator),
+    torch.testing.assert_close(cuda.token_advantage(even, KTAEConfig(), None, launcher=emulator),
                                reference.token_advantage(even, KTAEConfig(), None), rtol=0.0, atol=1e-6)
     assert learnt(even).shared_need == _most_shared_need(even) == 400
 
@@ -639,13 +619,13 @@ def test_a_group_needing_more_than_the_two_block_tables_takes_the_global_pass(em
     status = cuda.workspace_views(cuda.enqueue(alone, grown, KTAEConfig(), None, out, None)[1], 64, 4)["status"]
     assert status.tolist() == [-1] + _distinct_per_group(grown)[1:]
     want = reference.token_advantage(grown, KTAEConfig(), None)
-    torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, extension=emulator), want,
+    torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, launcher=emulator), want,
                                rtol=0.0, atol=1e-6)
     need = _most_shared_need(grown)
     assert learnt(grown).shared_need == need > 400 and _distinct_per_group(grown)[0] > 12
     after = cuda.static_plan(emulator, grown, KTAEConfig())
     assert (after.blocks_per_sm, after.shared_bytes) == (2, need)
-    torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, extension=emulator), want,
+    torch.testing.assert_close(cuda.token_advantage(grown, KTAEConfig(), None, launcher=emulator), want,
                                rtol=0.0, atol=1e-6)
 
 
@@ -662,7 +642,7 @@ def test_a_group_whose_smallest_table_has_no_room_takes_the_global_pass(emulator
     even = normalise_batch(responses, mask, rewards, torch.arange(B) // 25)
     wide = normalise_batch(responses, mask, rewards, torch.repeat_interleave(torch.arange(4), torch.tensor([97, 1, 1, 1])))
     few = ExecutionOptions(cuda=CudaTuning(max_threads=64))  # fewer emulated threads: quicker
-    torch.testing.assert_close(cuda.token_advantage(even, KTAEConfig(), None, options=few, extension=emulator),
+    torch.testing.assert_close(cuda.token_advantage(even, KTAEConfig(), None, options=few, launcher=emulator),
                                reference.token_advantage(even, KTAEConfig(), None), rtol=0.0, atol=1e-6)
     plan = cuda.static_plan(emulator, wide, KTAEConfig(), few.cuda)
     words = cuda.presence_words(97)
@@ -672,5 +652,5 @@ def test_a_group_whose_smallest_table_has_no_room_takes_the_global_pass(emulator
     alone = dataclasses.replace(plan, fallback_blocks=0, fallback_bytes=0)
     views = cuda.workspace_views(cuda.enqueue(alone, wide, KTAEConfig(), None, out, None)[1], B, 4)
     assert views["status"][0] == -1 and views["flags"][4] == 1  # left, counted as left
-    torch.testing.assert_close(cuda.token_advantage(wide, KTAEConfig(), None, options=few, extension=emulator),
+    torch.testing.assert_close(cuda.token_advantage(wide, KTAEConfig(), None, options=few, launcher=emulator),
                                reference.token_advantage(wide, KTAEConfig(), None), rtol=0.0, atol=1e-6)

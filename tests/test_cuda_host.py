@@ -1,11 +1,5 @@
-"""The CUDA backend's host-side logic, on the CPU: table sizing, launch geometry, setup.py switches."""
+"""The CUDA backend's host-side logic, on the CPU: table sizing, launch geometry."""
 from __future__ import annotations
-
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +7,6 @@ import torch
 from ktae_kernels import CudaTuning
 from ktae_kernels.backends import cuda, device
 
-ROOT = Path(__file__).resolve().parents[1]
 H200_SHARED = 232448  # opt-in shared memory per block of an H100 / H200
 
 
@@ -34,28 +27,13 @@ def test_header_bytes_hold_two_counters_and_the_correct_mask_aligned_to_8(words,
     assert cuda.header_bytes(words) == expected
 
 
-def test_shared_capacity_fits_the_largest_group_or_the_device():
-    # paper setting: G = 16 (one presence word), 16 x 3072 tokens: 16 bytes a slot -> 8192 slots
-    assert cuda.choose_shared_capacity(16 * 3072, 1, H200_SHARED) == 8192
-    assert cuda.shared_table_bytes(8192, 1) == 16 + 8192 * 16 <= H200_SHARED
-    # a small batch gets a small table (more blocks per SM), never below MIN_CAPACITY
-    assert cuda.choose_shared_capacity(100, 1, H200_SHARED) == 256
-    assert cuda.choose_shared_capacity(0, 1, H200_SHARED) == cuda.MIN_CAPACITY
-    # G = 64: two presence words, 20 bytes a slot
-    assert cuda.choose_shared_capacity(64 * 3072, 2, H200_SHARED) == 8192
-    # huge groups: not even MIN_CAPACITY slots fit -> every group takes the global-memory table
-    assert cuda.choose_shared_capacity(10**6, 2000, H200_SHARED) == 0
-
-
 def test_packed_slots_and_two_blocks_per_sm():
     # 12 bytes a slot: the paper's 8192-slot table (its groups hold ~2.5-4.7k distinct ids) in 96 KB,
     # so two blocks share an H200 SM (228 KB, 1 KB reserved a block)
     two = cuda.shared_limit(H200_SHARED, 2)
     assert two == 115712 and cuda.shared_limit(H200_SHARED, 1) == H200_SHARED
     assert cuda.shared_table_bytes(8192, 1, packed=True) == 16 + 8192 * 12 <= two
-    assert cuda.choose_shared_capacity(16 * 3072, 1, two, packed=True) == 8192
-    assert cuda.choose_shared_capacity(16 * 3072, 1, two) == 4096
-    assert cuda.choose_shared_capacity(16 * 3072, 1, H200_SHARED, packed=True) == 16384
+    assert cuda.shared_table_bytes(8192, 1) == 16 + 8192 * 16 > two  # the wide slot: one block an SM
 
 
 @pytest.mark.parametrize("length, threads", [(0, 64), (16, 64), (256, 64), (1000, 256), (2048, 512),
@@ -72,51 +50,10 @@ def test_block_threads_covers_a_rollout_in_as_few_passes_as_possible():
         assert passes == max(1, -(-length // (cuda.MAX_THREADS * cuda.UNROLL)))
 
 
-def _setup_version(**env: str) -> subprocess.CompletedProcess:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("KTAE_")} | env
-    return subprocess.run([sys.executable, "setup.py", "--version"], cwd=ROOT, env=environ,
-                          capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.skipif(torch.version.cuda is not None, reason="needs a CPU-only torch")
-def test_setup_skips_the_extension_without_cuda_and_fails_when_forced():
-    default = _setup_version()
-    assert default.returncode == 0, default.stderr
-    assert "not building the CUDA extension: torch" in default.stderr and "CPU-only" in default.stderr
-    skipped = _setup_version(KTAE_SKIP_CUDA_BUILD="1")
-    assert skipped.returncode == 0 and "KTAE_SKIP_CUDA_BUILD=1" in skipped.stderr
-    forced = _setup_version(KTAE_FORCE_CUDA_BUILD="1")
-    assert forced.returncode != 0
-    assert "KTAE_FORCE_CUDA_BUILD=1 but the CUDA extension cannot be built" in forced.stderr
-
-
-def test_setup_reads_every_arch_list_spelling():
-    """TORCH_CUDA_ARCH_LIST entries with a suffix ("9.0a", as CUDA images set it, "10.0f", "8.6+PTX")
-    are read by their number; names torch knows ("Hopper") pass."""
-    spec = importlib.util.spec_from_file_location("ktae_setup", ROOT / "setup.py")
-    setup_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(setup_module)  # defines the functions; setup() runs only as __main__
-    assert setup_module.old_archs("9.0a;10.0f 8.6+PTX Hopper 12.0") == []
-    assert setup_module.old_archs("6.1;7.0 5.2+PTX") == ["6.1", "5.2+PTX"]
-
-
-def test_big_groups_keep_many_fallback_blocks():
-    """G = 1024 at the paper's token count (16 groups of ~1.1M masked tokens): the count pass's keys-only
-    tables (2M slots, 8 MB) give every group its own block; so do the rows / advantage passes, whose
-    tables are sized by the counted distinct ids (30k -> 64k slots of 140 bytes). Before, a 2M-slot
-    wide table (294 MB) left one block for all 16 groups."""
-    tokens, distinct, words = 1024 * 1075, 30_000, cuda.presence_words(1024)
-    assert words == 32
-    assert cuda.fallback_blocks(16, cuda.table_capacity(tokens), words, keys_only=True) == 16
-    assert cuda.fallback_blocks(16, cuda.table_capacity(distinct), words, keys_only=False) == 16
-    assert cuda.fallback_blocks(16, cuda.table_capacity(tokens), words, keys_only=False) == 1  # the old cliff
-    assert cuda.fallback_blocks(1000, 1 << 10, 1, keys_only=False) == cuda.FALLBACK_BLOCKS
-
-
 class _SharedOnly:
-    """Stands in for the extension: static_plan reads only the opt-in shared memory."""
+    """Stands in for the launcher: static_plan reads only the opt-in shared memory."""
 
-    def max_shared_bytes(self, _device: int) -> int:
+    def max_shared_bytes(self) -> int:
         return H200_SHARED
 
 
@@ -251,7 +188,7 @@ def test_shared_memory_stays_within_the_opt_in_limit(arch):
     limit = OPT_IN_SHARED[arch]
 
     class Device:
-        def max_shared_bytes(self, _device: int) -> int:
+        def max_shared_bytes(self) -> int:
             return limit
 
     shapes = [(8, 4, 16), (256, 16, 3072), (16384, 1024, 3072), (2048, 2, 8192), (64, 1, 200_000)]

@@ -13,7 +13,7 @@ from ktae_kernels import token_advantage
 from ktae_kernels.registry import available_backends
 
 GPU_BACKENDS = [b for b in ("triton", "cuda") if torch.cuda.is_available() and b in available_backends("cuda")]
-needs_gpu = pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the built extension)")
+needs_gpu = pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the cuda extra)")
 
 
 def _batch(device, groups=6, G=16, L=1024, vocab=20_000, seed=0):
@@ -74,7 +74,7 @@ def test_big_groups_match_torch_and_repeat_bit_for_bit(backend, G, groups, L):
     assert all(torch.equal(runs[0], r) for r in runs[1:])
 
 
-@pytest.mark.skipif("cuda" not in GPU_BACKENDS, reason="needs a CUDA GPU and the built extension")
+@pytest.mark.skipif("cuda" not in GPU_BACKENDS, reason="needs a CUDA GPU and the cuda extra (NVRTC)")
 @pytest.mark.parametrize("threads, blocks_per_sm, packed", [(256, 1, True), (512, 1, True), (1024, 1, True),
                                                             (1024, 1, False), (512, 2, True), (512, 2, False)])
 def test_cuda_launch_variants_match_torch(threads, blocks_per_sm, packed):
@@ -104,4 +104,4 @@ def test_device_statistics_grid_matches_the_cpu_on_the_gpu():
     if "cuda" in GPU_BACKENDS:
         from ktae_kernels.backends import cuda
 
-        assert_matches_method(cuda.GridKernel(cuda.load_extension())(grid, 1.0, 1.0), grid, KTAEConfig())
+        assert_matches_method(cuda.GridKernel(cuda.load_launcher(grid.cells.device))(grid, 1.0, 1.0), grid, KTAEConfig())

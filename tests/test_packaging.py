@@ -5,12 +5,14 @@ is checked by ``.ci/package``, which CI runs.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 import re
 import subprocess
 import sys
 import tarfile
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -45,6 +47,33 @@ def test_package_is_typed():
     assert "py.typed" in pyproject()["tool"]["setuptools"]["package-data"]["ktae_kernels"]
 
 
+def test_the_cuda_source_is_package_data_and_nvrtc_an_extra():
+    """The wheel carries the CUDA kernels' source, which NVRTC compiles at first use; cuda-core and NVRTC come
+    with the cuda extras only (a CPU install, and the README's core tests, pull none of it)."""
+    data = pyproject()["tool"]["setuptools"]["package-data"]["ktae_kernels"]
+    for name in ("ktae_kernels.cu", "ktae_args.h"):
+        assert (ROOT / "ktae_kernels" / "backends" / "cuda" / name).is_file()
+        assert any(fnmatch.fnmatch(f"backends/cuda/{name}", pattern) for pattern in data), name
+    project = pyproject()["project"]
+    extras = project["optional-dependencies"]
+    cuda_packages = ("cuda-core", "cuda-bindings", "nvidia-cuda-nvrtc")
+    for extra in ("cuda", "cuda12"):
+        assert sorted(d.split(">")[0].split(";")[0].split("-cu12")[0] for d in extras[extra]) == sorted(cuda_packages)
+    assert not [d for d in project["dependencies"] + extras["test"] if d.startswith(cuda_packages)]
+
+
+@pytest.mark.slow
+def test_the_wheel_lists_the_cuda_source(tmp_path):
+    pytest.importorskip("build")
+    done = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(tmp_path),
+                           str(ROOT)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (wheel,) = tmp_path.glob("ktae_kernels-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"ktae_kernels/backends/cuda/ktae_kernels.cu", "ktae_kernels/backends/cuda/ktae_args.h"} <= names
+    assert not [n for n in names if n.startswith("ktae_kernels/_C")]
+
+
 def test_triton_is_an_extra_that_the_whole_suite_brings():
     """Triton (hundreds of MB) serves only ``backend="triton"``: a CUDA torch brings it, a CPU install does
     not need it, nor do the README's core tests (the test extra). The whole suite runs its interpreter,
@@ -70,6 +99,7 @@ def test_sdist_holds_every_source_a_build_needs(tmp_path):
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     needed = {"setup.py", "pyproject.toml", "LICENSE", "CHANGELOG.md", "README.md", "ktae_kernels/py.typed"}
     needed |= {str(path.relative_to(ROOT)) for path in (ROOT / "csrc").rglob("*") if path.is_file()}
+    needed |= {"ktae_kernels/backends/cuda/ktae_kernels.cu", "ktae_kernels/backends/cuda/ktae_args.h"}
     assert needed <= names, sorted(needed - names)
     assert not [name for name in names if name.endswith((".so", ".o"))]
 
@@ -100,8 +130,7 @@ def test_a_build_that_skips_the_native_kernel_says_so_in_a_banner(tmp_path):
     run = ("import runpy, sys; sys.modules['nanobind'] = None; sys.argv = ['setup.py', '-q', 'build_ext', "
            f"'--build-lib', {str(tmp_path / 'lib')!r}, '--build-temp', {str(tmp_path / 'temp')!r}]; "
            "runpy.run_path('setup.py', run_name='__main__')")
-    done = subprocess.run([sys.executable, "-c", run], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "KTAE_SKIP_CUDA_BUILD": "1"})
+    done = subprocess.run([sys.executable, "-c", run], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "!" * 79 + "\nWARNING: ktae_kernels: NOT building the native CPU kernel (ktae_kernels._cpu): nanobind is " \
            "not importable in the build environment" in done.stderr

@@ -183,7 +183,7 @@ def test_a_plan_keeps_one_captured_call_per_graph_up_to_its_limit(monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------- GPU only
-@pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the built extension)")
+@pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the cuda extra)")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed(backend):
     """The public path (a plan's call, with ``out=``) under ``torch.cuda.graph``; each replay on new data
@@ -209,7 +209,7 @@ def test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed(backend):
         plan.check()
 
 
-@pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the built extension)")
+@pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the cuda extra)")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_check_reads_the_graph_of_a_plan_that_replayed_last(backend):
     """A plan captured in two graphs: ``check`` refuses before any replay, then reads the flags of

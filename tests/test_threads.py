@@ -72,7 +72,7 @@ def test_four_threads_of_mixed_calls_share_one_device_state(emulator, fast_switc
     """The threads run the calls in rounds (a barrier between rounds, so that every round's calls
     overlap): each learns a size under the round's key (the state must keep the round's largest) and asks
     for a cached tensor (evicting others'), or, once every ``KERNEL_EVERY`` rounds, makes a plan call."""
-    emulated_cuda.EXTENSION = emulator
+    emulated_cuda.LAUNCHER = emulator
     state = device_state.state(torch.device("cpu"))
     gen = torch.Generator().manual_seed(11)
     index = torch.arange(8) // 4

@@ -1,82 +1,64 @@
-// The KTAE kernels built for the CPU emulator (cuda_on_cpu.h): the same ktae_kernels.cu, launched
-// block by block on host threads. Linked with ktae.cpp into a test-only extension whose tensors
-// live on the CPU (see tests/test_cuda_emulation.py). Not part of the installed package.
+// The KTAE kernels built for the CPU emulator (cuda_on_cpu.h): the same device source NVRTC compiles
+// (ktae_kernels/backends/cuda/ktae_kernels.cu), launched block by block on host threads through one
+// entry with cuLaunchKernel's arguments, so that the cuda backend's Python launches
+// (ktae_kernels/backends/cuda/pipeline.py) drive it unchanged; tensors live on the CPU. A plain shared
+// library loaded with ctypes by tests/emulator.py; not part of the installed package.
 #define KTAE_CPU_EMULATION
 #include "cuda_on_cpu.h"
 
-#include "../ktae_kernels.cu"
+#include <cstring>
 
-namespace ktae {
+#include "../../ktae_kernels/backends/cuda/ktae_kernels.cu"
+
 namespace {
 
 // The opt-in shared memory per block of an H100 / H200, so host-side sizing matches a real GPU.
 constexpr int64_t kEmulatedSharedBytes = 232448;
-constexpr int kBadLaunch = 1;
 
-template <int kMode>
-void run_mode(const KernelArgs& args, bool shared_table, int64_t n_blocks, int threads, int64_t shared_bytes) {
-  if (shared_table) {
-    ktae_emu::run([&] { group_kernel<kMode, true>(args); }, n_blocks, threads, shared_bytes);
-  } else {
-    ktae_emu::run([&] { group_kernel<kMode, false>(args); }, n_blocks, threads, shared_bytes);
+template <class Args>
+const Args& arg(void** params, int i) {
+  return *static_cast<const Args*>(params[i]);
+}
+
+// Runs kernel `name` (its NVRTC name expression, runtime.py KERNELS) with `params` as cuLaunchKernel
+// takes them (a pointer to each argument). False for an unknown name.
+bool dispatch(const char* name, void** params, int64_t grid, int block, int64_t smem) {
+  using namespace ktae;
+  const auto is = [name](const char* expected) { return std::strcmp(name, expected) == 0; };
+  const auto run = [&](auto kernel) { ktae_emu::run(kernel, grid, block, smem); return true; };
+  if (is("ktae::scan_kernel")) return run([&] { scan_kernel(arg<PrepareArgs>(params, 0)); });
+  if (is("ktae::groups_kernel")) return run([&] { groups_kernel(arg<PrepareArgs>(params, 0)); });
+  if (is("ktae::group_sums_kernel")) return run([&] { group_sums_kernel(arg<PrepareArgs>(params, 0)); });
+  if (is("ktae::dynamic_kernel<true>")) return run([&] { dynamic_kernel<true>(arg<KernelArgs>(params, 0)); });
+  if (is("ktae::dynamic_kernel<false>")) return run([&] { dynamic_kernel<false>(arg<KernelArgs>(params, 0)); });
+  if (is("ktae::nan_on_error_kernel")) {
+    return run([&] { nan_on_error_kernel(arg<KernelArgs>(params, 0), arg<int64_t>(params, 1)); });
   }
+  if (is("ktae::table_statistics_kernel")) return run([&] { table_statistics_kernel(arg<StatsArgs>(params, 0)); });
+  return false;
 }
 
 }  // namespace
 
-int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
-                        int threads, int64_t shared_bytes, void* /*stream*/) {
-  if (threads <= 0 || threads % 32 != 0 || threads > kMaxThreads || shared_bytes < 0 ||
-      shared_bytes > kEmulatedSharedBytes || n_blocks <= 0) {
-    return kBadLaunch;
+// 0 after the launch ran to completion; 1 for an unknown kernel or a launch configuration a GPU
+// would refuse (threads not a multiple of 32 in [32, kMaxThreads], more than the opt-in shared
+// memory, no blocks).
+extern "C" int ktae_emulated_launch(const char* name, int64_t grid, int block, int64_t smem, void** params) {
+  if (block <= 0 || block % 32 != 0 || block > ktae::kMaxThreads || smem < 0 || smem > kEmulatedSharedBytes ||
+      grid <= 0) {
+    return 1;
   }
-  switch (mode) {
-    case kCount: run_mode<kCount>(args, shared_table, n_blocks, threads, shared_bytes); return 0;
-    case kRows: run_mode<kRows>(args, shared_table, n_blocks, threads, shared_bytes); return 0;
-  }
-  return kBadLaunch;
+  return dispatch(name, params, grid, block, smem) ? 0 : 1;
 }
 
-int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
-                     void* /*stream*/) {
-  if (threads <= 0 || threads % 32 != 0 || threads > kMaxThreads || kernel.shared_bytes < 0 ||
-      kernel.shared_bytes > kEmulatedSharedBytes || fallback_blocks < 0) {
-    return kBadLaunch;
-  }
-  for (int64_t i = 0; i < kAdvantageFlags; ++i) prepare.bad_ids[i] = 0;
-  if (prepare.B > 0) ktae_emu::run([&] { scan_kernel(prepare); }, prepare.B, threads, 32);
-  ktae_emu::run([&] { groups_kernel(prepare); }, groups_blocks(prepare.B + 1), kGroupsThreads, 0);
-  if (prepare.n_groups > 0) {
-    ktae_emu::run([&] { group_sums_kernel(prepare); }, groups_blocks(32 * prepare.n_groups), kGroupsThreads,
-                  kGroupsThreads * sizeof(double));
-  }
-  if (kernel.n_items == 0) return 0;
-  if (kernel.shared_bytes > 0) {
-    ktae_emu::run([&] { dynamic_kernel<true>(kernel); }, kernel.n_items, threads, kernel.shared_bytes);
-  }
-  if (fallback_blocks > 0) {
-    ktae_emu::run([&] { dynamic_kernel<false>(kernel); }, fallback_blocks, threads, 16);
-  }
-  if (kernel.nan_on_error) {
-    ktae_emu::run([&] { nan_on_error_kernel(kernel, prepare.B * prepare.L); }, nan_blocks(prepare.B * prepare.L),
-                  kNanThreads, 0);
-  }
-  return 0;
+extern "C" int64_t ktae_emulated_max_shared_bytes() { return kEmulatedSharedBytes; }
+
+// The header's table sizes, for the test that the Python side computes the same (pipeline.py).
+extern "C" int64_t ktae_emulated_max_keys(int64_t capacity) { return ktae::max_keys(capacity); }
+extern "C" int64_t ktae_emulated_header_bytes(int64_t words) { return ktae::header_bytes(words); }
+extern "C" int64_t ktae_emulated_shared_table_bytes(int64_t capacity, int64_t words, bool packed) {
+  return ktae::shared_table_bytes(capacity, words, packed);
 }
-
-int launch_table_statistics(const StatsArgs& args, void* /*stream*/) {
-  if (args.size == 0) return 0;
-  const int64_t blocks = (args.size + kStatsThreads - 1) / kStatsThreads;
-  ktae_emu::run([&] { table_statistics_kernel(args); }, blocks, kStatsThreads, 0);
-  return 0;
+extern "C" int64_t ktae_emulated_group_shared_need(int64_t words, bool packed, int64_t n_keys) {
+  return ktae::group_shared_need(words, packed, n_keys);
 }
-
-const char* error_string(int code) {
-  return code == 0 ? "no error" : "invalid launch configuration (CPU emulator)";
-}
-
-int64_t max_shared_bytes(int /*device*/) { return kEmulatedSharedBytes; }
-
-void clear_launch_state() {}  // the emulator's launchers record nothing
-
-}  // namespace ktae

@@ -22,7 +22,7 @@ from .base import GraphCaptureError
 
 #: most masked tokens one group may hold (slot indices and counters stay in 32 bits).
 MAX_GROUP_TOKENS = 2**30
-#: the codes of the rollout baseline in both kernels' families (csrc/ktae_kernels.h, ``Baseline``):
+#: the codes of the rollout baseline in both kernels' families (backends/cuda/ktae_args.h, ``Baseline``):
 #: ``config.baseline``, or "given" for a caller's ``rollout_advantage``.
 BASELINE_CODES = {"grpo": 0, "mean": 1, "none": 2, "given": 3}
 #: what a capture refused for want of a warm-up says.

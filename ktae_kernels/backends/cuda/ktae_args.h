@@ -1,11 +1,26 @@
-// KTAE group kernels: the interface between the torch binding (ktae.cpp) and the kernels
-// (ktae_kernels.cu). Plain C++ on purpose: no torch and no CUDA headers, so the binding compiles
-// with any host compiler and the same kernels also build for the CPU emulator (csrc/emulation/).
+// The kernels' argument structs and constants: ONE definition, included by the device source
+// (ktae_kernels.cu, compiled by NVRTC or, for the tests, by the CPU emulator) and parsed by
+// ktae_kernels/backends/cuda/abi.py, which builds the ctypes structs the launches pass from it.
+// Plain declarations only (abi.py reads each struct field by field and each `constexpr` integer).
 #pragma once
 
+#ifdef __CUDACC_RTC__
+// NVRTC has no host headers: the fixed-width integers and NAN, as <cstdint> and <cmath> give them.
+typedef signed char int8_t;
+typedef short int16_t;
+typedef int int32_t;
+typedef long long int64_t;
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#define NAN __int_as_float(0x7fc00000)
+#else
+#include <cmath>
 #include <cstdint>
+#endif
 
-// The few helpers the host and the kernels share are callable on both sides.
+// The few helpers the kernels share with the emulator's host code are callable on both sides.
 #ifdef __CUDACC__
 #define KTAE_HOST_DEVICE __host__ __device__
 #else
@@ -14,11 +29,11 @@
 
 namespace ktae {
 
-// What one launch of the rows kernel (key_token_scores, and the rows fisher="upstream" scores)
-// computes, one thread block per group.
+// What the table passes compute (KernelArgs.mode).
 enum Mode : int {
-  kCount = 0,  // distinct token ids of each group -> status
-  kRows = 1,   // the group's rows, sorted by token, at row_offset[g]
+  kAdvantage = 0,  // the advantages (token_advantage)
+  kCount = 1,      // distinct token ids of each group -> status (key_token_scores, first)
+  kRows = 2,       // each group's rows at row_offset[g], unsorted (key_token_scores, then)
 };
 
 // Most masked tokens one group may hold (keeps slot indices and counters in 32 bits; ktae_kernels
@@ -80,32 +95,18 @@ struct KernelArgs {
   const int64_t* ignore_ids;  // [n_ignore] sorted token ids whose score is 0
   int64_t n_ignore;
   // the launch
-  const int64_t* block_group;  // [n_items] the groups of this pass; block i takes items i, i + gridDim.x, ...
-  int64_t n_items;
-  bool skip_done;              // skip the groups whose status is already >= 0 (a fallback pass)
-  int32_t words;               // presence words per slot = ceil(G_max / 32)
-  // tables: in shared memory (capacity `shared_capacity`) or in a global workspace, where item i
-  // uses slots [ws_offset[i], ws_offset[i] + ws_capacity[i]) of ws_keys / ws_counts and
-  // [words * ws_offset[i], words * (ws_offset[i] + ws_capacity[i])) of ws_presence (items of one
-  // block may share slots: it takes them one after another).
-  int64_t shared_capacity;
-  bool packed;                 // the shared tables use the packed slot layout (words == 1, every
-                               // group below kPackedMaxTokens masked tokens)
-  uint32_t* ws_keys;
-  unsigned long long* ws_counts;
-  uint32_t* ws_presence;
-  const int64_t* ws_offset;    // [n_items]
-  const int64_t* ws_capacity;  // [n_items], powers of two
+  int64_t n_items;             // groups: block i takes groups i, i + gridDim.x, ...
+  int32_t mode;                // Mode
   // the method's hyper-parameters
   double alpha, beta, k1, bm25_b, top, weight;
   bool use_tf;
   // outputs
   long long* bad_ids;          // [2] least id < 0 under the mask (else 0), largest id > 2^31 - 1 (else 2^31 - 1)
   int64_t* status;             // [n_groups] distinct ids of the group, -1 when its table overflowed
-  const int64_t* row_offset;   // [n_groups + 1] (kRows; the advantage with given scores)
+  const int64_t* row_offset;   // [n_groups + 1] where each group's rows start (kRows; the given scores)
   int64_t* row_ints;           // [kRowInts, n_rows] (kRows)
   int64_t n_rows;
-  // the advantage pipeline (launch_advantage): every choice that depends on the data is made on the
+  // the table passes (pipeline.py): every choice that depends on the data is made on the
   // device, per group (presence words, slot layout, table size), so nothing is read back before or
   // between the launches; nothing is written when the flags hold a bad input
   const double* base;          // [B] rollout advantage A_i
@@ -137,7 +138,7 @@ struct KernelArgs {
   double log_rtol, log_err, p_one, ln2;  // as StatsArgs
 };
 
-// The [B]-sized bookkeeping of launch_advantage, on the device: a scan pass (one block per rollout:
+// The [B]-sized bookkeeping before the table passes (pipeline.py), on the device: a scan pass (one block per rollout:
 // masked tokens, extent, out-of-range ids) and the groups passes (a thread per rollout: correct
 // flags, group offsets from the members sorted by group; a thread per group: n_c, n_w, T_c, T_w and
 // the rollout advantage A_i).
@@ -170,7 +171,7 @@ enum Baseline : int { kBaselineGrpo = 0, kBaselineMean = 1, kBaselineNone = 2, k
 // Threads a block of the groups passes.
 constexpr int kGroupsThreads = 128;
 
-// The flags at the head of launch_advantage's workspace, zeroed by it and read back by the host after
+// The flags at the head of the passes' workspace (pipeline.py), zeroed before them and read back by the host after
 // the last launch: bad_ids [2], the most distinct ids a completed group held, the most dynamic shared
 // memory a completed group's table needed (group_shared_need), the groups the shared pass left to the
 // global pass, and the masked tokens of a group past kMaxGroupTokens. A bad input (bad_ids, a group
@@ -184,39 +185,6 @@ constexpr int64_t kAdvantageFlags = 6;
 KTAE_HOST_DEVICE inline constexpr int64_t group_shared_need(int64_t words, bool packed, int64_t n_keys) {
   return shared_table_bytes(table_capacity(n_keys), words, packed);
 }
-
-// The int64 workspace of launch_advantage, in this order: the flags [6], status [n], starts [n + 1],
-// group_counts [4 n], lengths [B], extent [B], base [B] (float64), correct [B] (bool, rounded up
-// to 8 bytes), the global-memory tables (fallback_bytes, a multiple of 8), then, with a slot index,
-// B * L uint16 (rounded up to 8 bytes).
-struct AdvantageLayout {
-  int64_t status, starts, group_counts, lengths, extent, base, correct, tables, slot_index, total;
-};
-inline constexpr AdvantageLayout advantage_layout(int64_t B, int64_t n_groups, int64_t fallback_bytes,
-                                                  int64_t index_positions = 0) {
-  AdvantageLayout l{};
-  l.status = kAdvantageFlags;
-  l.starts = l.status + n_groups;
-  l.group_counts = l.starts + n_groups + 1;
-  l.lengths = l.group_counts + 4 * n_groups;
-  l.extent = l.lengths + B;
-  l.base = l.extent + B;
-  l.correct = l.base + B;
-  l.tables = l.correct + (B + 7) / 8;
-  l.slot_index = l.tables + (fallback_bytes + 7) / 8;
-  l.total = l.slot_index + (2 * index_positions + 7) / 8;
-  return l;
-}
-
-// The whole token_advantage on `stream`, nothing read back: zero the flags, the scan and groups
-// passes, a shared-table pass over every group (n_groups blocks, `shared_bytes`, skipped where a
-// group's table does not fit), then, when fallback_blocks > 0, a global-memory pass of that many
-// blocks over the groups that did not complete (its blocks exit at once when none is left), and, with
-// kernel.nan_on_error, a pass that writes NaN over `advantage` when the flags hold a bad input (its
-// blocks exit at once otherwise). `kernel` carries the pointers and choices of the
-// group kernel (dynamic = true), `prepare` those of the bookkeeping. 0 or a CUDA error code.
-int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
-                     void* stream);
 
 // The per-table statistics of a grid (ktae_kernels/backends/device.py, GridTables): for each table
 // t, out[:, t] = p_value, F, IG, Cohen's h, strength (alpha F + beta IG), as method.table_statistics.
@@ -232,25 +200,8 @@ struct StatsArgs {
 // Threads per block of the statistics kernel (one table per thread).
 constexpr int kStatsThreads = 128;
 
-// Launches the statistics kernel on `stream`; 0 or a CUDA error code.
-int launch_table_statistics(const StatsArgs& args, void* stream);
-
-// Launches one rows-kernel pass over `n_blocks` blocks (<= args.n_items) of `threads` threads with `shared_bytes`
-// of dynamic shared memory on `stream` (a cudaStream_t). Returns 0 or a CUDA error code.
-int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
-                        int threads, int64_t shared_bytes, void* stream);
-
-// The name of an error code returned by launch_group_kernel.
-const char* error_string(int code);
-
-// Forget what the launchers record between calls (the shared memory limits set per kernel and
-// device); thread-safe. The next launch of each kernel sets its limit again.
-void clear_launch_state();
-
-// Opt-in dynamic shared memory per block of `device`, in bytes; negative on error.
-int64_t max_shared_bytes(int device);
-
-// True for the CPU emulator build (tensors then live on the CPU).
-bool runs_on_cpu();
+// Threads a block of nan_on_error_kernel (grid-stride beyond its blocks; they exit at once unless the
+// flags hold a bad input).
+constexpr int kNanThreads = 256;
 
 }  // namespace ktae

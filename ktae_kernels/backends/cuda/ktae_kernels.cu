@@ -1,6 +1,6 @@
 // KTAE on the GPU: one thread block per group of rollouts.
 //
-// token_advantage (launch_advantage) enqueues, with nothing read back in between:
+// token_advantage (pipeline.advantage) enqueues, with nothing read back in between:
 //   scan         one block per rollout: masked tokens, extent, ids out of range (the flags);
 //   groups       correct flags and group offsets (a thread per rollout), then a warp per group:
 //                n_c, n_w, T_c, T_w and the rollout advantage A_i;
@@ -19,24 +19,20 @@
 //   global pass  a few blocks take the groups the shared pass left (a table too small for their
 //                distinct ids), in a global-memory slice each, splitting a group's ids into hash
 //                partitions until each fits; they exit at once when no group was left.
-// key_token_scores (launch_group_kernel) counts each group's distinct ids (kCount), then sorts each
-// table by token (bitonic, in place) and writes the rows' integer columns (kRows).
+// key_token_scores runs the same passes twice, in other modes (KernelArgs.mode): kCount (each group's
+// distinct ids, into status, nothing scored or written), then kRows (each occupied slot as a row at
+// row_offset[g], in slot order: the host sorts them by (group, token)).
 //
 // The same source builds for the CPU emulator (KTAE_CPU_EMULATION, csrc/emulation/), which runs
 // every CUDA thread as a host thread so the tests exercise this code without a GPU.
-#include <cmath>
-#include <cstdint>
-
-#include "ktae_kernels.h"
+// Device code only, for NVRTC (ktae_kernels/backends/cuda/runtime.py) and the emulator: no host
+// headers. The launches are ktae_kernels/backends/cuda/pipeline.py's.
+#include "ktae_args.h"
 
 #ifdef KTAE_CPU_EMULATION
 #define KTAE_NOINLINE __attribute__((noinline))
 #else
 #define KTAE_NOINLINE __noinline__
-#include <atomic>
-#include <mutex>
-
-#include <cuda_runtime.h>
 #define KTAE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
@@ -48,18 +44,6 @@ constexpr uint32_t kNoSlot = 0xFFFFFFFFu;
 constexpr double kTfEps = 1e-5;  // method.TF_EPS
 constexpr int64_t kMaxTokenId = 2147483647;  // api.MAX_TOKEN_ID
 
-// Blocks of kGroupsThreads threads for `items` work items of the groups passes (grid-stride beyond).
-inline unsigned groups_blocks(int64_t items) {
-  const int64_t blocks = (items + kGroupsThreads - 1) / kGroupsThreads;
-  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 65535 ? 65535 : blocks);
-}
-// Threads a block of nan_on_error_kernel, and its blocks for `positions` (grid-stride beyond; they exit
-// at once unless the flags hold a bad input).
-constexpr int kNanThreads = 256;
-inline unsigned nan_blocks(int64_t positions) {
-  const int64_t blocks = (positions + kNanThreads - 1) / kNanThreads;
-  return static_cast<unsigned>(blocks < 1 ? 1 : blocks > 1024 ? 1024 : blocks);
-}
 constexpr uint16_t kNoIndex = 0xFFFFu;  // a slot-index entry without a counted id (tables < 2^16 slots)
 
 // Block-wide scalars at the start of dynamic shared memory (see header_bytes).
@@ -424,39 +408,6 @@ __device__ double row_score(const KernelArgs& args, uint32_t token, const SlotCo
   return fmin(fmax(args.top * tanh(key / 2.0), -bound), bound);
 }
 
-__device__ void swap_slots(const Table& t, uint32_t i, uint32_t j, int words) {
-  const uint32_t k = t.keys[i];
-  t.keys[i] = t.keys[j];
-  t.keys[j] = k;
-  const unsigned long long c = t.counts[i];
-  t.counts[i] = t.counts[j];
-  t.counts[j] = c;
-  for (int w = 0; !t.packed && w < words; ++w) {
-    uint32_t* p = t.presence + static_cast<size_t>(w) * t.capacity;
-    const uint32_t v = p[i];
-    p[i] = p[j];
-    p[j] = v;
-  }
-}
-
-// Bitonic sort of the whole table by key, ascending: the occupied slots end up first, in token
-// order (kEmptyKey exceeds every id). Each step pairs slot lo (bit j clear) with lo | j.
-__device__ void sort_table(const Table& t, int words) {
-  const uint32_t n = t.capacity;
-  for (uint32_t k = 2u; k <= n; k <<= 1) {
-    for (uint32_t j = k >> 1; j > 0u; j >>= 1) {
-      for (uint32_t p = threadIdx.x; p < n / 2u; p += blockDim.x) {
-        const uint32_t lo = ((p & ~(j - 1u)) << 1) | (p & (j - 1u));
-        const uint32_t hi = lo | j;
-        const bool ascending = (lo & k) == 0u;
-        const uint32_t x = t.keys[lo], y = t.keys[hi];
-        if (ascending ? x > y : x < y) swap_slots(t, lo, hi, words);
-      }
-      __syncthreads();
-    }
-  }
-}
-
 // The score of (group g, token) from the given sorted rows (fisher="upstream", or a grid of tables
 // too large to compute whole).
 __device__ double given_score(const KernelArgs& args, int64_t g, uint32_t token) {
@@ -470,15 +421,18 @@ __device__ double given_score(const KernelArgs& args, int64_t g, uint32_t token)
              : NAN;
 }
 
-__device__ void write_rows(const KernelArgs& args, const Table& t, int64_t g, uint32_t n_keys,
-                           const uint32_t* correct_bits, const GroupCounts& gc) {
-  const int64_t first_row = args.row_offset[g];
+// kRows: each occupied slot as a row, at row_offset[g] + first + its place in the order the block's
+// threads reach it (`counter`, zero before, counts them); column c of a row at row_ints[c * n_rows].
+__device__ void write_rows(const KernelArgs& args, const Table& t, int64_t g, int64_t first,
+                           const uint32_t* correct_bits, const GroupCounts& gc, int words, uint32_t* counter) {
   const int64_t n = args.n_rows;
-  for (uint32_t i = threadIdx.x; i < n_keys; i += blockDim.x) {
-    const SlotCounts s = slot_counts(t, i, correct_bits, args.words);
-    int64_t* ints = args.row_ints + first_row + i;  // column c of the row at ints[c * n]
+  for (uint32_t slot = threadIdx.x; slot < t.capacity; slot += blockDim.x) {
+    const uint32_t token = t.keys[slot];
+    if (token == kEmptyKey) continue;
+    const SlotCounts s = slot_counts(t, slot, correct_bits, words);
+    int64_t* ints = args.row_ints + args.row_offset[g] + first + atomicAdd(counter, 1u);
     ints[0] = g;
-    ints[n] = t.keys[i];
+    ints[n] = token;
     ints[2 * n] = s.a;
     ints[3 * n] = s.b;
     ints[4 * n] = gc.n_c - s.a;
@@ -562,56 +516,6 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
   }
 }
 
-template <bool kSharedTable>
-__device__ Table block_table(const KernelArgs& args, unsigned char* smem, int64_t item) {
-  if (kSharedTable) {
-    const uint32_t capacity = static_cast<uint32_t>(args.shared_capacity);
-    auto* counts = reinterpret_cast<unsigned long long*>(smem + header_bytes(args.words));
-    auto* keys = reinterpret_cast<uint32_t*>(counts + capacity);
-    return Table{keys, counts, args.packed ? nullptr : keys + capacity, capacity, args.packed};
-  }
-  const int64_t offset = args.ws_offset[item];
-  // kCount's workspace holds keys only (4 bytes a slot): no counters or presence words
-  return Table{args.ws_keys + offset, args.ws_counts ? args.ws_counts + offset : nullptr,
-               args.ws_presence ? args.ws_presence + offset * args.words : nullptr,
-               static_cast<uint32_t>(args.ws_capacity[item]), false};
-}
-
-// One group (block_group[item]) from the table build to its outputs. Every branch that returns
-// early is block-uniform.
-template <int kMode, bool kSharedTable>
-__device__ void process_group(const KernelArgs& args, unsigned char* smem, int64_t item) {
-  auto* state = reinterpret_cast<BlockState*>(smem);
-  auto* correct_bits = reinterpret_cast<uint32_t*>(smem + sizeof(BlockState));
-  const int64_t g = args.block_group[item];
-  // a fallback pass launched without a host round trip: the groups the shared pass completed are done
-  if (args.skip_done && args.status[g] >= 0) return;
-  const Table t = block_table<kSharedTable>(args, smem, item);
-  const int64_t first = args.starts[g];
-  const int group_size = static_cast<int>(args.starts[g + 1] - first);
-
-  clear_table<kMode == kCount>(t, args.words);
-  for (int w = threadIdx.x; w < args.words; w += blockDim.x) {
-    uint32_t bits = 0u;
-    for (int j = 0; j < 32 && 32 * w + j < group_size; ++j) {
-      if (args.correct[args.members[first + 32 * w + j]]) bits |= 1u << j;
-    }
-    correct_bits[w] = bits;
-  }
-  if (threadIdx.x == 0) *state = BlockState{0u, 0u};
-  __syncthreads();
-
-  build_table<kMode == kCount>(args, t, first, group_size, state);
-  __syncthreads();
-  const bool overflowed = state->overflow != 0u;
-  const uint32_t n_keys = state->used;
-  if (threadIdx.x == 0) args.status[g] = overflowed ? -1 : static_cast<int64_t>(n_keys);
-  if (kMode == kCount || overflowed) return;
-
-  sort_table(t, args.words);
-  write_rows(args, t, g, n_keys, correct_bits, group_counts(args, g));
-}
-
 // A bad input stops every table pass before it writes (the host raises; `out` stays as it was, or,
 // for a replay of a captured call, holds NaN): an id out of range, or a group past kMaxGroupTokens.
 __device__ __forceinline__ bool bad_input(const KernelArgs& args) {
@@ -619,7 +523,7 @@ __device__ __forceinline__ bool bad_input(const KernelArgs& args) {
   return flags[0] != 0 || flags[1] != 0 || *reinterpret_cast<const volatile long long*>(args.most_tokens) != 0;
 }
 
-// One group of the static-bound advantage pipeline (launch_advantage), every choice made here: the
+// One group of the static-bound pipeline (pipeline.advantage), every choice made here: the
 // group's own presence words and slot layout, a table sized by its masked tokens (so only that much
 // is cleared), in the shared pass at most max_capacity slots (the host's size for the distinct ids
 // it has seen), up to what the block's shared memory (or global slice) holds. The shared pass gives
@@ -691,9 +595,15 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
       }
       __syncthreads();
       overflowed = state->overflow != 0u;
-      n_keys += state->used;
+      const uint32_t used = state->used;
+      n_keys += used;
       __syncthreads();  // every thread has read the state before it is reset
       if (overflowed) break;
+      if (args.mode == kRows) {  // this partition's rows, after the earlier ones' (overflow is 0: the counter)
+        write_rows(args, t, g, n_keys - used, correct_bits, gc, words, &state->overflow);
+        __syncthreads();
+      }
+      if (args.mode != kAdvantage) continue;  // kCount, kRows: nothing scored or gathered
       score_slots(args, t, g, correct_bits, gc, words);
       __syncthreads();
       if (from_index) {
@@ -891,16 +801,6 @@ __global__ void group_sums_kernel(const PrepareArgs args) {
   }
 }
 
-// Blocks take the items blockIdx.x, blockIdx.x + gridDim.x, ... (one each when the grid covers them).
-template <int kMode, bool kSharedTable>
-__global__ void __launch_bounds__(kMaxThreads) group_kernel(const KernelArgs args) {
-  KTAE_DYNAMIC_SHARED(smem);
-  for (int64_t item = blockIdx.x; item < args.n_items; item += gridDim.x) {
-    process_group<kMode, kSharedTable>(args, smem, item);
-    __syncthreads();  // the shared header and table are reused by the next item
-  }
-}
-
 __global__ void table_statistics_kernel(const StatsArgs args) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= args.size) return;
@@ -921,143 +821,5 @@ __global__ void table_statistics_kernel(const StatsArgs args) {
 }
 
 }  // namespace
-
-bool runs_on_cpu() {
-#ifdef KTAE_CPU_EMULATION
-  return true;
-#else
-  return false;
-#endif
-}
-
-#ifndef KTAE_CPU_EMULATION
-
-namespace {
-
-constexpr int kMaxDevices = 64;
-
-// The dynamic shared memory limit each kernel has been given, per device: the four rows-kernel
-// variants (kMode * 2 + kSharedTable) and the two advantage passes (4 + kSharedTable). Raised under
-// the lock, read without it; clear_launch_state forgets them (the next launch sets its limit again).
-constexpr int kLimitedKernels = 6;
-std::atomic<int64_t> g_allowed[kLimitedKernels][kMaxDevices] = {};
-std::mutex g_allow_mutex;
-
-// Raises `kernel`'s dynamic shared memory limit to `bytes` on the current device, once per size
-// increase (so that a call inside a CUDA graph capture, after a warm-up, sets nothing). `which`: the
-// kernel's row of g_allowed. Two threads never lower each other's limit: the check, the set and the
-// record happen under one lock, and a limit only grows.
-template <class Kernel>
-cudaError_t allow_shared(Kernel kernel, int which, int64_t bytes) {
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err != cudaSuccess) return err;
-  const bool recorded = device >= 0 && device < kMaxDevices;
-  if (recorded && g_allowed[which][device].load(std::memory_order_acquire) >= bytes) return cudaSuccess;
-  std::lock_guard<std::mutex> lock(g_allow_mutex);
-  if (recorded && g_allowed[which][device].load(std::memory_order_relaxed) >= bytes) return cudaSuccess;
-  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (err == cudaSuccess && recorded) g_allowed[which][device].store(bytes, std::memory_order_release);
-  return err;
-}
-
-template <int kMode, bool kSharedTable>
-cudaError_t launch(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
-                   cudaStream_t stream) {
-  const auto kernel = group_kernel<kMode, kSharedTable>;
-  cudaError_t err = allow_shared(kernel, kMode * 2 + (kSharedTable ? 1 : 0), shared_bytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
-  return cudaGetLastError();
-}
-
-template <bool kSharedTable>
-cudaError_t launch_dynamic(const KernelArgs& args, int64_t n_blocks, int threads, int64_t shared_bytes,
-                           cudaStream_t stream) {
-  const auto kernel = dynamic_kernel<kSharedTable>;
-  cudaError_t err = allow_shared(kernel, 4 + (kSharedTable ? 1 : 0), shared_bytes);
-  if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(n_blocks), threads, static_cast<size_t>(shared_bytes), stream>>>(args);
-  return cudaGetLastError();
-}
-
-constexpr int64_t kMaxGridBlocks = 2147483647;
-
-template <int kMode>
-cudaError_t launch_mode(const KernelArgs& args, bool shared_table, int64_t n_blocks, int threads,
-                        int64_t shared_bytes, cudaStream_t stream) {
-  return shared_table ? launch<kMode, true>(args, n_blocks, threads, shared_bytes, stream)
-                      : launch<kMode, false>(args, n_blocks, threads, shared_bytes, stream);
-}
-
-}  // namespace
-
-int launch_group_kernel(const KernelArgs& args, Mode mode, bool shared_table, int64_t n_blocks,
-                        int threads, int64_t shared_bytes, void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  switch (mode) {
-    case kCount: return launch_mode<kCount>(args, shared_table, n_blocks, threads, shared_bytes, s);
-    case kRows: return launch_mode<kRows>(args, shared_table, n_blocks, threads, shared_bytes, s);
-  }
-  return static_cast<int>(cudaErrorInvalidValue);
-}
-
-int launch_advantage(const PrepareArgs& prepare, const KernelArgs& kernel, int threads, int64_t fallback_blocks,
-                     void* stream) {
-  const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t err = cudaMemsetAsync(prepare.bad_ids, 0, kAdvantageFlags * sizeof(long long), s);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  if (prepare.B > 0) {
-    const int64_t blocks = prepare.B < kMaxGridBlocks ? prepare.B : kMaxGridBlocks;
-    scan_kernel<<<static_cast<unsigned>(blocks), threads, 32, s>>>(prepare);
-    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
-  }
-  groups_kernel<<<groups_blocks(prepare.B + 1), kGroupsThreads, 0, s>>>(prepare);
-  if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
-  if (prepare.n_groups > 0) {
-    group_sums_kernel<<<groups_blocks(32 * prepare.n_groups), kGroupsThreads, kGroupsThreads * sizeof(double), s>>>(
-        prepare);
-    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
-  }
-  if (kernel.n_items == 0) return 0;
-  if (kernel.shared_bytes > 0) {
-    const int64_t blocks = kernel.n_items < kMaxGridBlocks ? kernel.n_items : kMaxGridBlocks;
-    err = launch_dynamic<true>(kernel, blocks, threads, kernel.shared_bytes, s);
-    if (err != cudaSuccess) return static_cast<int>(err);
-  }
-  if (fallback_blocks > 0) {
-    err = launch_dynamic<false>(kernel, fallback_blocks, threads, sizeof(BlockState) * 2, s);
-    if (err != cudaSuccess) return static_cast<int>(err);
-  }
-  if (kernel.nan_on_error) {
-    nan_on_error_kernel<<<nan_blocks(prepare.B * prepare.L), kNanThreads, 0, s>>>(kernel, prepare.B * prepare.L);
-    if ((err = cudaGetLastError()) != cudaSuccess) return static_cast<int>(err);
-  }
-  return 0;
-}
-
-int launch_table_statistics(const StatsArgs& args, void* stream) {
-  if (args.size == 0) return 0;
-  const int64_t blocks = (args.size + kStatsThreads - 1) / kStatsThreads;
-  table_statistics_kernel<<<static_cast<unsigned>(blocks), kStatsThreads, 0, static_cast<cudaStream_t>(stream)>>>(args);
-  return static_cast<int>(cudaGetLastError());
-}
-
-const char* error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
-
-void clear_launch_state() {
-  std::lock_guard<std::mutex> lock(g_allow_mutex);
-  for (auto& kernel : g_allowed) {
-    for (auto& device : kernel) device.store(0, std::memory_order_relaxed);
-  }
-}
-
-int64_t max_shared_bytes(int device) {
-  int bytes = 0;
-  const cudaError_t err = cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  return err == cudaSuccess ? bytes : -static_cast<int64_t>(err);
-}
-
-#endif  // KTAE_CPU_EMULATION
 
 }  // namespace ktae

@@ -1,0 +1,230 @@
+"""The cuda backend's runtime without a GPU: NVRTC's disk cache (where, when it is read, a corrupt entry
+rebuilt, never used), the errors that name their fix (no NVRTC, an unknown arch, a failed compile),
+"auto" falling back to triton with one warning, and the argument structs read from the header
+(``abi``), checked against the layout the C++ compiler gives them."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from ktae_kernels import BackendUnavailableError, clear_caches
+from ktae_kernels.backends.cuda import abi, runtime
+from ktae_kernels.registry import resolve
+
+COMPILED = "compiled the cuda kernels"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache directory ($KTAE_CACHE_DIR), nothing compiled in memory."""
+    monkeypatch.setenv("KTAE_CACHE_DIR", str(tmp_path))
+    clear_caches()
+    yield tmp_path / "cuda"
+    clear_caches()
+
+
+def _entry(cache_dir: Path) -> Path:
+    (path,) = cache_dir.glob("*-sm_80.cubin")
+    return path
+
+
+def _installed(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+needs_nvrtc = pytest.mark.skipif(not _installed("cuda.core"), reason='needs cuda-core and NVRTC (pip install -e ".[cuda]")')
+
+
+def test_cache_dir_follows_ktae_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("KTAE_CACHE_DIR", str(tmp_path))
+    assert runtime.cache_dir() == tmp_path / "cuda"
+    monkeypatch.delenv("KTAE_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert runtime.cache_dir() == tmp_path / "xdg" / "ktae_kernels" / "cuda"
+
+
+@needs_nvrtc
+def test_compiled_once_then_read_from_disk_and_clear_caches_keeps_the_disk(cache, caplog):
+    caplog.set_level(logging.DEBUG, logger="ktae_kernels.cuda")
+    first = runtime.cubin(80)
+    assert sum(COMPILED in r.message for r in caplog.records) == 1  # the first-use compile, logged once
+    assert runtime.cubin(80) is first  # from memory
+    clear_caches()  # memory only: a later process, in effect
+    caplog.clear()
+    again = runtime.cubin(80)
+    assert again is not first and again == first and not any(COMPILED in r.message for r in caplog.records)
+    assert _entry(cache).name.startswith(runtime.cache_key(80))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("damage", ["flip a cubin byte", "truncate", "garbage", "other arch"])
+def test_a_corrupt_cache_entry_is_rebuilt_never_used(cache, caplog, damage):
+    good = runtime.cubin(80)
+    path = _entry(cache)
+    data = bytearray(path.read_bytes())
+    if damage == "flip a cubin byte":
+        data[-100] ^= 0xFF
+    elif damage == "truncate":
+        data = data[:len(data) // 2]
+    elif damage == "garbage":
+        data = bytearray(b"not a cache entry")
+    else:
+        data = data.replace(b'"arch": 80', b'"arch": 90', 1)
+    path.write_bytes(bytes(data))
+    clear_caches()
+    caplog.set_level(logging.DEBUG, logger="ktae_kernels.cuda")
+    rebuilt = runtime.cubin(80)
+    assert rebuilt.code == good.code and any(COMPILED in r.message for r in caplog.records)
+    assert path.read_bytes() != bytes(data)  # rewritten
+
+
+@needs_nvrtc
+def test_unknown_arch_names_the_fix(cache):
+    with pytest.raises(BackendUnavailableError, match=r"cannot compile for sm_61 .*pip install \"ktae_kernels\[cuda\]\""):
+        runtime.cubin(61)
+
+
+@needs_nvrtc
+def test_a_failed_compile_names_the_fix(cache, monkeypatch, tmp_path):
+    broken = tmp_path / "ktae_kernels.cu"
+    broken.write_text(runtime.SOURCE.read_text().replace("namespace ktae {", "namespace ktae { oops", 1))
+    (tmp_path / "ktae_args.h").write_text(abi.HEADER.read_text())
+    monkeypatch.setattr(runtime, "SOURCE", broken)
+    with pytest.raises(BackendUnavailableError, match=r"NVRTC failed to compile the cuda kernels for sm_80 \(.*"
+                                                      r"error: .*\): use backend='triton'"):
+        runtime.cubin(80)
+
+
+def test_without_cuda_core_the_reason_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.core", None)  # as if not installed
+    with pytest.raises(BackendUnavailableError, match=r'cuda-core is not installed.*pip install "ktae_kernels\[cuda\]"'):
+        runtime.cubin(90)
+
+
+@pytest.fixture
+def a_gpu_seen(monkeypatch):
+    """torch sees an sm_90 GPU (no kernel is launched)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+
+
+@pytest.mark.skipif(not _installed("triton"), reason="needs triton")
+def test_auto_falls_back_to_triton_with_one_warning(a_gpu_seen, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cuda.core", None)
+    clear_caches()
+    with pytest.warns(RuntimeWarning, match=r"backend='auto' runs the slower 'triton'.*'cuda' is unavailable: "
+                                            r"cuda-core is not installed"):
+        assert resolve("auto", "cuda").name == "triton"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve("auto", "cuda").name == "triton"  # warned once
+    clear_caches()
+
+
+@needs_nvrtc
+def test_the_check_lists_cuda_where_it_compiles(a_gpu_seen, cache):
+    from ktae_kernels.registry import availability
+
+    status = {s.name: s.problem for s in availability("cuda")}
+    assert status["cuda"] is None
+
+
+# ------------------------------------------------------------------------------ the structs (abi)
+def _layout_check(header_text: str, structs: dict, tmp_path) -> subprocess.CompletedProcess:
+    """Compile static_asserts that each struct's size and each field's offset in ``structs`` (ctypes) are
+    what the C++ compiler gives the header's structs."""
+    (tmp_path / "ktae_args.h").write_text(header_text)
+    lines = ['#include <cstddef>', '#include "ktae_args.h"']
+    for name, struct in structs.items():
+        lines.append(f"static_assert(sizeof(ktae::{name}) == {ctypes.sizeof(struct)}, \"{name} size\");")
+        for field, _ in struct._fields_:
+            offset = getattr(struct, field).offset
+            lines.append(f"static_assert(offsetof(ktae::{name}, {field}) == {offset}, \"{name}.{field}\");")
+    (tmp_path / "check.cpp").write_text("\n".join(lines) + "\n")
+    return subprocess.run(["c++", "-std=c++17", "-fsyntax-only", str(tmp_path / "check.cpp")], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_structs_match_the_compilers_layout(tmp_path):
+    structs = {"KernelArgs": abi.KernelArgs, "PrepareArgs": abi.PrepareArgs, "StatsArgs": abi.StatsArgs}
+    done = _layout_check(abi.HEADER.read_text(), structs, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_field_added_to_the_header_is_in_the_struct(tmp_path):
+    """The structs are read from the header, so a new field (here, between two others) moves the later
+    offsets in Python as in C++; a struct built from the old text no longer matches."""
+    text = abi.HEADER.read_text().replace("  int64_t length;            // L\n",
+                                          "  int64_t length;            // L\n  bool late; int32_t a, b;\n", 1)
+    assert text != abi.HEADER.read_text()
+    parsed = abi.parse(text)
+    new = abi.structure("KernelArgs", parsed.structs["KernelArgs"])
+    assert [f for f, _ in new._fields_][3:6] == ["late", "a", "b"]
+    assert _layout_check(text, {"KernelArgs": new}, tmp_path).returncode == 0
+    assert _layout_check(text, {"KernelArgs": abi.KernelArgs}, tmp_path).returncode != 0
+
+
+def test_the_constants_come_from_the_header():
+    assert abi.CONSTANTS["kMaxThreads"] == 1024 and abi.CONSTANTS["kMaxGroupTokens"] == 2**30
+    assert abi.CONSTANTS["kEmptyKey"] == 0xFFFFFFFF and abi.CONSTANTS["kBaselineGiven"] == 3
+    parsed = abi.parse("namespace x {\nconstexpr int64_t kA = int64_t{1} << 4;  // c\nconstexpr int kB = kA * 2 + 1;\n"
+                       "enum E : int { kC = 0, kD = 7 };\nstruct S { const double* p; unsigned long long q, r; };\n}")
+    assert parsed.constants == {"kA": 16, "kB": 33, "kC": 0, "kD": 7}
+    assert parsed.structs == {"S": [("p", "double*"), ("q", "unsigned long long"), ("r", "unsigned long long")]}
+    with pytest.raises(ValueError, match="cannot read the field"):
+        abi.parse("struct T { float3 v; };")
+
+
+# ------------------------------------------------------------------------------ the driver launcher
+@needs_nvrtc
+def test_the_driver_launcher_enqueues_on_torchs_stream_and_raises_shared_memory_once(cache, monkeypatch):
+    """``DriverLauncher`` with the driver's calls recorded (no GPU): the cubin compiled for the device's
+    arch is loaded in its primary context, each launch goes to torch's current stream with a pointer to
+    each argument, and a kernel's shared memory limit is set only when a launch needs more than before."""
+    import types
+
+    from cuda.bindings import driver
+
+    ok, calls = driver.CUresult.CUDA_SUCCESS, []
+
+    def launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        pointed = ctypes.c_void_p.from_address(params).value  # the first argument's address
+        calls.append(("launch", f, (gx, gy, gz), (bx, by, bz), smem, int(stream), pointed))
+        return (ok,)
+
+    fake = dict(cuInit=lambda flags: (ok,), cuDeviceGet=lambda index: (ok, index),
+                cuDevicePrimaryCtxRetain=lambda device: (ok, "context"),
+                cuCtxSetCurrent=lambda context: (calls.append(("current", context)), (ok,))[1],
+                cuModuleLoadData=lambda image: (calls.append(("load", bytes(image))), (ok, "module"))[1],
+                cuModuleGetFunction=lambda module, name: (ok, name.decode()),
+                cuDeviceGetAttribute=lambda attribute, device: (ok, 166912),
+                cuFuncSetAttribute=lambda f, attribute, value: (calls.append(("limit", f, value)), (ok,))[1],
+                cuLaunchKernel=launch)
+    for name, call in fake.items():
+        monkeypatch.setattr(driver, name, call)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=4242))
+    launcher = runtime.launcher(0)
+    assert launcher.max_shared_bytes() == 166912 and runtime.launcher(0) is launcher
+    assert ("load", runtime.cubin(80).code) in calls
+    symbol = runtime.cubin(80).symbols["ktae::dynamic_kernel<true>"]
+    args = abi.KernelArgs(n_items=3)
+    calls.clear()
+    for smem in (100_000, 100_000, 90_000, 120_000):
+        launcher.launch("ktae::dynamic_kernel<true>", 3, 256, smem, (args,))
+    assert [c for c in calls if c[0] == "limit"] == [("limit", symbol, 100_000), ("limit", symbol, 120_000)]
+    launches = [c for c in calls if c[0] == "launch"]
+    assert launches[0] == ("launch", symbol, (3, 1, 1), (256, 1, 1), 100_000, 4242, ctypes.addressof(args))
+    assert [c[4] for c in launches] == [100_000, 100_000, 90_000, 120_000]
