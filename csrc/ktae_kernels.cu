@@ -170,6 +170,9 @@ __device__ __forceinline__ void load_tile(const KernelArgs& args, const int64_t*
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
     token[u] = valid[u] ? tokens[pos] : 0;  // padding ids are never read
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {  // after every load: a check's atomic would order the loads after it
     if (token[u] < 0 || token[u] > kMaxTokenId) {
       if (token[u] < 0) {
         atomicMin(args.bad_ids, static_cast<long long>(token[u]));

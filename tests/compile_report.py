@@ -234,6 +234,66 @@ def cuda_report() -> dict:
     return report
 
 
+def cuobjdump() -> str | None:
+    """cuobjdump from the CUDA toolkit, else the one the Triton wheel bundles."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def sass_command(arch: int) -> list[str]:
+    """A shell command printing the SASS of csrc/ktae_kernels.cu built for ``sm_<arch>`` (nvcc -cubin,
+    then cuobjdump -sass), without the encoding comments."""
+    script = ('d=$(mktemp -d) && "$0" -cubin -std=c++17 -O3 -arch=sm_$1 "$2" -o "$d/k.cubin" && "$3" -sass "$d/k.cubin"'
+              ' | sed -e "s@ */\\* 0x[0-9a-f]* \\*/@@" | grep -v "^ *$"; rc=$?; rm -rf "$d"; exit $rc')
+    return ["sh", "-c", script, nvcc(), str(arch), str(ROOT / "csrc" / "ktae_kernels.cu"), cuobjdump()]
+
+
+def sass_functions(sass: str) -> dict[str, str]:
+    """``cuobjdump -sass`` output split per kernel entry (demangled name -> its instructions)."""
+    out: dict[str, list[str]] = {}
+    lines = None
+    for line in sass.splitlines():
+        if found := re.search(r"Function : (\S+)", line):
+            lines = out.setdefault(_demangled(found.group(1)), [])
+        elif lines is not None:
+            lines.append(line)
+    return {name: "\n".join(body) for name, body in out.items()}
+
+
+#: the range check of a token id, id < 0 || id > 2^31 - 1, as one unsigned 64-bit compare (its low half)
+_ID_CHECK = re.compile(r"ISETP\.GE\.U32\.AND P\d, PT, (R\d+), -0x80000000, PT")
+_LOAD64 = re.compile(r"LDG\.E\.64(?:\.\w+)* (R\d+), ")
+
+
+def id_loads_and_checks(sass: str) -> str:
+    """The order of a kernel's token-id loads and their range checks: "L" for a 64-bit global load whose
+    register a range check tests next (before another load writes it), "C" for a range check, in
+    instruction order. A tile whose loads all issue before any check reads ``"LLLLCCCC"`` (kUnroll 4);
+    a check between two loads (``"LCLC..."``) makes each load wait for the one before."""
+    events = []
+    for line in sass.splitlines():
+        if found := _ID_CHECK.search(line):
+            events.append(("C", found.group(1)))
+        elif found := _LOAD64.search(line):
+            events.append(("L", found.group(1)))
+    order = []
+    for i, (kind, register) in enumerate(events):
+        if kind == "C":
+            order.append("C")
+            continue
+        following = next((k for k, r in events[i + 1:] if r == register), None)
+        if following == "C":
+            order.append("L")
+    return "".join(order)
+
+
 def _demangled(name: str) -> str:
     """A readable kernel name: ``dynamic_kernel<true>`` for ``_ZN4ktae..14dynamic_kernelILb1EEEvNS_10KernelArgsE``."""
     found = re.search(r"\d+([a-z_]+_kernel)(?=I|E)", name)

@@ -4,7 +4,10 @@ errors (C++17 and C++20), and ptxas -v (tests/compile_report.py) shows:
   shared-table passes, the statistics kernel); the global-memory passes may spill (they run only for
   the groups a shared table cannot hold);
 - no static shared memory (every table is dynamic, sized by the host within the device's opt-in limit:
-  tests/test_cuda_host.py checks that sizing against sm_80's and sm_90's limits).
+  tests/test_cuda_host.py checks that sizing against sm_80's and sm_90's limits);
+- in the sm_90 SASS (cuobjdump -sass), a tile's token-id loads all issue before the first range check of
+  any of them, in every kernel that builds a table (a check's atomic between two loads makes each load
+  wait for the one before: kUnroll dependent DRAM trips a tile instead of one).
 The binding (csrc/ktae.cpp) is compiled and run by tests/test_cuda_emulation.py.
 """
 from __future__ import annotations
@@ -16,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from compile_report import ARCHS, _demangled, cuda_command, nvcc, ptxas_report
+from compile_report import (ARCHS, _demangled, cuda_command, cuobjdump, id_loads_and_checks, nvcc, ptxas_report,
+                            sass_command, sass_functions)
 from build_cache import cached_run
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -26,6 +30,9 @@ KERNELS = {"scan_kernel", "groups_kernel", "group_sums_kernel", "table_statistic
            "dynamic_kernel<false>", "group_kernel<0, true>", "group_kernel<0, false>", "group_kernel<1, true>",
            "group_kernel<1, false>", "nan_on_error_kernel"}
 SHARED_PATH = {name for name in KERNELS if "false" not in name}
+#: the kernels that build tables (load_tile)
+TABLE_KERNELS = {name for name in KERNELS if name.startswith(("dynamic_kernel", "group_kernel"))}
+UNROLL = 4  # kUnroll, csrc/ktae_kernels.h
 
 
 def _compiled(arch: int, std: str = "c++17") -> dict:
@@ -44,6 +51,32 @@ def test_kernels_compile_without_spills_in_the_shared_memory_path(arch):
     assert not spilled, spilled
     assert all(entry["shared"] == 0 for entry in kernels.values())
     assert all(0 < entry["registers"] <= 64 for entry in kernels.values())  # 1024-thread blocks
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump not found (CUDA toolkit or Triton wheel)")
+def test_a_tiles_id_loads_all_issue_before_their_range_checks():
+    version = subprocess.run([nvcc(), "--version"], capture_output=True, text=True).stdout
+    result = cached_run("sass", sass_command(90), sorted(CSRC.glob("*.cu")) + sorted(CSRC.glob("*.h")),
+                        key_extra=version)
+    assert result["returncode"] == 0, result["stderr"][-4000:]
+    functions = sass_functions(result["stdout"])
+    assert set(functions) == KERNELS, sorted(functions)
+    tile = "L" * UNROLL + "C" * UNROLL
+    order = {name: id_loads_and_checks(functions[name]) for name in TABLE_KERNELS}
+    assert all(seen and seen == tile * (len(seen) // len(tile)) for seen in order.values()), order
+
+
+def test_id_loads_and_checks_reads_the_order_of_loads_and_checks():
+    sass = """
+        /*0010*/               @P4 LDG.E.64 R20, desc[UR24][R26.64] ;
+        /*0020*/                   LDG.E.64 R8, desc[UR24][R2.64] ;
+        /*0030*/               @P5 LDG.E.64.CONSTANT R16, desc[UR24][R24.64] ;
+        /*0040*/                   ISETP.GE.U32.AND P4, PT, R20, -0x80000000, PT ;
+        /*0050*/                   IADD3 R8, R8, 0x1, RZ ;
+        /*0060*/                   ISETP.GE.U32.AND P2, PT, R16, -0x80000000, PT ;
+        /*0070*/                   LDG.E.64 R20, desc[UR24][R28.64] ;
+        /*0080*/                   ISETP.GE.U32.AND P3, PT, R20, -0x80000000, PT ;"""
+    assert id_loads_and_checks(sass) == "LLCCLC"  # R8's load feeds no check
 
 
 def test_kernels_compile_as_cpp20():
