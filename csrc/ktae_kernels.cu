@@ -202,15 +202,15 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 }
 
 // Loads ahead the pass after the one at `start` of a rollout of extent `end`: this rollout's next one
-// (`row`: the rollout's offset in [B, L]), or the first pass of the next rollout (`next_row`; -1: none),
-// whose extent is not known yet (up to L). Each thread asks for the lines of its kUnroll positions in
-// `array` (`size` bytes a position), so that they are in L2 when the pass loads them.
-__device__ __forceinline__ void load_ahead(const KernelArgs& args, const void* array, int size, int64_t row,
-                                           int64_t start, int64_t end, int64_t next_row) {
+// (`row`: the rollout's offset in [B, L]), or the first pass of the next rollout (`next_row`; -1: none)
+// of extent `next_end`. Each thread asks for the lines of its kUnroll positions in `array` (`size` bytes
+// a position), so that they are in L2 when the pass loads them.
+__device__ __forceinline__ void load_ahead(const void* array, int size, int64_t row, int64_t start, int64_t end,
+                                           int64_t next_row, int64_t next_end) {
   const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
   const bool same = start + step < end;
   if (!same && next_row < 0) return;
-  const int64_t at = same ? row + start + step : next_row, stop = same ? row + end : next_row + args.length;
+  const int64_t at = same ? row + start + step : next_row, stop = same ? row + end : next_row + next_end;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t pos = at + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
@@ -221,6 +221,63 @@ __device__ __forceinline__ void load_ahead(const KernelArgs& args, const void* a
 // The rollout's positions a pass reads: up to its extent (last masked position + 1) when known.
 __device__ __forceinline__ int64_t rollout_end(const KernelArgs& args, int64_t rollout) {
   return args.extent ? args.extent[rollout] : args.length;
+}
+
+// What a pass over a group needs of each of its rollouts besides the tokens: its id (its row of [B, L]),
+// extent, correct flag and rollout advantage (kBase).
+struct Rollout {
+  int64_t id, end;
+  bool correct;
+  double base;
+};
+
+// A 64-bit shuffle: lane `source`'s value on every lane.
+__device__ __forceinline__ int64_t shfl_int64(int64_t value, int source) {
+  const uint64_t bits = static_cast<uint64_t>(value);
+  const unsigned lo = __shfl_sync(kFullWarp, static_cast<unsigned>(bits), source);
+  const unsigned hi = __shfl_sync(kFullWarp, static_cast<unsigned>(bits >> 32), source);
+  return static_cast<int64_t>(static_cast<uint64_t>(hi) << 32 | lo);
+}
+
+// The group's rollouts `at`, at + 1, ..., at + 31 staged in the lanes of every warp: lane j loads rollout
+// at + j's metadata, all lanes at once, so that a group costs two dependent trips (members, then the
+// rest) per 32 rollouts instead of two or three per rollout. Every lane of the warp calls it.
+template <bool kBase>
+__device__ __forceinline__ Rollout stage_rollouts(const KernelArgs& args, int64_t first, int group_size, int at) {
+  Rollout m{0, 0, false, 0.0};
+  if (const int j = at + static_cast<int>(threadIdx.x & 31u); j < group_size) {
+    m.id = args.members[first + j];
+    m.end = rollout_end(args, m.id);
+    m.correct = args.correct[m.id];
+    if (kBase) m.base = args.base[m.id];
+  }
+  return m;
+}
+
+// Rollout r's metadata from the warp's staged ones (stage_rollouts at r & ~31), on every lane. Every lane
+// of the warp calls it.
+template <bool kBase>
+__device__ __forceinline__ Rollout staged_rollout(const Rollout& staged, int r) {
+  const int lane = r & 31;
+  return Rollout{shfl_int64(staged.id, lane), shfl_int64(staged.end, lane),
+                 __shfl_sync(kFullWarp, static_cast<unsigned>(staged.correct), lane) != 0u,
+                 kBase ? __shfl_sync(kFullWarp, staged.base, lane) : 0.0};
+}
+
+// The row ([B, L] offset) and extent of rollout r + 1 of the group, for the load-ahead of its first pass
+// (row -1: r is the last): from the staged rollouts, or, at the end of the 32 staged, loaded. Every lane
+// of the warp calls it.
+__device__ __forceinline__ void next_rollout(const KernelArgs& args, const Rollout& staged, int64_t first,
+                                             int group_size, int r, int64_t& row, int64_t& end) {
+  row = -1;
+  end = 0;
+  if ((r + 1) & 31) {
+    const Rollout next = staged_rollout<false>(staged, r + 1);
+    if (r + 1 < group_size) row = next.id * args.length, end = next.end;
+  } else if (r + 1 < group_size) {
+    const int64_t next = args.members[first + r + 1];
+    row = next * args.length, end = rollout_end(args, next);
+  }
 }
 
 // Phase 1. Each pass of the inner loop covers blockDim.x * kUnroll positions of one rollout, so a
@@ -234,20 +291,28 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
   const unsigned lane = threadIdx.x & 31u;
   const int64_t length = args.length;
   const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
+  Rollout staged{};
   for (int r = 0; r < group_size; ++r) {
-    const int64_t rollout = args.members[first + r];
+    if ((r & 31) == 0) staged = stage_rollouts<false>(args, first, group_size, r);
+    const Rollout meta = staged_rollout<false>(staged, r);
+    int64_t next_row, next_end;
+    next_rollout(args, staged, first, group_size, r, next_row, next_end);
+    const int64_t rollout = meta.id;
     const int64_t* tokens = args.responses + rollout * length;
     const bool* mask = args.mask + rollout * length;
-    const bool is_correct = args.correct[rollout];
+    const bool is_correct = meta.correct;
     const size_t presence_row = static_cast<size_t>(r >> 5) * t.capacity;  // wide layout
     const uint32_t bit = 1u << (r & 31);
-    const int64_t end = rollout_end(args, rollout);
+    const int64_t end = meta.end;
     uint16_t* record = kRecord ? args.slot_index + rollout * length : nullptr;
     for (int64_t start = 0; start < end; start += step) {
       if (__shfl_sync(kFullWarp, load_volatile(&state->overflow), 0) != 0u) return;
       int64_t token[kUnroll];
       bool valid[kUnroll];
       load_tile(args, tokens, mask, start, end, token, valid);
+      // the next pass's mask and ids into L2 while this one is inserted
+      load_ahead(args.mask, 1, rollout * length, start, end, next_row, next_end);
+      load_ahead(args.responses, 8, rollout * length, start, end, next_row, next_end);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const uint32_t key = valid[u] && in_part(static_cast<uint32_t>(token[u]), parts, part)
@@ -512,19 +577,22 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
                                  uint32_t parts = 1u, uint32_t part = 0u) {
   const int64_t length = args.length;
   const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
+  Rollout staged{};
   for (int r = 0; r < group_size; ++r) {
-    const int64_t rollout = args.members[first + r];
+    if ((r & 31) == 0) staged = stage_rollouts<true>(args, first, group_size, r);
+    const Rollout meta = staged_rollout<true>(staged, r);
+    const int64_t rollout = meta.id;
     const int64_t* tokens = args.responses + rollout * length;
     const bool* mask = args.mask + rollout * length;
     float* out = args.advantage + rollout * length;
-    const double base = args.base[rollout];
-    const int64_t end = rollout_end(args, rollout);
+    const double base = meta.base;
+    const int64_t end = meta.end;
     if (kFromIndex) {  // the slots the build recorded: no mask, no ids, no probing
       const uint16_t* index = args.slot_index + rollout * length;
+      int64_t next_row, next_end;
+      next_rollout(args, staged, first, group_size, r, next_row, next_end);
       for (int64_t start = 0; start < end; start += step) {
-        // (the next rollout's id shares a line with this one's: an L1 hit)
-        const int64_t next_row = start + step >= end && r + 1 < group_size ? args.members[first + r + 1] * length : -1;
-        load_ahead(args, args.slot_index, 2, rollout * length, start, end, next_row);
+        load_ahead(args.slot_index, 2, rollout * length, start, end, next_row, next_end);
         uint16_t slot[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
