@@ -5,13 +5,15 @@
 //   groups       correct flags and group offsets (a thread per rollout), then a warp per group:
 //                n_c, n_w, T_c, T_w and the rollout advantage A_i;
 //   shared pass  one block per group. Build: the block reads its rollouts' tokens once (coalesced,
-//                kUnroll loads in flight per thread, the next tile's loads issued before this one is
-//                inserted; a token id is loaded only where the mask is set) and inserts each masked
+//                kUnroll loads in flight per thread, the next tile's lines asked of L2 while this one is
+//                inserted; a token id is loaded only where the mask is set; the rollouts' metadata
+//                staged in the warps' lanes, 32 at a time) and inserts each masked
 //                id into an open-addressing hash table in shared memory (linear probing): a key, an
 //                occurrence counter pair (f_c, f_w) and one presence bit per rollout (in the same
 //                8-byte word for the packed slot of small groups, see Table). Lanes of a warp holding
 //                the same id are merged with __match_any_sync, so a frequent token costs one atomic
-//                per warp. Score: per occupied slot, a = popc(presence & correct rollouts), b = the
+//                per warp. Score: per occupied slot (queued in a warp's lanes, 32 scored at once),
+//                a = popc(presence & correct rollouts), b = the
 //                rest; the table's statistics (strength = alpha F + beta IG, Cohen's h) from the
 //                device grid (or computed for groups past it; or the given per-row scores of
 //                fisher="upstream"), the per-row BM25 direction and tanh squash, stored in place of
@@ -277,6 +279,18 @@ __device__ __forceinline__ void next_rollout(const KernelArgs& args, const Rollo
   } else if (r + 1 < group_size) {
     const int64_t next = args.members[first + r + 1];
     row = next * args.length, end = rollout_end(args, next);
+  }
+}
+
+// The group's correct-rollout mask: bit j of word w set when its rollout 32 w + j (in member order) is
+// correct. A warp a word, each lane loading one rollout's flag, all at once: two dependent trips a word,
+// not two a rollout in one thread. Every lane of a warp runs the loop.
+__device__ __forceinline__ void correct_mask(const KernelArgs& args, int64_t first, int group_size, int words,
+                                             uint32_t* correct_bits) {
+  for (int w = static_cast<int>(threadIdx.x >> 5); w < words; w += static_cast<int>(blockDim.x >> 5)) {
+    const int j = 32 * w + static_cast<int>(threadIdx.x & 31u);
+    const unsigned bits = __ballot_sync(kFullWarp, j < group_size && args.correct[args.members[first + j]]);
+    if ((threadIdx.x & 31u) == 0u) correct_bits[w] = bits;
   }
 }
 
@@ -556,16 +570,51 @@ __device__ void write_rows(const KernelArgs& args, const Table& t, int64_t g, ui
   }
 }
 
-// Replaces every occupied slot's counters by the bits of its float64 score. Each thread touches
-// only its own slots, so no barrier is needed until the gather reads them.
+// Replaces occupied slot s's counters by the bits of its float64 score.
+__device__ __forceinline__ void score_slot(const KernelArgs& args, const Table& t, int64_t g, uint32_t s,
+                                           const uint32_t* correct_bits, const GroupCounts& gc, int words) {
+  const uint32_t token = t.keys[s];
+  const double score = args.use_given ? given_score(args, g, token)
+                                      : row_score(args, token, slot_counts(t, s, correct_bits, words), gc);
+  t.counts[s] = static_cast<unsigned long long>(__double_as_longlong(score));
+}
+
+// The lane of the k-th set bit (from 0) of `bits`; some lane when fewer than k + 1 are set.
+__device__ __forceinline__ int nth_set_bit(unsigned bits, int k) {
+  int lane = 0;
+  for (int step = 16; step > 0; step >>= 1) {
+    if (__popc(bits & ((1u << (lane + step)) - 1u)) <= k) lane += step;
+  }
+  return lane;
+}
+
+// Replaces every occupied slot's counters by the bits of its float64 score, over the occupied slots
+// only: each warp walks 32 slots at a time and queues their occupied ones in its lanes (lane j takes
+// the one of rank j - queued), and scores a full queue at once, so that no lane of a scoring step
+// idles on an empty slot (a walk over every slot leaves the lanes of the empty ones, about half at
+// the tables' load, idle through each score). Each slot is scored by one thread, which alone reads and
+// writes it, so no barrier is needed until the gather reads them. Every lane of a warp runs the walk.
 __device__ void score_slots(const KernelArgs& args, const Table& t, int64_t g,
                             const uint32_t* correct_bits, const GroupCounts& gc, int words) {
-  for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
-    const uint32_t token = t.keys[s];
-    if (token == kEmptyKey) continue;
-    const double score = args.use_given ? given_score(args, g, token)
-                                        : row_score(args, token, slot_counts(t, s, correct_bits, words), gc);
-    t.counts[s] = static_cast<unsigned long long>(__double_as_longlong(score));
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  uint32_t mine = kNoSlot;  // this lane's queued slot, in lanes below `queued`
+  int queued = 0;
+  for (uint32_t at = threadIdx.x & ~31u;; at += blockDim.x) {
+    const bool walking = at < t.capacity;  // the same on every lane; past the walk, the last queue is scored
+    const uint32_t s = at + static_cast<uint32_t>(lane);
+    const unsigned occupied = __ballot_sync(kFullWarp, walking && s < t.capacity && t.keys[s] != kEmptyKey);
+    const int n = __popc(occupied);
+    const int rank = (lane - queued) & 31;  // of the occupied slot this lane takes, if there is one
+    const uint32_t incoming = __shfl_sync(kFullWarp, s, nth_set_bit(occupied, rank));
+    if (lane >= queued && rank < n) mine = incoming;
+    if (walking && queued + n < 32) {
+      queued += n;
+      continue;
+    }
+    if (walking || lane < queued) score_slot(args, t, g, mine, correct_bits, gc, words);  // one call site
+    if (!walking) return;
+    queued += n - 32;
+    if (lane < queued) mine = incoming;  // the ranks past the full queue
   }
 }
 
@@ -738,13 +787,7 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
   auto* keys = reinterpret_cast<uint32_t*>(counts + capacity);
   const Table t{keys, counts, packed ? nullptr : keys + capacity, static_cast<uint32_t>(capacity), packed};
 
-  for (int w = threadIdx.x; w < words; w += blockDim.x) {
-    uint32_t bits = 0u;
-    for (int j = 0; j < 32 && 32 * w + j < group_size; ++j) {
-      if (args.correct[args.members[first + 32 * w + j]]) bits |= 1u << j;
-    }
-    correct_bits[w] = bits;
-  }
+  correct_mask(args, first, group_size, words, correct_bits);
   const uint32_t most_parts = kSharedTable ? 1u : (1u << 24);
   // the shared pass records each position's slot when the table's slots fit 16 bits
   const bool from_index = kSharedTable && args.slot_index != nullptr && capacity < kNoIndex;
