@@ -4,7 +4,8 @@ errors (C++17 and C++20), and ptxas -v (tests/compile_report.py) shows:
   shared-table passes, the statistics kernel); the global-memory passes may spill (they run only for
   the groups a shared table cannot hold);
 - no static shared memory (every table is dynamic, sized by the host within the device's opt-in limit:
-  tests/test_cuda_host.py checks that sizing against sm_80's and sm_90's limits);
+  tests/test_cuda_host.py checks that sizing against sm_80's and sm_90's limits), and the shared-table
+  kernels' registers and shared memory let the blocks per SM the host chooses (1 or 2) share an SM;
 - in the sm_90 SASS (cuobjdump -sass), a tile's token-id loads all issue before the first range check of
   any of them, in every kernel that builds a table (a check's atomic between two loads makes each load
   wait for the one before: kUnroll dependent DRAM trips a tile instead of one).
@@ -19,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from compile_report import (ARCHS, _demangled, cuda_command, cuobjdump, id_loads_and_checks, nvcc, ptxas_report,
+from compile_report import (ARCHS, OPT_IN_SHARED, _demangled, cuda_command, cuobjdump, id_loads_and_checks, nvcc, ptxas_report,
                             sass_command, sass_functions)
 from build_cache import cached_run
+from ktae_kernels.backends import cuda
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc not found (CUDA toolkit absent)")
@@ -51,6 +53,21 @@ def test_kernels_compile_without_spills_in_the_shared_memory_path(arch):
     assert not spilled, spilled
     assert all(entry["shared"] == 0 for entry in kernels.values())
     assert all(0 < entry["registers"] <= 64 for entry in kernels.values())  # 1024-thread blocks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("blocks_per_sm", [1, 2])
+def test_shared_table_kernels_fit_the_blocks_per_sm_the_host_chooses(arch, blocks_per_sm):
+    """At 1 or 2 blocks per SM the host launches at most ``most_threads`` threads a block and at most
+    ``shared_limit`` bytes of dynamic shared memory: with the kernels' registers (65,536 a SM) and static
+    shared memory (an SM holds the opt-in limit plus 1 KB, a block reserves 1 KB) that many blocks fit."""
+    kernels = _compiled(arch)
+    threads = cuda.most_threads(cuda.MAX_THREADS, blocks_per_sm)
+    dynamic = cuda.shared_limit(OPT_IN_SHARED[arch], blocks_per_sm)
+    for name in sorted(SHARED_PATH & TABLE_KERNELS):
+        entry = kernels[name]
+        assert blocks_per_sm * threads * entry["registers"] <= 65536, (name, entry)
+        assert blocks_per_sm * (dynamic + entry["shared"] + 1024) <= OPT_IN_SHARED[arch] + 1024, (name, entry)
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump not found (CUDA toolkit or Triton wheel)")
