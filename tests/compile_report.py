@@ -224,13 +224,20 @@ def cuda_command(arch: int, std: str = "c++17") -> list[str]:
 
 
 def cuda_report() -> dict:
-    """Per arch, per kernel entry of csrc/ktae_kernels.cu: ptxas's registers, spills, shared memory."""
+    """Per arch, per kernel entry of csrc/ktae_kernels.cu: ptxas's registers, spills, shared memory, and
+    on sm_90 (with cuobjdump) the order of its token-id loads and range checks (``id_loads_and_checks``)."""
     report = {}
     for arch in ARCHS:
         done = subprocess.run(cuda_command(arch), capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-4000:])
         report[f"sm_{arch}"] = {_demangled(name): entry for name, entry in ptxas_report(done.stdout + done.stderr).items()}
+    if cuobjdump() is not None:
+        done = subprocess.run(sass_command(90), capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(done.stderr[-4000:])
+        for name, sass in sass_functions(done.stdout).items():
+            report["sm_90"][name]["id_loads_and_checks"] = id_loads_and_checks(sass)
     return report
 
 
