@@ -51,11 +51,13 @@ from ktae_kernels import (CudaTuning, ExecutionOptions, KTAEConfig, TritonTuning
                           key_token_scores, plan_token_advantage, token_advantage)
 from ktae_kernels.backends.device import state  # noqa: E402
 
-#: launch variants timed (and checked): per backend, a name and its options
+#: launch variants timed (and checked): per backend, a name and its options. A cuda variant is named by
+#: the threads its blocks run on the paper batch (a rollout of L = 3072 split into passes of whole warps
+#: x 4 positions: a cap of 384 runs two passes of 384, 768 one pass of 768).
 VARIANTS = {
     "cuda": {f"threads{t}-sm{b}-{'packed' if p else 'wide'}": ExecutionOptions(
         cuda=CudaTuning(max_threads=t, blocks_per_sm=b, packed=p))
-        for t, b, p in ((256, 1, True), (512, 1, True), (1024, 1, True), (1024, 1, False), (512, 2, True))},
+        for t, b, p in ((256, 1, True), (384, 1, True), (768, 1, True), (768, 1, False), (384, 2, True))},
     "triton": {f"guess{g}": ExecutionOptions(triton=TritonTuning(first_guess=g)) for g in (0.125, 0.25, 0.5)},
 }
 #: tables far too small: every group rebuilt (triton) or taken by the global pass (cuda)

@@ -238,14 +238,57 @@ def sass(code: bytes) -> str:
 
 def cuda_report() -> dict:
     """Per arch, per kernel of the cuda backend (``runtime.KERNELS``, by readable name): ptxas's
-    registers, spills, shared memory, from NVRTC's compile of the device source."""
+    registers, spills, shared memory, from NVRTC's compile of the device source; on sm_90 (with cuobjdump)
+    the order of its token-id loads and range checks (``id_loads_and_checks``)."""
     from ktae_kernels.backends.cuda import runtime
 
     report = {}
     for arch in ARCHS:
         _, log = runtime.compile_report(arch)
         report[f"sm_{arch}"] = {_demangled(name): entry for name, entry in ptxas_report(log).items()}
+    if cuobjdump() is not None:
+        for name, code in sass_functions(sass(runtime.cubin(90).code)).items():
+            report["sm_90"][name]["id_loads_and_checks"] = id_loads_and_checks(code)
     return report
+
+
+def sass_functions(sass: str) -> dict[str, str]:
+    """``cuobjdump -sass`` output split per kernel entry (demangled name -> its instructions)."""
+    out: dict[str, list[str]] = {}
+    lines = None
+    for line in sass.splitlines():
+        if found := re.search(r"Function : (\S+)", line):
+            lines = out.setdefault(_demangled(found.group(1)), [])
+        elif lines is not None:
+            lines.append(line)
+    return {name: "\n".join(body) for name, body in out.items()}
+
+
+#: the range check of a token id, id < 0 || id > 2^31 - 1, as one unsigned 64-bit compare (its low half)
+_ID_CHECK = re.compile(r"ISETP\.GE\.U32\.AND P\d, PT, (R\d+), -0x80000000, PT")
+_LOAD64 = re.compile(r"LDG\.E\.64(?:\.\w+)* (R\d+), ")
+
+
+def id_loads_and_checks(sass: str) -> str:
+    """The order of a kernel's token-id loads and their range checks: "L" for a 64-bit global load whose
+    register a range check tests next (before another load writes it), "C" for a range check, in
+    instruction order. A tile whose loads all issue before any check reads ``"LLLLCCCC"`` (kUnroll 4);
+    a check between two loads (``"LCLC..."``) makes each load wait for the one before."""
+    events = []
+    for line in sass.splitlines():
+        if found := _ID_CHECK.search(line):
+            events.append(("C", found.group(1)))
+        elif found := _LOAD64.search(line):
+            events.append(("L", found.group(1)))
+    order = []
+    for i, (kind, register) in enumerate(events):
+        if kind == "C":
+            order.append("C")
+            continue
+        following = next((k for k, r in events[i + 1:] if r == register), None)
+        if following == "C":
+            order.append("L")
+    return "".join(order)
 
 
 def _demangled(name: str) -> str:

@@ -5,8 +5,12 @@ user's first call takes (``runtime.cubin``: no GPU needed), and ptxas's report o
   shared-table passes, the statistics kernel); the global-memory passes may spill (they run only for
   the groups a shared table cannot hold);
 - no static shared memory (every table is dynamic, sized by the host within the device's opt-in limit:
-  tests/test_cuda_host.py checks that sizing against sm_80's and sm_90's limits);
-- at most 64 registers a thread (1024-thread blocks).
+  tests/test_cuda_host.py checks that sizing against sm_80's and sm_90's limits), and the shared-table
+  kernels' registers and shared memory let the blocks per SM the host chooses (1 or 2) share an SM;
+- at most 64 registers a thread (1024-thread blocks);
+- in the sm_90 SASS (cuobjdump -sass), a tile's token-id loads all issue before the first range check of
+  any of them, in every kernel that builds a table (a check's atomic between two loads makes each load
+  wait for the one before: kUnroll dependent DRAM trips a tile instead of one).
 The launches themselves run on the CPU emulator: tests/test_cuda_emulation.py.
 """
 from __future__ import annotations
@@ -15,13 +19,25 @@ import re
 
 import pytest
 
-from compile_report import ARCHS, _demangled, cuobjdump, ptxas_report, sass
-from ktae_kernels.backends.cuda import runtime
+from compile_report import (ARCHS, OPT_IN_SHARED, _demangled, cuobjdump, id_loads_and_checks, ptxas_report, sass,
+                            sass_functions)
+from ktae_kernels.backends import cuda
+from ktae_kernels.backends.cuda import abi, runtime
 
 pytest.importorskip("cuda.core", reason='needs cuda-core and NVRTC (pip install -e ".[cuda]")')
 #: the readable name (compile_report._demangled) of every kernel the backend launches
 KERNELS = {re.sub(r"^ktae::", "", name) for name in runtime.KERNELS}
 SHARED_PATH = {name for name in KERNELS if "false" not in name}
+#: the kernels that build tables (load_tile)
+TABLE_KERNELS = {name for name in KERNELS if name.startswith(("dynamic_kernel", "group_kernel"))}
+UNROLL = abi.CONSTANTS["kUnroll"]
+
+
+@pytest.fixture(scope="module")
+def compiled_reports() -> dict[int, dict]:
+    """ptxas's report per kernel (readable names), per arch, of NVRTC's compile."""
+    return {arch: {_demangled(name): entry for name, entry in ptxas_report(runtime.compile_report(arch)[1]).items()}
+            for arch in ARCHS}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -54,6 +70,43 @@ def test_the_report_reads_the_code_users_run(arch):
     """The report's compile (with ptxas -v) gives the same machine code as the one users load."""
     reported, _ = runtime.compile_report(arch)
     assert sass(reported.code) == sass(runtime.cubin(arch).code)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("blocks_per_sm", [1, 2])
+def test_shared_table_kernels_fit_the_blocks_per_sm_the_host_chooses(compiled_reports, arch, blocks_per_sm):
+    """At 1 or 2 blocks per SM the host launches at most ``most_threads`` threads a block and at most
+    ``shared_limit`` bytes of dynamic shared memory: with the kernels' registers (65,536 a SM) and static
+    shared memory (an SM holds the opt-in limit plus 1 KB, a block reserves 1 KB) that many blocks fit."""
+    kernels = compiled_reports[arch]
+    threads = cuda.most_threads(cuda.MAX_THREADS, blocks_per_sm)
+    dynamic = cuda.shared_limit(OPT_IN_SHARED[arch], blocks_per_sm)
+    for name in sorted(SHARED_PATH & TABLE_KERNELS):
+        entry = kernels[name]
+        assert blocks_per_sm * threads * entry["registers"] <= 65536, (name, entry)
+        assert blocks_per_sm * (dynamic + entry["shared"] + 1024) <= OPT_IN_SHARED[arch] + 1024, (name, entry)
+
+
+@pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump not found (CUDA toolkit or Triton wheel)")
+def test_a_tiles_id_loads_all_issue_before_their_range_checks():
+    functions = sass_functions(sass(runtime.cubin(90).code))
+    assert set(functions) == KERNELS, sorted(functions)
+    tile = "L" * UNROLL + "C" * UNROLL
+    order = {name: id_loads_and_checks(functions[name]) for name in TABLE_KERNELS}
+    assert all(seen and seen == tile * (len(seen) // len(tile)) for seen in order.values()), order
+
+
+def test_id_loads_and_checks_reads_the_order_of_loads_and_checks():
+    sass_text = """
+        /*0010*/               @P4 LDG.E.64 R20, desc[UR24][R26.64] ;
+        /*0020*/                   LDG.E.64 R8, desc[UR24][R2.64] ;
+        /*0030*/               @P5 LDG.E.64.CONSTANT R16, desc[UR24][R24.64] ;
+        /*0040*/                   ISETP.GE.U32.AND P4, PT, R20, -0x80000000, PT ;
+        /*0050*/                   IADD3 R8, R8, 0x1, RZ ;
+        /*0060*/                   ISETP.GE.U32.AND P2, PT, R16, -0x80000000, PT ;
+        /*0070*/                   LDG.E.64 R20, desc[UR24][R28.64] ;
+        /*0080*/                   ISETP.GE.U32.AND P3, PT, R20, -0x80000000, PT ;"""
+    assert id_loads_and_checks(sass_text) == "LLCCLC"  # R8's load feeds no check
 
 
 def test_demangled_names():

@@ -127,6 +127,19 @@ def test_replay_times_synchronise_then_time_each_replay_between_events(monkeypat
     assert times["q1"] <= times["median"] <= times["q3"]
 
 
+def test_cuda_variants_are_named_by_the_threads_they_run_on_the_paper_batch():
+    """A cuda launch variant's name gives the threads a block runs on the paper batch's L = 3072, not
+    the cap it sets (a cap of 512 would run 384, and 1024 would run 768)."""
+    from bench import gpu_check
+    from bench.grid import PAPER_SHAPE
+    from ktae_kernels.backends import cuda
+
+    for name, options in gpu_check.VARIANTS["cuda"].items():
+        tuning = options.cuda
+        runs = cuda.block_threads(PAPER_SHAPE.L, cuda.most_threads(tuning.max_threads, tuning.blocks_per_sm))
+        assert name.startswith(f"threads{runs}-") and runs == tuning.max_threads, name
+
+
 # ----------------------------------------------------------------------------------------- helpers
 def _checks(path: Path) -> dict:
     try:

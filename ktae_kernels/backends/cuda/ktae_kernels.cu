@@ -5,13 +5,15 @@
 //   groups       correct flags and group offsets (a thread per rollout), then a warp per group:
 //                n_c, n_w, T_c, T_w and the rollout advantage A_i;
 //   shared pass  one block per group. Build: the block reads its rollouts' tokens once (coalesced,
-//                kUnroll loads in flight per thread, the next tile's loads issued before this one is
-//                inserted; a token id is loaded only where the mask is set) and inserts each masked
+//                kUnroll loads in flight per thread, the next tile's lines asked of L2 while this one is
+//                inserted; a token id is loaded only where the mask is set; the rollouts' metadata
+//                staged in the warps' lanes, 32 at a time) and inserts each masked
 //                id into an open-addressing hash table in shared memory (linear probing): a key, an
 //                occurrence counter pair (f_c, f_w) and one presence bit per rollout (in the same
 //                8-byte word for the packed slot of small groups, see Table). Lanes of a warp holding
 //                the same id are merged with __match_any_sync, so a frequent token costs one atomic
-//                per warp. Score: per occupied slot, a = popc(presence & correct rollouts), b = the
+//                per warp. Score: per occupied slot (queued in a warp's lanes, 32 scored at once),
+//                a = popc(presence & correct rollouts), b = the
 //                rest; the table's statistics (strength = alpha F + beta IG, Cohen's h) from the
 //                device grid (or computed for groups past it; or the given per-row scores of
 //                fisher="upstream"), the per-row BM25 direction and tanh squash, stored in place of
@@ -154,6 +156,9 @@ __device__ __forceinline__ void load_tile(const KernelArgs& args, const int64_t*
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
     token[u] = valid[u] ? tokens[pos] : 0;  // padding ids are never read
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {  // after every load: a check's atomic would order the loads after it
     if (token[u] < 0 || token[u] > kMaxTokenId) {
       if (token[u] < 0) {
         atomicMin(args.bad_ids, static_cast<long long>(token[u]));
@@ -183,15 +188,15 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
 }
 
 // Loads ahead the pass after the one at `start` of a rollout of extent `end`: this rollout's next one
-// (`row`: the rollout's offset in [B, L]), or the first pass of the next rollout (`next_row`; -1: none),
-// whose extent is not known yet (up to L). Each thread asks for the lines of its kUnroll positions in
-// `array` (`size` bytes a position), so that they are in L2 when the pass loads them.
-__device__ __forceinline__ void load_ahead(const KernelArgs& args, const void* array, int size, int64_t row,
-                                           int64_t start, int64_t end, int64_t next_row) {
+// (`row`: the rollout's offset in [B, L]), or the first pass of the next rollout (`next_row`; -1: none)
+// of extent `next_end`. Each thread asks for the lines of its kUnroll positions in `array` (`size` bytes
+// a position), so that they are in L2 when the pass loads them.
+__device__ __forceinline__ void load_ahead(const void* array, int size, int64_t row, int64_t start, int64_t end,
+                                           int64_t next_row, int64_t next_end) {
   const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
   const bool same = start + step < end;
   if (!same && next_row < 0) return;
-  const int64_t at = same ? row + start + step : next_row, stop = same ? row + end : next_row + args.length;
+  const int64_t at = same ? row + start + step : next_row, stop = same ? row + end : next_row + next_end;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t pos = at + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
@@ -202,6 +207,75 @@ __device__ __forceinline__ void load_ahead(const KernelArgs& args, const void* a
 // The rollout's positions a pass reads: up to its extent (last masked position + 1) when known.
 __device__ __forceinline__ int64_t rollout_end(const KernelArgs& args, int64_t rollout) {
   return args.extent ? args.extent[rollout] : args.length;
+}
+
+// What a pass over a group needs of each of its rollouts besides the tokens: its id (its row of [B, L]),
+// extent, correct flag and rollout advantage (kBase).
+struct Rollout {
+  int64_t id, end;
+  bool correct;
+  double base;
+};
+
+// A 64-bit shuffle: lane `source`'s value on every lane.
+__device__ __forceinline__ int64_t shfl_int64(int64_t value, int source) {
+  const uint64_t bits = static_cast<uint64_t>(value);
+  const unsigned lo = __shfl_sync(kFullWarp, static_cast<unsigned>(bits), source);
+  const unsigned hi = __shfl_sync(kFullWarp, static_cast<unsigned>(bits >> 32), source);
+  return static_cast<int64_t>(static_cast<uint64_t>(hi) << 32 | lo);
+}
+
+// The group's rollouts `at`, at + 1, ..., at + 31 staged in the lanes of every warp: lane j loads rollout
+// at + j's metadata, all lanes at once, so that a group costs two dependent trips (members, then the
+// rest) per 32 rollouts instead of two or three per rollout. Every lane of the warp calls it.
+template <bool kBase>
+__device__ __forceinline__ Rollout stage_rollouts(const KernelArgs& args, int64_t first, int group_size, int at) {
+  Rollout m{0, 0, false, 0.0};
+  if (const int j = at + static_cast<int>(threadIdx.x & 31u); j < group_size) {
+    m.id = args.members[first + j];
+    m.end = rollout_end(args, m.id);
+    m.correct = args.correct[m.id];
+    if (kBase) m.base = args.base[m.id];
+  }
+  return m;
+}
+
+// Rollout r's metadata from the warp's staged ones (stage_rollouts at r & ~31), on every lane. Every lane
+// of the warp calls it.
+template <bool kBase>
+__device__ __forceinline__ Rollout staged_rollout(const Rollout& staged, int r) {
+  const int lane = r & 31;
+  return Rollout{shfl_int64(staged.id, lane), shfl_int64(staged.end, lane),
+                 __shfl_sync(kFullWarp, static_cast<unsigned>(staged.correct), lane) != 0u,
+                 kBase ? __shfl_sync(kFullWarp, staged.base, lane) : 0.0};
+}
+
+// The row ([B, L] offset) and extent of rollout r + 1 of the group, for the load-ahead of its first pass
+// (row -1: r is the last): from the staged rollouts, or, at the end of the 32 staged, loaded. Every lane
+// of the warp calls it.
+__device__ __forceinline__ void next_rollout(const KernelArgs& args, const Rollout& staged, int64_t first,
+                                             int group_size, int r, int64_t& row, int64_t& end) {
+  row = -1;
+  end = 0;
+  if ((r + 1) & 31) {
+    const Rollout next = staged_rollout<false>(staged, r + 1);
+    if (r + 1 < group_size) row = next.id * args.length, end = next.end;
+  } else if (r + 1 < group_size) {
+    const int64_t next = args.members[first + r + 1];
+    row = next * args.length, end = rollout_end(args, next);
+  }
+}
+
+// The group's correct-rollout mask: bit j of word w set when its rollout 32 w + j (in member order) is
+// correct. A warp a word, each lane loading one rollout's flag, all at once: two dependent trips a word,
+// not two a rollout in one thread. Every lane of a warp runs the loop.
+__device__ __forceinline__ void correct_mask(const KernelArgs& args, int64_t first, int group_size, int words,
+                                             uint32_t* correct_bits) {
+  for (int w = static_cast<int>(threadIdx.x >> 5); w < words; w += static_cast<int>(blockDim.x >> 5)) {
+    const int j = 32 * w + static_cast<int>(threadIdx.x & 31u);
+    const unsigned bits = __ballot_sync(kFullWarp, j < group_size && args.correct[args.members[first + j]]);
+    if ((threadIdx.x & 31u) == 0u) correct_bits[w] = bits;
+  }
 }
 
 // Phase 1. Each pass of the inner loop covers blockDim.x * kUnroll positions of one rollout, so a
@@ -215,20 +289,28 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
   const unsigned lane = threadIdx.x & 31u;
   const int64_t length = args.length;
   const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
+  Rollout staged{};
   for (int r = 0; r < group_size; ++r) {
-    const int64_t rollout = args.members[first + r];
+    if ((r & 31) == 0) staged = stage_rollouts<false>(args, first, group_size, r);
+    const Rollout meta = staged_rollout<false>(staged, r);
+    int64_t next_row, next_end;
+    next_rollout(args, staged, first, group_size, r, next_row, next_end);
+    const int64_t rollout = meta.id;
     const int64_t* tokens = args.responses + rollout * length;
     const bool* mask = args.mask + rollout * length;
-    const bool is_correct = args.correct[rollout];
+    const bool is_correct = meta.correct;
     const size_t presence_row = static_cast<size_t>(r >> 5) * t.capacity;  // wide layout
     const uint32_t bit = 1u << (r & 31);
-    const int64_t end = rollout_end(args, rollout);
+    const int64_t end = meta.end;
     uint16_t* record = kRecord ? args.slot_index + rollout * length : nullptr;
     for (int64_t start = 0; start < end; start += step) {
       if (__shfl_sync(kFullWarp, load_volatile(&state->overflow), 0) != 0u) return;
       int64_t token[kUnroll];
       bool valid[kUnroll];
       load_tile(args, tokens, mask, start, end, token, valid);
+      // the next pass's mask and ids into L2 while this one is inserted
+      load_ahead(args.mask, 1, rollout * length, start, end, next_row, next_end);
+      load_ahead(args.responses, 8, rollout * length, start, end, next_row, next_end);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const uint32_t key = valid[u] && in_part(static_cast<uint32_t>(token[u]), parts, part)
@@ -442,16 +524,51 @@ __device__ void write_rows(const KernelArgs& args, const Table& t, int64_t g, in
   }
 }
 
-// Replaces every occupied slot's counters by the bits of its float64 score. Each thread touches
-// only its own slots, so no barrier is needed until the gather reads them.
+// Replaces occupied slot s's counters by the bits of its float64 score.
+__device__ __forceinline__ void score_slot(const KernelArgs& args, const Table& t, int64_t g, uint32_t s,
+                                           const uint32_t* correct_bits, const GroupCounts& gc, int words) {
+  const uint32_t token = t.keys[s];
+  const double score = args.use_given ? given_score(args, g, token)
+                                      : row_score(args, token, slot_counts(t, s, correct_bits, words), gc);
+  t.counts[s] = static_cast<unsigned long long>(__double_as_longlong(score));
+}
+
+// The lane of the k-th set bit (from 0) of `bits`; some lane when fewer than k + 1 are set.
+__device__ __forceinline__ int nth_set_bit(unsigned bits, int k) {
+  int lane = 0;
+  for (int step = 16; step > 0; step >>= 1) {
+    if (__popc(bits & ((1u << (lane + step)) - 1u)) <= k) lane += step;
+  }
+  return lane;
+}
+
+// Replaces every occupied slot's counters by the bits of its float64 score, over the occupied slots
+// only: each warp walks 32 slots at a time and queues their occupied ones in its lanes (lane j takes
+// the one of rank j - queued), and scores a full queue at once, so that no lane of a scoring step
+// idles on an empty slot (a walk over every slot leaves the lanes of the empty ones, about half at
+// the tables' load, idle through each score). Each slot is scored by one thread, which alone reads and
+// writes it, so no barrier is needed until the gather reads them. Every lane of a warp runs the walk.
 __device__ void score_slots(const KernelArgs& args, const Table& t, int64_t g,
                             const uint32_t* correct_bits, const GroupCounts& gc, int words) {
-  for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
-    const uint32_t token = t.keys[s];
-    if (token == kEmptyKey) continue;
-    const double score = args.use_given ? given_score(args, g, token)
-                                        : row_score(args, token, slot_counts(t, s, correct_bits, words), gc);
-    t.counts[s] = static_cast<unsigned long long>(__double_as_longlong(score));
+  const int lane = static_cast<int>(threadIdx.x & 31u);
+  uint32_t mine = kNoSlot;  // this lane's queued slot, in lanes below `queued`
+  int queued = 0;
+  for (uint32_t at = threadIdx.x & ~31u;; at += blockDim.x) {
+    const bool walking = at < t.capacity;  // the same on every lane; past the walk, the last queue is scored
+    const uint32_t s = at + static_cast<uint32_t>(lane);
+    const unsigned occupied = __ballot_sync(kFullWarp, walking && s < t.capacity && t.keys[s] != kEmptyKey);
+    const int n = __popc(occupied);
+    const int rank = (lane - queued) & 31;  // of the occupied slot this lane takes, if there is one
+    const uint32_t incoming = __shfl_sync(kFullWarp, s, nth_set_bit(occupied, rank));
+    if (lane >= queued && rank < n) mine = incoming;
+    if (walking && queued + n < 32) {
+      queued += n;
+      continue;
+    }
+    if (walking || lane < queued) score_slot(args, t, g, mine, correct_bits, gc, words);  // one call site
+    if (!walking) return;
+    queued += n - 32;
+    if (lane < queued) mine = incoming;  // the ranks past the full queue
   }
 }
 
@@ -463,19 +580,22 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
                                  uint32_t parts = 1u, uint32_t part = 0u) {
   const int64_t length = args.length;
   const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
+  Rollout staged{};
   for (int r = 0; r < group_size; ++r) {
-    const int64_t rollout = args.members[first + r];
+    if ((r & 31) == 0) staged = stage_rollouts<true>(args, first, group_size, r);
+    const Rollout meta = staged_rollout<true>(staged, r);
+    const int64_t rollout = meta.id;
     const int64_t* tokens = args.responses + rollout * length;
     const bool* mask = args.mask + rollout * length;
     float* out = args.advantage + rollout * length;
-    const double base = args.base[rollout];
-    const int64_t end = rollout_end(args, rollout);
+    const double base = meta.base;
+    const int64_t end = meta.end;
     if (kFromIndex) {  // the slots the build recorded: no mask, no ids, no probing
       const uint16_t* index = args.slot_index + rollout * length;
+      int64_t next_row, next_end;
+      next_rollout(args, staged, first, group_size, r, next_row, next_end);
       for (int64_t start = 0; start < end; start += step) {
-        // (the next rollout's id shares a line with this one's: an L1 hit)
-        const int64_t next_row = start + step >= end && r + 1 < group_size ? args.members[first + r + 1] * length : -1;
-        load_ahead(args, args.slot_index, 2, rollout * length, start, end, next_row);
+        load_ahead(args.slot_index, 2, rollout * length, start, end, next_row, next_end);
         uint16_t slot[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -571,13 +691,7 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
   auto* keys = reinterpret_cast<uint32_t*>(counts + capacity);
   const Table t{keys, counts, packed ? nullptr : keys + capacity, static_cast<uint32_t>(capacity), packed};
 
-  for (int w = threadIdx.x; w < words; w += blockDim.x) {
-    uint32_t bits = 0u;
-    for (int j = 0; j < 32 && 32 * w + j < group_size; ++j) {
-      if (args.correct[args.members[first + 32 * w + j]]) bits |= 1u << j;
-    }
-    correct_bits[w] = bits;
-  }
+  correct_mask(args, first, group_size, words, correct_bits);
   const uint32_t most_parts = kSharedTable ? 1u : (1u << 24);
   // the shared pass records each position's slot when the table's slots fit 16 bits
   const bool from_index = kSharedTable && args.slot_index != nullptr && capacity < kNoIndex;
