@@ -425,11 +425,13 @@ def test_one_group_holding_every_distinct_id(emulator, monkeypatch, slots, fallb
 def test_big_groups(emulator, sizes, length):
     """Groups of 128 and 1024 rollouts (4 and 32 presence words a slot; past the device grid's bound, so
     token_advantage computes each slot's table statistics in the kernel and key_token_scores those of
-    the rows' tables on the host), shuffled, against the reference, also with small tables."""
+    the rows' tables on the host), shuffled, against the reference; the groups of 128 also with small
+    tables (the 1024 group's emulation takes a minute a check: its statistics grid is 6,000 blocks)."""
     batch = normalise_batch(*make_batch(np.random.default_rng(11), sizes, length, 60, shuffle=True))
     name = f"G{sizes[0]}-big"
     check(emulator, name, batch, KTAEConfig())
-    check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=32))
+    if sizes[0] < 1024:
+        check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=32))
 
 
 @pytest.mark.parametrize("name", ["G4-mixed-shuffled", "G40-two-words", "all-masked-rollouts"])
