@@ -54,7 +54,8 @@ def token_advantage(
             ``responses``, overwritten with the result (a trainer can reuse it every step). After a
             ValueError for an out-of-range token id its contents are unspecified on the cpu
             backend, which checks ids while it counts and raises after; the cuda and triton backends
-            check every id on the device before they write and leave ``out`` untouched.
+            check every id on the device before they write and leave ``out`` untouched (cuda checks
+            the other inputs' values there too, so its call reads the device once, after its kernels).
         options: how the call runs (``ExecutionOptions``: per-backend tuning that never changes the
             result); ``ExecutionOptions()`` when None.
 
@@ -78,9 +79,10 @@ def token_advantage(
         (torch.Size([2, 3]), torch.float32)
     """
     config, options = check_config(config), check_options(options)
-    impl, checks_ids = _backend(backend, responses, process_group)
-    batch = normalise_batch(responses, response_mask, rewards, index, correct=correct, check_ids=not checks_ids)
-    base = check_rollout_advantage(rollout_advantage, batch)
+    impl, checks_ids, checks_values = _backend(backend, responses, process_group)
+    batch = normalise_batch(responses, response_mask, rewards, index, correct=correct,
+                            check_ids=not checks_ids, defer_values=checks_values)
+    base = check_rollout_advantage(rollout_advantage, batch, defer_values=checks_values)
     return impl.token_advantage(batch, config, base, check_out(out, batch), options)
 
 
@@ -106,16 +108,18 @@ def key_token_scores(responses: ArrayLike, response_mask: ArrayLike, rewards: Ar
         ([2, 5, 7, 8], [1, 1, 1, 0], [1, 1, 0, 1])
     """
     config, options = check_config(config), check_options(options)
-    impl, checks_ids = _backend(backend, responses, process_group)
-    batch = normalise_batch(responses, response_mask, rewards, index, correct=correct, check_ids=not checks_ids)
+    impl, checks_ids, checks_values = _backend(backend, responses, process_group)
+    batch = normalise_batch(responses, response_mask, rewards, index, correct=correct,
+                            check_ids=not checks_ids, defer_values=checks_values)
     return impl.key_token_scores(batch, config, options)
 
 
-def _backend(name: str, responses: Any, process_group: Any) -> tuple[Backend, bool]:
-    """The implementation to call and whether it checks token ids itself."""
+def _backend(name: str, responses: Any, process_group: Any) -> tuple[Backend, bool, bool]:
+    """The implementation to call, whether it checks token ids itself and whether it checks the values
+    on the device (``BackendSpec.checks_token_ids``, ``checks_values``)."""
     if process_group is not None:
         from .distributed import DataParallel
 
-        return DataParallel(process_group, name), False
+        return DataParallel(process_group, name), False, False
     spec = resolve(name, responses.device if isinstance(responses, Tensor) else torch.device("cpu"))
-    return spec.load(), spec.checks_token_ids
+    return spec.load(), spec.checks_token_ids, spec.checks_values

@@ -103,7 +103,7 @@ def _relabel(batch: Batch, process_group: Any) -> Batch:
     labels = _union(gathered)
     position = np.searchsorted(labels, batch.group_labels) if len(batch.group_labels) else np.zeros(0, np.int64)
     remap = torch.as_tensor(np.asarray(position, dtype=np.int64), device=batch.device)
-    return dataclasses.replace(batch, group=remap[batch.group], group_labels=labels)
+    return dataclasses.replace(batch, group=remap[batch.group], group_labels=labels, members=None)
 
 
 def _union(arrays: list[np.ndarray]) -> np.ndarray:

@@ -25,8 +25,8 @@ from .config import KTAEConfig
 from .options import ExecutionOptions
 from .registry import resolve
 from .types import ArrayLike, GroupLayout
-from .validation import (check_config, check_options, check_out, check_rollout_advantage, dense_group_ids,
-                         planned_batch)
+from .validation import (GroupIds, check_config, check_options, check_out, check_rollout_advantage,
+                         dense_group_ids, planned_batch)
 
 #: CUDA graphs one plan may be captured in (each holds its workspace for the plan's life).
 MAX_CAPTURES = 64
@@ -51,6 +51,8 @@ class TokenAdvantagePlan:
     options: ExecutionOptions = field(default_factory=ExecutionOptions)
     captured: list[CapturedCall] = field(default_factory=list, compare=False, repr=False)
     layout: GroupLayout = field(init=False, compare=False, repr=False)
+    #: int64 ``[B]`` on ``device``: the rollouts in order of their group (a stable argsort of ``group``).
+    members: Tensor = field(init=False, compare=False, repr=False)
     #: int64 ``[1 + MAX_CAPTURES]`` on ``device``: the replays so far of all this plan's graphs, then, per
     #: captured call, that count when it last replayed (0: never). Every replay of a graph updates it.
     replays: Tensor = field(init=False, compare=False, repr=False)
@@ -58,6 +60,7 @@ class TokenAdvantagePlan:
     def __post_init__(self) -> None:
         sizes = torch.bincount(self.group.cpu(), minlength=len(self.group_labels)) if self.group.numel() else []
         object.__setattr__(self, "layout", GroupLayout(tuple(int(n) for n in sizes)))
+        object.__setattr__(self, "members", torch.argsort(self.group, stable=True))
         object.__setattr__(self, "replays", torch.zeros(1 + MAX_CAPTURES, dtype=torch.int64, device=self.device))
         object.__setattr__(self, "_lock", threading.Lock())
 
@@ -71,7 +74,8 @@ class TokenAdvantagePlan:
         and ``config.fisher`` "exact"; every argument a tensor already on the plan's device, the mask
         (and ``correct``) bool. Call the plan once outside the graph first (a warm-up, on a batch as
         diverse as the replays: it fills the backend's caches and sizes its tables). Nothing is read
-        back while capturing or replaying, so rewards are not checked for NaN / inf; call ``check()``
+        back while capturing or replaying (rewards are checked for NaN / inf on the device by ``cuda``
+        only); call ``check()``
         after a replay to learn whether it found a bad input or could not complete.
 
         Raises:
@@ -83,12 +87,14 @@ class TokenAdvantagePlan:
         read = not capturing(self.device)
         if not read:
             self._check_capturable()
-        batch = planned_batch(responses, response_mask, rewards, self.group, self.group_labels, correct=correct,
-                              check_ids=not self.spec.checks_token_ids, read=read)
+        ids = GroupIds(group=self.group, labels=self.group_labels, members=self.members)
+        batch = planned_batch(responses, response_mask, rewards, ids, correct=correct,
+                              check_ids=not self.spec.checks_token_ids, read=read,
+                              defer_values=self.spec.checks_values)
         batch = dataclasses.replace(batch, layout=self.layout)
         if tuple(batch.responses.shape) != self.shape:
             raise ValueError(f"`responses` must have the planned shape {self.shape}, got {tuple(batch.responses.shape)}")
-        base = check_rollout_advantage(rollout_advantage, batch, read)
+        base = check_rollout_advantage(rollout_advantage, batch, read, defer_values=self.spec.checks_values)
         out = check_out(out, batch)
         if read:
             return self.spec.load().token_advantage(batch, self.config, base, out, self.options)

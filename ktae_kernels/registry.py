@@ -206,4 +206,5 @@ register_backend(BackendSpec("torch", "ktae_kernels.backends.torch", ("cpu", "cu
 register_backend(BackendSpec("triton", "ktae_kernels.backends.triton", ("cpu", "cuda"), _triton_unavailable,
                              {"cuda": 1}, checks_token_ids=True, capturable=True))
 register_backend(BackendSpec("cuda", "ktae_kernels.backends.cuda", ("cuda",), _cuda_unavailable,
-                             {"cuda": 0}, checks_token_ids=True, capturable=True))
+                             {"cuda": 0}, checks_token_ids=True, checks_values=True,
+                             capturable=True))

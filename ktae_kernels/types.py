@@ -37,6 +37,18 @@ class GroupLayout:
 
 
 @dataclass(frozen=True)
+class ValueCheck:
+    """A check of an input's values that validation left to a backend checking them on the device
+    (``Batch.unchecked``): ``tensor`` (the caller's ``name``, on the batch's device) must be finite
+    (``kind`` "finite") or hold only 0 and 1 ("zero_one"; ``fix`` says how)."""
+
+    name: str
+    tensor: Tensor
+    kind: str
+    fix: str = ""
+
+
+@dataclass(frozen=True)
 class Batch:
     """A validated, normalised training batch (see ``validation.normalise_batch``).
 
@@ -48,6 +60,10 @@ class Batch:
     correct: bool ``[B]`` caller-given correct / wrong labels, or None (then ``reward > threshold``,
     see ``method.correct_flags``).
     layout: the group sizes, when a plan made the batch (its own layout, known on the host), else None.
+    members: int64 ``[B]``, the rollouts in order of their dense group id (a stable argsort of ``group``),
+    when validation built it with the group ids, else None.
+    unchecked: the value checks validation left to the backend (``ValueCheck``, in the order the API
+    reports errors); empty unless the backend checks values on the device (``BackendSpec.checks_values``).
     All tensors live on the device of the caller's ``responses``.
     """
 
@@ -58,6 +74,8 @@ class Batch:
     group_labels: np.ndarray
     correct: Tensor | None = None
     layout: GroupLayout | None = None
+    members: Tensor | None = None
+    unchecked: tuple[ValueCheck, ...] = ()
 
     @property
     def n_groups(self) -> int:

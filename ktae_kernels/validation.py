@@ -5,6 +5,7 @@ error, naming the argument and the fix). Imports nothing of the package but ``co
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ from torch import Tensor
 
 from .config import KTAEConfig
 from .options import DEFAULT_OPTIONS, ExecutionOptions
-from .types import ArrayLike, Batch
+from .types import ArrayLike, Batch, ValueCheck
 
 #: token ids must fit a signed 32-bit int (every vocabulary does; the GPU and CPU kernels rely on it).
 MAX_TOKEN_ID = 2**31 - 1
@@ -43,38 +44,47 @@ def check_options(options: ExecutionOptions | None) -> ExecutionOptions:
 
 
 def normalise_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, index: Any, *,
-                    correct: ArrayLike | None = None, check_ids: bool = True) -> Batch:
+                    correct: ArrayLike | None = None, check_ids: bool = True, defer_values: bool = False) -> Batch:
     """Validate the caller's inputs and bring them to the canonical ``Batch`` form.
 
     ``check_ids=False`` leaves the token-id range check to a backend that does it while counting.
+    ``defer_values=True`` leaves the value checks (rewards finite, the mask and ``correct`` 0 and 1) to a
+    backend that makes them on the device (``Batch.unchecked``): nothing of theirs is read back here.
     Raises ValueError naming the argument (and the fix) on any shape, dtype or value problem.
     """
-    responses, mask, reward = _checked_tensors(responses, response_mask, rewards, check_ids=check_ids, read=True)
-    group, labels = dense_group_ids(index, responses.shape[0], responses.device)
-    return _batch(responses, mask, reward, group, labels, correct, read=True)
+    pending: list[ValueCheck] | None = [] if defer_values else None
+    responses, mask, reward = _checked_tensors(responses, response_mask, rewards, check_ids=check_ids, read=True,
+                                               pending=pending)
+    ids = group_ids(index, responses.shape[0], responses.device)
+    return _batch(responses, mask, reward, ids.group, ids.labels, correct, read=True, pending=pending,
+                  members=ids.members)
 
 
-def planned_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, group: Tensor,
-                  labels: np.ndarray, *, correct: ArrayLike | None = None, check_ids: bool = True,
-                  read: bool = True) -> Batch:
-    """``normalise_batch`` for group ids already made dense (``dense_group_ids``: ``group`` int64 ``[B]``
-    on the batch's device, ``labels`` ``[n_groups]``).
+def planned_batch(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, ids: GroupIds, *,
+                  correct: ArrayLike | None = None, check_ids: bool = True, read: bool = True,
+                  defer_values: bool = False) -> Batch:
+    """``normalise_batch`` for group ids already made dense (``group_ids``, on the batch's device).
 
     ``read=False`` (while a CUDA graph captures) reads no value back to the host: the tensors must
-    already be on ``group``'s device, the mask (and ``correct``) bool; rewards are not checked for
-    NaN / inf, and token ids are left to a backend that checks them on the device (``check_ids=False``).
+    already be on the group ids' device, the mask (and ``correct``) bool; rewards are checked for
+    NaN / inf only by a backend that checks values on the device (``defer_values``), and token ids are
+    left to a backend that checks them on the device (``check_ids=False``).
     """
-    responses, mask, reward = _checked_tensors(responses, response_mask, rewards, check_ids=check_ids, read=read)
+    pending: list[ValueCheck] | None = [] if defer_values and read else None
+    responses, mask, reward = _checked_tensors(responses, response_mask, rewards, check_ids=check_ids, read=read,
+                                               pending=pending)
+    group = ids.group
     if responses.device != group.device or responses.shape[0] != group.shape[0]:
         raise ValueError(f"`responses` must have B = {group.shape[0]} rows on {group.device}, as planned, got "
                          f"{tuple(responses.shape)} on {responses.device}")
-    return _batch(responses, mask, reward, group, labels, correct, read=read)
+    return _batch(responses, mask, reward, group, ids.labels, correct, read=read, pending=pending,
+                  members=ids.members)
 
 
 def _checked_tensors(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, *, check_ids: bool,
-                     read: bool) -> tuple[Tensor, Tensor, Tensor]:
+                     read: bool, pending: list[ValueCheck] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """int64 responses ``[B, L]``, bool mask ``[B, L]`` and float64 rewards ``[B]``, checked (values
-    too when ``read``) in the order the errors are reported."""
+    too when ``read``, or listed in ``pending`` for the device) in the order the errors are reported."""
     responses = _as_tensor("responses", responses, read=read)
     if responses.dim() != 2:
         raise ValueError(f"`responses` must be 2-D [B, L], got shape {tuple(responses.shape)}")
@@ -83,19 +93,21 @@ def _checked_tensors(responses: ArrayLike, response_mask: ArrayLike, rewards: Ar
                          f"convert with `responses.long()`")
     device = responses.device
     shape = tuple(responses.shape)
-    mask = _check_mask(_as_tensor("response_mask", response_mask, device, read), shape, read)
+    mask = _check_mask(_as_tensor("response_mask", response_mask, device, read), shape, read, pending)
     responses = responses.to(torch.int64)
     if check_ids:
         check_token_ids(responses, mask)
-    reward = _check_rewards(_as_tensor("rewards", rewards, device, read), shape, read)
+    reward = _check_rewards(_as_tensor("rewards", rewards, device, read), shape, read, pending)
     return responses, mask, reward
 
 
 def _batch(responses: Tensor, mask: Tensor, rewards: Tensor, group: Tensor, labels: np.ndarray,
-           correct: ArrayLike | None, *, read: bool) -> Batch:
+           correct: ArrayLike | None, *, read: bool, pending: list[ValueCheck] | None,
+           members: Tensor | None) -> Batch:
     flags = None if correct is None else _check_correct(_as_tensor("correct", correct, responses.device, read),
-                                                        responses.shape[0], read)
-    return Batch(responses=responses, mask=mask, rewards=rewards, group=group, group_labels=labels, correct=flags)
+                                                        responses.shape[0], read, pending)
+    return Batch(responses=responses, mask=mask, rewards=rewards, group=group, group_labels=labels, correct=flags,
+                 members=members, unchecked=tuple(pending or ()))
 
 
 def check_token_ids(responses: Tensor, mask: Tensor) -> None:
@@ -138,15 +150,50 @@ def check_out(out: Tensor | None, batch: Batch) -> Tensor | None:
     return out
 
 
-def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = True) -> Tensor | None:
-    """``[B]`` float64 on the batch device, or None (checked finite when ``read``)."""
+def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = True,
+                            defer_values: bool = False) -> Tensor | None:
+    """``[B]`` float64 on the batch device, or None (checked finite when ``read``, unless ``defer_values``:
+    a backend that checks values on the device checks it, ``check_finite`` after its read)."""
     if value is None:
         return None
     t = _as_tensor("rollout_advantage", value, batch.device, read)
     if t.dtype.is_complex or tuple(t.shape) != (batch.responses.shape[0],):
         raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], "
                          f"got {t.dtype} {tuple(t.shape)}")
-    return _finite_float64("rollout_advantage", t, read)
+    return _finite_float64("rollout_advantage", t, read and not defer_values)
+
+
+def check_finite(name: str, t: Tensor) -> None:
+    """The API's ValueError when float ``t`` holds NaN or inf (one read)."""
+    _finite_float64(name, t)
+
+
+def raise_unchecked(checks: tuple[ValueCheck, ...]) -> None:
+    """Run on the host the value checks a backend made on the device (``Batch.unchecked``), in order,
+    raising the API's ValueError for the first that fails (reads each tensor)."""
+    for check in checks:
+        if check.kind == "finite":
+            _finite_float64(check.name, check.tensor)
+        else:
+            _zero_one_flags(check.name, check.tensor, check.fix)
+
+
+def invalid_on_device(checks: tuple[ValueCheck, ...]) -> Tensor | None:
+    """0-dim bool on the checks' device, True when a value check of ``checks`` fails (nothing read back;
+    None when there are none)."""
+    found = [_invalid(check) for check in checks]
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else torch.stack(found).any()
+
+
+def _invalid(check: ValueCheck) -> Tensor:
+    t = check.tensor
+    if check.kind == "finite":
+        return ~torch.isfinite(t).all()
+    if t.dtype.is_floating_point:
+        return ((t != 0) & (t != 1)).any()
+    return (t & -2).any() if t.dtype.is_signed else (t > 1).any()  # any bit but the lowest: not 0 or 1
 
 
 def _finite_float64(name: str, t: Tensor, read: bool = True) -> Tensor:
@@ -188,17 +235,19 @@ def _as_tensor(name: str, value: Any, device: torch.device | None = None, read: 
     return t if device is None else t.to(device)
 
 
-def _check_mask(mask: Tensor, shape: tuple[int, ...], read: bool = True) -> Tensor:
+def _check_mask(mask: Tensor, shape: tuple[int, ...], read: bool = True,
+                pending: list[ValueCheck] | None = None) -> Tensor:
     if tuple(mask.shape) != shape:
         transposed = "; one of the two is transposed: both are [B, L]" if tuple(mask.shape) == shape[::-1] else ""
         raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}"
                          f"{transposed}")
-    return _zero_one_flags("response_mask", mask, "build it as `responses != pad_id`", read)
+    return _zero_one_flags("response_mask", mask, "build it as `responses != pad_id`", read, pending)
 
 
-def _zero_one_flags(name: str, t: Tensor, fix: str, read: bool = True) -> Tensor:
+def _zero_one_flags(name: str, t: Tensor, fix: str, read: bool = True,
+                    pending: list[ValueCheck] | None = None) -> Tensor:
     """bool from bool, or from numbers that are all 0 or 1 (bool only when not ``read``: the values
-    cannot be checked); ValueError naming ``name`` and ``fix`` else."""
+    cannot be checked; listed in ``pending`` when given); ValueError naming ``name`` and ``fix`` else."""
     if t.dtype == torch.bool:
         return t
     if not read:
@@ -206,7 +255,9 @@ def _zero_one_flags(name: str, t: Tensor, fix: str, read: bool = True) -> Tensor
                          f"then), got {t.dtype}; {fix}")
     if t.dtype.is_complex:
         raise ValueError(f"`{name}` must be bool or hold only 0 and 1, got {t.dtype}; {fix}")
-    if not _zeros_and_ones(t):
+    if pending is not None:
+        pending.append(ValueCheck(name, t, "zero_one", fix))
+    elif not _zeros_and_ones(t):
         raise ValueError(f"`{name}` must be bool or hold only 0 and 1, {_first_other_value(t)}; {fix}")
     return t != 0
 
@@ -233,7 +284,8 @@ def _zeros_and_ones(t: Tensor) -> bool:
     return int(low) >= 0 and int(high) <= 1
 
 
-def _check_rewards(rewards: Tensor, shape: tuple[int, ...], read: bool = True) -> Tensor:
+def _check_rewards(rewards: Tensor, shape: tuple[int, ...], read: bool = True,
+                   pending: list[ValueCheck] | None = None) -> Tensor:
     if rewards.dtype.is_complex or rewards.dtype == torch.bool:
         raise ValueError(f"`rewards` must be real numbers, got {rewards.dtype}; convert with `rewards.float()`")
     if rewards.dim() == 2:
@@ -247,7 +299,10 @@ def _check_rewards(rewards: Tensor, shape: tuple[int, ...], read: bool = True) -
     elif rewards.dim() != 1 or rewards.shape[0] != shape[0]:
         raise ValueError(f"`rewards` must have shape [B] = [{shape[0]}] or [B, L] = {list(shape)}, "
                          f"got {tuple(rewards.shape)}")
-    return _finite_float64("rewards", rewards, read)
+    rewards = _finite_float64("rewards", rewards, read and pending is None)
+    if pending is not None:
+        pending.append(ValueCheck("rewards", rewards, "finite"))
+    return rewards
 
 
 #: rows a CPU ``float64_row_sums`` takes at a time.
@@ -266,29 +321,59 @@ def float64_row_sums(t: Tensor) -> Tensor:
     return out
 
 
-def _check_correct(correct: Tensor, batch_size: int, read: bool = True) -> Tensor:
+def _check_correct(correct: Tensor, batch_size: int, read: bool = True,
+                   pending: list[ValueCheck] | None = None) -> Tensor:
     """bool ``[B]`` from bool or 0/1 labels."""
     if tuple(correct.shape) != (batch_size,):
         raise ValueError(f"`correct` must have shape [B] = [{batch_size}], got {tuple(correct.shape)}")
-    return _zero_one_flags("correct", correct, "e.g. `correct=task_score > 0`", read)
+    return _zero_one_flags("correct", correct, "e.g. `correct=task_score > 0`", read, pending)
+
+
+def _index_tensor(index: Tensor) -> Tensor:
+    """The caller's tensor of group ids, checked."""
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise ValueError(f"`index` as a tensor must hold integers, got {index.dtype}; convert with `index.long()`")
+    if index.device.type == "meta":
+        raise ValueError("`index` is a meta tensor with no values; pass real group ids")
+    return index.detach()
 
 
 def _index_values(index: Any) -> np.ndarray:
     """The caller's group ids as a numpy array on the host."""
     if isinstance(index, Tensor):
-        if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-            raise ValueError(f"`index` as a tensor must hold integers, got {index.dtype}; convert with `index.long()`")
-        if index.device.type == "meta":
-            raise ValueError("`index` is a meta tensor with no values; pass real group ids")
-        return index.detach().numpy() if index.device.type == "cpu" else index.detach().cpu().numpy()
+        index = _index_tensor(index)
+        return index.numpy() if index.device.type == "cpu" else index.cpu().numpy()
     if isinstance(index, (np.ndarray, list, tuple)):
         return index if isinstance(index, np.ndarray) else np.asarray(index)
     raise ValueError(f"`index` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
 
 
-def dense_group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[Tensor, np.ndarray]:
-    """Dense int64 group ids ``[B]`` on ``device`` (sorted label order) and the labels ``[n_groups]``
-    of the caller's ``index`` (ints, uid strings; a tensor, numpy array or list)."""
+@dataclass(frozen=True)
+class GroupIds:
+    """The caller's ``index`` made dense: ``group`` int64 ``[B]`` (``0 .. n_groups - 1`` in sorted order of
+    the labels), ``labels`` numpy ``[n_groups]``, ``members`` int64 ``[B]`` (the rollouts in order of their
+    group, a stable argsort of ``group``); the tensors on the batch's device."""
+
+    group: Tensor
+    labels: np.ndarray
+    members: Tensor
+
+
+#: index dtypes that ``torch.sort`` sorts on every device, with their labels' numpy dtype (others go
+#: through numpy on the host).
+_SORTABLE = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
+             torch.uint8: np.uint8}
+
+
+def group_ids(index: Any, batch_size: int, device: torch.device) -> GroupIds:
+    """``GroupIds`` of the caller's ``index`` (ints, uid strings; a tensor, numpy array or list).
+
+    A tensor index is made dense where it lives (one read of its sorted values: the labels); a host
+    index on the host, its ids then copied to ``device`` without waiting for the device."""
+    if isinstance(index, Tensor) and _index_tensor(index).dtype in _SORTABLE:
+        if index.dim() != 1 or index.shape[0] != batch_size:
+            raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {tuple(index.shape)}")
+        return _tensor_group_ids(index.detach(), device)
     values = _index_values(index)
     if values.ndim != 1 or values.shape[0] != batch_size:
         raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {values.shape}")
@@ -300,8 +385,34 @@ def dense_group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[
         labels, inverse = _unique(values)
     except TypeError as err:
         raise ValueError(f"`index` group ids must be mutually comparable (all ints or all strings): {err}") from None
-    group = torch.as_tensor(inverse.reshape(-1).astype(np.int64, copy=False), device=device)
-    return group, labels
+    group = inverse.reshape(-1).astype(np.int64, copy=False)
+    contiguous = bool(np.all(group[1:] >= group[:-1]))
+    members = np.arange(len(group)) if contiguous else np.argsort(group, kind="stable")  # TRL's layout: no sort
+    both = torch.from_numpy(np.stack([group, members.astype(np.int64, copy=False)]))
+    if device.type == "cuda":
+        both = both.pin_memory().to(device, non_blocking=True)  # the host does not wait for the copy
+    return GroupIds(group=both[0], labels=labels, members=both[1])
+
+
+def _tensor_group_ids(index: Tensor, device: torch.device) -> GroupIds:
+    """``GroupIds`` of an integer tensor, on its own device: a stable sort (its order is ``members``), the
+    first of each run of equal values, a cumulative sum; one read of the sorted values and run starts."""
+    values, members = torch.sort(index, stable=True)
+    first = torch.ones(values.shape[0], dtype=torch.bool, device=values.device)
+    torch.ne(values[1:], values[:-1], out=first[1:])
+    group = torch.empty_like(members)
+    group[members] = torch.cumsum(first, 0) - 1
+    host = torch.cat([values.to(torch.int64), first.to(torch.int64)]).cpu()  # the one read
+    B = values.shape[0]
+    labels = host[:B][host[B:].bool()].numpy().astype(_SORTABLE[index.dtype])
+    return GroupIds(group=group.to(device), labels=labels, members=members.to(device))
+
+
+def dense_group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[Tensor, np.ndarray]:
+    """Dense int64 group ids ``[B]`` on ``device`` (sorted label order) and the labels ``[n_groups]``
+    of the caller's ``index`` (``group_ids`` without the members)."""
+    ids = group_ids(index, batch_size, device)
+    return ids.group, ids.labels
 
 
 def _unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 import ast
 import re
 from pathlib import Path
@@ -267,7 +269,9 @@ def test_the_gpu_backends_share_their_constants_with_the_cuda_sources():
     assert int(eval(constant(path, "kMaxGroupTokens").replace("int64_t{1}", "1"))) == device.MAX_GROUP_TOKENS
     codes = dict(re.findall(r"kBaseline(\w+) = (\d+)", path.read_text()))
     assert {name.lower(): int(code) for name, code in codes.items()} == device.BASELINE_CODES
-    for name, value in (("kAdvantageFlags", cuda.ADVANTAGE_FLAGS), ("kMaxThreads", cuda.MAX_THREADS),
-                        ("kUnroll", cuda.UNROLL), ("kMinCapacity", cuda.MIN_CAPACITY),
-                        ("kPackedMaxTokens", cuda.PACKED_MAX_TOKENS)):
+    for name, value in (("kMaxThreads", cuda.MAX_THREADS), ("kUnroll", cuda.UNROLL),
+                        ("kMinCapacity", cuda.MIN_CAPACITY), ("kPackedMaxTokens", cuda.PACKED_MAX_TOKENS)):
         assert int(constant(path, name)) == value == abi.CONSTANTS[name], name
+    flags = dict(re.findall(r"(kFlag\w+|kAdvantageFlags) = (\d+)", path.read_text()))
+    assert {name: int(at) for name, at in flags.items()} == {name: abi.CONSTANTS[name] for name in flags}
+    assert cuda.ADVANTAGE_FLAGS == len(dataclasses.fields(cuda.Flags)) == int(flags["kAdvantageFlags"])

@@ -102,10 +102,10 @@ def test_static_plan_of_small_and_huge_batches():
 
 def test_workspace_size_mirrors_the_layout():
     B, n, fallback = 10, 3, 800
-    assert cuda.advantage_workspace_size(B, n, fallback) == 6 + n + (n + 1) + 4 * n + 3 * B + 2 + 100
+    assert cuda.advantage_workspace_size(B, n, fallback) == 7 + n + (n + 1) + 4 * n + 3 * B + 2 + 100
     views = cuda.workspace_views(torch.arange(cuda.advantage_workspace_size(B, n, fallback)), B, n)
-    assert views["flags"].tolist() == [0, 1, 2, 3, 4, 5] and views["status"].tolist() == [6, 7, 8]
-    assert views["starts"].tolist() == [9, 10, 11, 12] and views["group_counts"][0].tolist() == [13, 14, 15]
+    assert views["flags"].tolist() == [0, 1, 2, 3, 4, 5, 6] and views["status"].tolist() == [7, 8, 9]
+    assert views["starts"].tolist() == [10, 11, 12, 13] and views["group_counts"][0].tolist() == [14, 15, 16]
     assert views["group_counts"].shape == (4, n) and views["base"].dtype == torch.float64 and views["correct"].shape == (B,)
 
 

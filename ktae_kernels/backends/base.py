@@ -67,6 +67,9 @@ class BackendSpec:
     token-id range while counting (``validation.check_id_range``), so the API skips its own pass;
     the kernels report a bad id through a flag read once, after they ran (the API documents, per
     backend, whether a caller's ``out`` may have been written before that ValueError).
+    checks_values: the backend checks the values of rewards, the mask, ``correct`` and
+    ``rollout_advantage`` on the device (finite, 0 and 1) and raises the API's error after its one read
+    (``Batch.unchecked``), so the API reads none of them back before the call.
     capturable: the module is a ``CapturableBackend``: a ``plan_token_advantage`` call may be captured
     in a CUDA graph (exact Fisher, CUDA tensors, after a warm-up call).
     """
@@ -77,6 +80,7 @@ class BackendSpec:
     unavailable: Callable[[str], Optional[str]]
     auto_rank: Mapping[str, int] = field(default_factory=dict)
     checks_token_ids: bool = False
+    checks_values: bool = False
     capturable: bool = False
 
     def load(self) -> Backend:

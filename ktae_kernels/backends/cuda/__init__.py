@@ -9,8 +9,10 @@ device grid, ``device.DeviceState.grid``, computed by the statistics kernel; gro
 global-memory pass that takes the groups whose distinct ids overflowed their shared table, splitting
 their ids into hash partitions until each fits (its blocks exit at once when none overflowed). The
 kernels size each group's table on the device, by the distinct ids the earlier calls of this layout
-held (``DeviceState.learnt``, ``device.learnt_key``). Before the call: one stable argsort; after it, one
-read of the flags (the id range, the API's check folded in; the sizes learnt), skipped while a CUDA graph
+held (``DeviceState.learnt``, ``device.learnt_key``). Before the call nothing is read: the members sorted by
+group come with the group ids (``Batch.members``), and the input values are checked on the device
+(``Batch.unchecked``); after it, one read of the flags (``Flags``: the id range and the values, the API's
+checks folded in; the sizes learnt), skipped while a CUDA graph
 captures (``capture``, refused before a call of the layout completed: ``TokenAdvantagePlan.check``
 reads them after a replay). A bad input leaves ``out`` untouched (the table passes write nothing once
 a flag is set), or, in a replay of a captured call, NaN everywhere.
@@ -34,8 +36,8 @@ from torch import Tensor
 from ... import method
 from ...config import KTAEConfig
 from ...options import DEFAULT_OPTIONS, CudaTuning, ExecutionOptions
-from ...types import Batch, KeyTokenScores
-from ...validation import MAX_TOKEN_ID, check_id_range
+from ...types import Batch, KeyTokenScores, ValueCheck
+from ...validation import MAX_TOKEN_ID, check_id_range, invalid_on_device, raise_unchecked
 from .. import device as device_state
 from ..base import BackendUnavailableError, CapturedCall, GraphCaptureError
 from ..device import MAX_GROUP_TOKENS, GridTables, baseline_code, grid_bound, on_device, statistics_constants
@@ -57,11 +59,58 @@ PACKED_MAX_TOKENS = abi.CONSTANTS["kPackedMaxTokens"]
 #: knowing the groups: every block of the pass owns one slice, and splits a group's ids into hash
 #: partitions until each fits it).
 STATIC_FALLBACK_BYTES = 128 * 2**20
-#: entries at the head of ``advantage``'s workspace (``kAdvantageFlags``): the least id below 0 and
-#: the excess of the largest past ``MAX_TOKEN_ID``, the most distinct ids a group held, the most shared
-#: memory a group's table needed, the groups the shared pass left, the masked tokens of a group past
-#: ``MAX_GROUP_TOKENS``
+#: entries at the head of ``advantage``'s workspace (``kAdvantageFlags``; ``Flags``)
 ADVANTAGE_FLAGS = abi.CONSTANTS["kAdvantageFlags"]
+
+
+@dataclass(frozen=True)
+class Flags:
+    """The flags a call leaves at the head of its workspace (ktae_args.h ``Flag``), read back once:
+    ``low`` / ``high``, the least id below 0 and the excess of the largest past ``MAX_TOKEN_ID`` (0: none);
+    ``distinct``, the most distinct ids a completed group held; ``shared_need``, the most shared memory a
+    completed group's table needed; ``left``, the groups the shared pass left to the global one;
+    ``most_tokens``, the masked tokens of a group past ``MAX_GROUP_TOKENS`` (0: none); ``bad_values``,
+    non-zero when an input value is out of its domain (rewards or the rollout advantage not finite, a
+    0/1 input holding another value)."""
+
+    low: int
+    high: int
+    distinct: int
+    shared_need: int
+    left: int
+    most_tokens: int
+    bad_values: int
+
+    @classmethod
+    def of(cls, values: list[int]) -> "Flags":
+        """The flags from the workspace's first ``ADVANTAGE_FLAGS`` entries, read back."""
+        at = abi.CONSTANTS
+        return cls(low=values[at["kFlagLowId"]], high=values[at["kFlagHighId"]], distinct=values[at["kFlagDistinct"]],
+                   shared_need=values[at["kFlagSharedNeed"]], left=values[at["kFlagLeft"]],
+                   most_tokens=values[at["kFlagMostTokens"]], bad_values=values[at["kFlagBadValues"]])
+
+    def raise_input_errors(self, checks: tuple[ValueCheck, ...]) -> None:
+        """The API's ValueError for a bad input, in the order the API reports them: the mask, the ids, the
+        other values (``checks``, the value checks of the call, run again on the host: one read each, on
+        this error path only), a group past ``MAX_GROUP_TOKENS``."""
+        if self.bad_values:
+            raise_unchecked(tuple(c for c in checks if c.name == "response_mask"))
+        check_id_range(self.low, MAX_TOKEN_ID + self.high)
+        if self.bad_values:
+            raise_unchecked(tuple(c for c in checks if c.name != "response_mask"))
+            raise ValueError(f"{', '.join(f'`{c.name}`' for c in checks)}: a value was out of its domain when the "
+                             f"kernels read it (NaN or inf, or not 0 or 1), and is not now: the tensors changed "
+                             f"after the call")
+        if self.most_tokens:
+            raise ValueError(f"`responses`: a group holds {self.most_tokens} masked tokens; the cuda backend takes at "
+                             f"most {MAX_GROUP_TOKENS} per group")
+
+
+def value_checks(batch: Batch, given: Tensor | None) -> tuple[ValueCheck, ...]:
+    """The value checks of a call, in the API's order: those validation left (``Batch.unchecked``; the
+    rewards always: the groups pass checks them), then the rollout advantage when given."""
+    checks = batch.unchecked or (ValueCheck("rewards", batch.rewards, "finite"),)
+    return checks + (() if given is None else (ValueCheck("rollout_advantage", given, "finite"),))
 
 
 def max_keys(capacity: int) -> int:
@@ -143,7 +192,9 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
         plan = static_plan(ext, batch, config, options.cuda)
         out, workspace = enqueue(plan, batch, config, given, out, rows)
         if workspace is not None:
-            _read_flags(plan, batch.device, workspace[:ADVANTAGE_FLAGS].tolist())  # the one read, after every launch
+            flags = Flags.of(workspace[:ADVANTAGE_FLAGS].tolist())  # the one read, after every launch
+            flags.raise_input_errors(value_checks(batch, given))
+            device_state.state(batch.device).learn(plan.key, distinct=flags.distinct, shared_need=flags.shared_need)
         return out
 
 
@@ -165,8 +216,8 @@ def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor 
         keep = _cached_inputs(plan, config, batch.device)
         if workspace is None:
             return out, CapturedCall(keep=keep, check=lambda: None)
-        flags = workspace[:ADVANTAGE_FLAGS]
-        return out, CapturedCall(keep=keep, check=lambda: _raise_input_errors(flags.tolist()))
+        flags, checks = workspace[:ADVANTAGE_FLAGS], value_checks(batch, given)
+        return out, CapturedCall(keep=keep, check=lambda: Flags.of(flags.tolist()).raise_input_errors(checks))
 
 
 def unavailable_reason() -> str | None:
@@ -203,7 +254,7 @@ def _scores(ext: Launcher, batch: Batch, config: KTAEConfig, tuning: CudaTuning)
         views = workspace_views(workspace, batch.responses.shape[0], n)
         counts = views["status"].clone()
         read = torch.cat([views["flags"], counts]).tolist()  # sizes the rows: the one read
-        _raise_input_errors(read[:ADVANTAGE_FLAGS])
+        Flags.of(read[:ADVANTAGE_FLAGS]).raise_input_errors(value_checks(batch, None))
         n_rows = sum(read[ADVANTAGE_FLAGS:])
     row_offset = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(counts, 0, out=row_offset[1:])
@@ -347,7 +398,8 @@ def enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | 
             row_out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor | None, Tensor | None]:
     """Everything ``token_advantage`` sends to the device, in one ``pipeline.advantage`` call:
     the scan pass, the groups pass, the shared-table pass and the global-memory one; before it, the
-    stable argsort of the group ids and two allocations. Nothing is read back. ``rows``: the given rows
+    device checks of ``batch.unchecked`` (the rewards left to the groups pass), two allocations, and a
+    stable argsort of the group ids when the batch has no ``members``. Nothing is read back. ``rows``: the given rows
     (``_given_rows``) in place of the device grid. ``nan_on_error``: a bad input writes NaN over ``out``
     (a captured call's replay), else nothing. ``mode``: ``ADVANTAGE``, or ``COUNT`` (the distinct ids
     into the status) or ``ROWS`` (the rows into ``row_out`` = (row_offset int64 ``[n_groups + 1]``,
@@ -368,8 +420,9 @@ def enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | 
     workspace = torch.empty(advantage_workspace_size(B, n, plan.fallback_bytes, positions), dtype=torch.int64,
                             device=device)
     inputs = pipeline.AdvantageInputs(responses=batch.responses.contiguous(), mask=batch.mask.contiguous(),
-                  group=batch.group.contiguous(), members=torch.argsort(batch.group, stable=True),
-                  rewards=batch.rewards.contiguous(),
+                  group=batch.group.contiguous(), rewards=batch.rewards.contiguous(),
+                  members=torch.argsort(batch.group, stable=True) if batch.members is None else batch.members,
+                  invalid=invalid_on_device(tuple(c for c in batch.unchecked if c.name != "rewards")),
                   correct=None if batch.correct is None else batch.correct.contiguous(),
                   given=None if given is None else given.contiguous(), n_groups=n, workspace=workspace, out=out,
                   mode=mode, **dict(zip(("row_offset", "row_ints"), row_out or ())))
@@ -385,20 +438,6 @@ def enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | 
     pipeline.advantage(plan.ext, inputs, scoring, shape)
     return out, workspace
 
-
-def _read_flags(plan: StaticPlan, device: torch.device, flags: list[int]) -> None:
-    """Raise for a bad input; else learn the layout's most distinct ids and shared-memory need."""
-    _raise_input_errors(flags)
-    device_state.state(device).learn(plan.key, distinct=flags[2], shared_need=flags[3])
-
-
-def _raise_input_errors(flags: list[int]) -> None:
-    """The API's ValueError for an id out of range or a group past ``MAX_GROUP_TOKENS`` (the flags of
-    ``ADVANTAGE_FLAGS``)."""
-    check_id_range(flags[0], MAX_TOKEN_ID + flags[1])
-    if flags[5]:
-        raise ValueError(f"`responses`: a group holds {flags[5]} masked tokens; the cuda backend takes at most "
-                         f"{MAX_GROUP_TOKENS} per group")
 
 def _device_index(device: torch.device) -> int:
     if device.type != "cuda":

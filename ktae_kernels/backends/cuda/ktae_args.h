@@ -123,6 +123,7 @@ struct KernelArgs {
                                // table takes in its own layout, sized for its distinct ids (group_shared_need)
   long long* left;             // [1] zeroed before: groups the shared pass left to the global pass
   const long long* most_tokens;  // [1] the masked tokens of a group past kMaxGroupTokens (0: none)
+  const long long* bad_values;   // [1] non-zero: an input value out of its domain (kFlagBadValues)
   bool nan_on_error;           // after a bad input, write NaN over `advantage` (a replay of a captured
                                // call) instead of nothing
   bool allow_packed;           // the packed slot where a group has one presence word and < 2^16 tokens
@@ -149,7 +150,8 @@ struct PrepareArgs {
   const int64_t* group;      // [B] dense group ids
   const int64_t* members;    // [B] argsort(group, stable)
   int64_t n_groups;
-  const double* rewards;     // [B]
+  const double* rewards;     // [B] (a value that is not finite sets bad_values)
+  const double* given;       // [B] or null: the caller's rollout advantage A_i (likewise checked)
   const bool* given_correct; // [B] or null: then reward > threshold
   double threshold;
   int baseline;              // kBaseline*
@@ -157,6 +159,7 @@ struct PrepareArgs {
   // outputs
   long long* bad_ids;        // [2] zeroed before: least id < 0, (largest id > 2^31 - 1) - (2^31 - 1)
   long long* most_tokens;    // [1] zeroed before: the masked tokens of a group past kMaxGroupTokens
+  long long* bad_values;     // [1] zeroed (or set by the host's device checks) before: see kFlagBadValues
   int64_t* lengths;          // [B] masked tokens
   int64_t* extent;           // [B] last masked position + 1 (0 when none)
   bool* correct;             // [B]
@@ -172,11 +175,17 @@ enum Baseline : int { kBaselineGrpo = 0, kBaselineMean = 1, kBaselineNone = 2, k
 constexpr int kGroupsThreads = 128;
 
 // The flags at the head of the passes' workspace (pipeline.py), zeroed before them and read back by the host after
-// the last launch: bad_ids [2], the most distinct ids a completed group held, the most dynamic shared
-// memory a completed group's table needed (group_shared_need), the groups the shared pass left to the
-// global pass, and the masked tokens of a group past kMaxGroupTokens. A bad input (bad_ids, a group
-// past kMaxGroupTokens) stops every table pass before it writes.
-constexpr int64_t kAdvantageFlags = 6;
+// the last launch, by index: the least id < 0 under the mask and the excess of the largest past 2^31 - 1
+// (bad_ids), the most distinct ids a completed group held, the most dynamic shared memory a completed
+// group's table needed (group_shared_need), the groups the shared pass left to the global pass, the masked
+// tokens of a group past kMaxGroupTokens, and bad_values (non-zero: rewards or the given rollout advantage
+// not finite, found by groups_kernel, or a 0/1 input holding another value, found by the host's device
+// checks before the first pass). A bad input (bad_ids, a group past kMaxGroupTokens, bad_values) stops
+// every table pass before it writes.
+enum Flag : int {
+  kFlagLowId = 0, kFlagHighId = 1, kFlagDistinct = 2, kFlagSharedNeed = 3, kFlagLeft = 4, kFlagMostTokens = 5,
+  kFlagBadValues = 6, kAdvantageFlags = 7
+};
 
 // Dynamic shared memory a shared-table block needs for a group of `words` presence words, the
 // `packed` slot or not, holding `n_keys` distinct ids: the header and the table for them

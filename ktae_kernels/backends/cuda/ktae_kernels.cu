@@ -637,10 +637,12 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
 }
 
 // A bad input stops every table pass before it writes (the host raises; `out` stays as it was, or,
-// for a replay of a captured call, holds NaN): an id out of range, or a group past kMaxGroupTokens.
+// for a replay of a captured call, holds NaN): an id out of range, a group past kMaxGroupTokens, or an
+// input value out of its domain (kFlagBadValues).
 __device__ __forceinline__ bool bad_input(const KernelArgs& args) {
   const auto* flags = reinterpret_cast<const volatile long long*>(args.bad_ids);
-  return flags[0] != 0 || flags[1] != 0 || *reinterpret_cast<const volatile long long*>(args.most_tokens) != 0;
+  return flags[0] != 0 || flags[1] != 0 || *reinterpret_cast<const volatile long long*>(args.most_tokens) != 0 ||
+         *reinterpret_cast<const volatile long long*>(args.bad_values) != 0;
 }
 
 // One group of the static-bound pipeline (pipeline.advantage), every choice made here: the
@@ -826,9 +828,14 @@ __global__ void __launch_bounds__(kMaxThreads) scan_kernel(const PrepareArgs arg
   }
 }
 
+// Whether a double is finite: its exponent bits are not all ones (NaN and +-inf).
+__device__ __forceinline__ bool is_finite(double x) {
+  return (__double_as_longlong(x) & 0x7ff0000000000000LL) != 0x7ff0000000000000LL;
+}
+
 // Groups pass, in two launches over the whole device (the per-group work is a chain of dependent
-// loads, so it wants many threads, not one block). First, per rollout: correct flags and the group
-// offsets from the members sorted by group.
+// loads, so it wants many threads, not one block). First, per rollout: correct flags, the group
+// offsets from the members sorted by group, and bad_values when a reward (or given A_i) is not finite.
 __global__ void groups_kernel(const PrepareArgs args) {
   const int64_t B = args.B, n = args.n_groups;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -836,7 +843,9 @@ __global__ void groups_kernel(const PrepareArgs args) {
   for (int64_t i = tid; i < B; i += stride) {
     const int64_t r = args.members[i];
     const int64_t g = args.group[r];
-    args.correct[r] = args.given_correct ? args.given_correct[r] : args.rewards[r] > args.threshold;
+    const double reward = args.rewards[r];
+    args.correct[r] = args.given_correct ? args.given_correct[r] : reward > args.threshold;
+    if (!is_finite(reward) || (args.given != nullptr && !is_finite(args.given[r]))) *args.bad_values = 1;
     const int64_t before = i == 0 ? -1 : args.group[args.members[i - 1]];
     for (int64_t h = before + 1; h <= g; ++h) args.starts[h] = i;
     if (i == B - 1) {

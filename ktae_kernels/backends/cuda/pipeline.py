@@ -65,7 +65,8 @@ class AdvantageInputs:
     """The batch and where the results go: responses, mask, group (dense ids), members (sorted by group),
     rewards float64 [B], correct (caller labels, bool [B]) and given (rollout advantage, float64 [B])
     when given; workspace int64 (``advantage_workspace_size``, its head the flags, then each group's
-    status: its distinct ids); ``mode`` (ktae_args.h ``Mode``): kAdvantage writes out float32 [B, L], kRows
+    status: its distinct ids); invalid: 0-dim bool or int64, non-zero when a value check the host
+    enqueued on the device failed (``kFlagBadValues``), or None; ``mode`` (ktae_args.h ``Mode``): kAdvantage writes out float32 [B, L], kRows
     the rows into row_ints int64 [kRowInts, n_rows] from row_offset int64 [n_groups + 1], kCount nothing more."""
 
     responses: Tensor
@@ -78,6 +79,7 @@ class AdvantageInputs:
     out: Tensor | None = None
     correct: Tensor | None = None
     given: Tensor | None = None
+    invalid: Tensor | None = None
     mode: int = K["kAdvantage"]
     row_offset: Tensor | None = None
     row_ints: Tensor | None = None
@@ -192,6 +194,8 @@ def _check_advantage(inputs: AdvantageInputs, scoring: Scoring, shape: Advantage
         check(inputs.correct, "correct", torch.bool, (B,), device)
     if inputs.given is not None:
         check(inputs.given, "given", torch.float64, (B,), device)
+    if inputs.invalid is not None and (inputs.invalid.dim() != 0 or inputs.invalid.device != device):
+        raise ValueError(f"ktae_kernels.cuda: `invalid` must be a 0-dim tensor on {device}")
     if scoring.baseline not in (K["kBaselineGrpo"], K["kBaselineMean"], K["kBaselineNone"], K["kBaselineGiven"]):
         raise ValueError(f"ktae_kernels.cuda: `baseline` must be 0 (grpo), 1 (mean), 2 (none) or 3 (given), "
                          f"got {scoring.baseline}")
@@ -250,8 +254,9 @@ def advantage(launcher: Launcher, inputs: AdvantageInputs, scoring: Scoring, sha
     at = lambda offset: ws + 8 * offset  # noqa: E731  (an int64 entry's address)
     prepare = abi.PrepareArgs(
         responses=ptr(inputs.responses), mask=ptr(inputs.mask), B=B, L=L, group=ptr(inputs.group),
-        members=ptr(inputs.members), n_groups=n, rewards=ptr(inputs.rewards), given_correct=ptr(inputs.correct),
-        threshold=scoring.threshold, baseline=scoring.baseline, eps=scoring.eps, bad_ids=ws, most_tokens=at(5),
+        members=ptr(inputs.members), n_groups=n, rewards=ptr(inputs.rewards), given=ptr(inputs.given),
+        given_correct=ptr(inputs.correct), threshold=scoring.threshold, baseline=scoring.baseline, eps=scoring.eps,
+        bad_ids=at(K["kFlagLowId"]), most_tokens=at(K["kFlagMostTokens"]), bad_values=at(K["kFlagBadValues"]),
         lengths=at(parts.lengths), extent=at(parts.extent), correct=at(parts.correct), starts=at(parts.starts),
         group_counts=at(parts.group_counts), base=0 if inputs.given is not None else at(parts.base),
         status=at(parts.status))
@@ -267,9 +272,10 @@ def advantage(launcher: Launcher, inputs: AdvantageInputs, scoring: Scoring, sha
         log_rtol=log_rtol, log_err=log_err, p_one=p_one, ln2=ln2,
         ignore_ids=ptr(scoring.ignore_ids), n_ignore=scoring.ignore_ids.numel(), n_items=n, mode=inputs.mode,
         alpha=alpha, beta=beta, k1=k1, bm25_b=b, top=top, weight=weight, use_tf=scoring.use_tf,
-        bad_ids=ws, status=at(parts.status), base=ptr(inputs.given) if inputs.given is not None else prepare.base,
+        bad_ids=prepare.bad_ids, status=at(parts.status), base=ptr(inputs.given) if inputs.given is not None else prepare.base,
         advantage=ptr(inputs.out), extent=prepare.extent, shared_bytes=shape.shared_bytes,
-        max_capacity=shape.max_capacity, largest_keys=at(2), shared_need=at(3), left=at(4), most_tokens=at(5),
+        max_capacity=shape.max_capacity, largest_keys=at(K["kFlagDistinct"]), shared_need=at(K["kFlagSharedNeed"]),
+        left=at(K["kFlagLeft"]), most_tokens=prepare.most_tokens, bad_values=prepare.bad_values,
         nan_on_error=shape.nan_on_error, allow_packed=shape.allow_packed, ws_bytes=at(parts.tables),
         ws_slice_bytes=shape.fallback_bytes // shape.fallback_blocks // 8 * 8 if shape.fallback_blocks else 0,
         slot_index=at(parts.slot_index) if shape.slot_index else 0)
@@ -280,7 +286,10 @@ def advantage(launcher: Launcher, inputs: AdvantageInputs, scoring: Scoring, sha
         kernel.use_given = True
         kernel.row_offset, kernel.given_token = ptr(scoring.row_offset), ptr(scoring.given_token)
         kernel.given_score, kernel.n_rows = ptr(scoring.given_score), scoring.given_token.numel()
-    inputs.workspace[:K["kAdvantageFlags"]].zero_()  # on torch's current stream, as the launches
+    flags = inputs.workspace[:K["kAdvantageFlags"]]
+    flags.zero_()  # on torch's current stream, as the launches
+    if inputs.invalid is not None:
+        flags[K["kFlagBadValues"]].copy_(inputs.invalid)
     _enqueue(launcher, prepare, kernel, shape, B * L)
 
 
