@@ -125,13 +125,10 @@ __device__ __forceinline__ uint32_t find(const Table& t, uint32_t key) {
   return kNoSlot;
 }
 
-// Empties the table; with kKeysOnly (kCount: only keys are read and written) its counters and
-// presence words are left alone (a global-memory count table has none).
-template <bool kKeysOnly>
+// Empties the table: keys, counters and presence words.
 __device__ void clear_table(const Table& t, int words) {
   for (uint32_t s = threadIdx.x; s < t.capacity; s += blockDim.x) {
     t.keys[s] = kEmptyKey;
-    if (kKeysOnly) continue;
     t.counts[s] = 0ull;
     if (!t.packed) {
       for (int w = 0; w < words; ++w) t.presence[static_cast<size_t>(w) * t.capacity + s] = 0u;
@@ -283,7 +280,7 @@ __device__ __forceinline__ void correct_mask(const KernelArgs& args, int64_t fir
 // runs every warp collective (masked positions carry kEmptyKey and are skipped afterwards).
 // kRecord: also store each position's slot (kNoIndex where nothing is counted) in args.slot_index,
 // so that the gather reads 2 bytes a position instead of the mask and the int64 id, and probes nothing.
-template <bool kKeysOnly, bool kRecord = false>
+template <bool kRecord = false>
 __device__ void build_table(const KernelArgs& args, const Table& t, int64_t first, int group_size,
                             BlockState* state, uint32_t parts = 1u, uint32_t part = 0u) {
   const unsigned lane = threadIdx.x & 31u;
@@ -325,7 +322,7 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
           if (pos < end) record[pos] = key == kEmptyKey || slot == kNoSlot ? kNoIndex : static_cast<uint16_t>(slot);
         }
         if (key == kEmptyKey || lane != leader) continue;
-        if (kKeysOnly || slot == kNoSlot) continue;
+        if (slot == kNoSlot) continue;
         // 32-bit atomics on the half that changes (little-endian): wide, f_c low and f_w high
         // (below 2^31 each); packed, f_c | f_w << 16 (below 2^16 each: no carry) and presence high
         auto* halves = reinterpret_cast<uint32_t*>(t.counts + slot);
@@ -701,13 +698,13 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
     bool overflowed = false;
     int64_t n_keys = 0;
     for (uint32_t part = 0u; part < parts && !overflowed; ++part) {
-      clear_table<false>(t, words);
+      clear_table(t, words);
       if (threadIdx.x == 0) *state = BlockState{0u, 0u};
       __syncthreads();
       if (from_index) {
-        build_table<false, true>(args, t, first, group_size, state);
+        build_table<true>(args, t, first, group_size, state);
       } else {
-        build_table<false>(args, t, first, group_size, state, parts, part);
+        build_table(args, t, first, group_size, state, parts, part);
       }
       __syncthreads();
       overflowed = state->overflow != 0u;
