@@ -1,6 +1,8 @@
-// Just enough of CUDA to run csrc/ktae_kernels.cu on the CPU, for tests on machines without a GPU.
+// Just enough of CUDA to run ktae_kernels/backends/cuda/ktae_kernels.cu on the CPU, for tests on machines
+// without a GPU.
 //
-// Every CUDA thread of a block is a host thread; __syncthreads is a barrier over the block and each
+// Every CUDA thread of a block is a host thread (run_serial: one host thread takes them in turn, for
+// kernels whose threads never wait on one another); __syncthreads is a barrier over the block and each
 // warp collective (__ballot_sync, __match_any_sync, __shfl_sync) is an exchange over the warp's 32
 // threads, which therefore must all call it (the kernels use full-warp masks only; anything else
 // aborts); __syncwarp is such an exchange too. Atomics are GCC __atomic builtins. Dynamic shared memory is a per-block buffer filled
@@ -66,7 +68,11 @@ struct Block {
   Barrier barrier;
   std::vector<std::unique_ptr<Warp>> warps;
   std::vector<unsigned char> shared;
+  bool serial = false;  // run_serial: one host thread runs every thread, so no thread may wait on another
 };
+
+// A collective in a kernel run by run_serial would wait forever: abort instead.
+inline void check_not_serial(const char* what);
 
 inline thread_local Dim3 thread_idx, block_idx, block_dim, grid_dim;
 inline thread_local Block* block = nullptr;
@@ -83,6 +89,7 @@ inline void exchange(unsigned mask, uint64_t value, uint64_t (&out)[32]) {
     std::fprintf(stderr, "cuda_on_cpu: warp collectives must use the full mask, got %08x\n", mask);
     std::abort();
   }
+  check_not_serial("a warp collective");
   Warp& warp = *block->warps[thread_idx.x / 32];
   warp.values[thread_idx.x % 32] = value;
   warp.barrier.wait();
@@ -115,6 +122,34 @@ void run(Kernel kernel, int64_t blocks, int threads, int64_t shared_bytes) {
   for (auto& th : pool) th.join();
 }
 
+// Runs a kernel whose threads never wait on one another (no __syncthreads, no warp collective: it
+// aborts on one) as `run` does, but every thread of every block in turn on the calling thread: the same
+// writes, without a barrier's cost per block (the statistics grid is thousands of blocks).
+template <class Kernel>
+void run_serial(Kernel kernel, int64_t blocks, int threads, int64_t shared_bytes) {
+  Block state(threads, shared_bytes);
+  state.serial = true;
+  block = &state;
+  block_dim = Dim3{static_cast<unsigned>(threads), 1, 1};
+  grid_dim = Dim3{static_cast<unsigned>(blocks), 1, 1};
+  for (int64_t b = 0; b < blocks; ++b) {
+    block_idx = Dim3{static_cast<unsigned>(b), 0, 0};
+    std::memset(state.shared.data(), 0xA5, state.shared.size());
+    for (int t = 0; t < threads; ++t) {
+      thread_idx = Dim3{static_cast<unsigned>(t), 0, 0};
+      kernel();
+    }
+  }
+  block = nullptr;
+}
+
+inline void check_not_serial(const char* what) {
+  if (block->serial) {
+    std::fprintf(stderr, "cuda_on_cpu: %s in a kernel run by run_serial, which no thread may wait in\n", what);
+    std::abort();
+  }
+}
+
 }  // namespace ktae_emu
 
 #define __global__
@@ -128,7 +163,10 @@ void run(Kernel kernel, int64_t blocks, int threads, int64_t shared_bytes) {
 #define gridDim ktae_emu::grid_dim
 #define KTAE_DYNAMIC_SHARED(name) unsigned char* name = ktae_emu::dynamic_shared()
 
-inline void __syncthreads() { ktae_emu::block->barrier.wait(); }
+inline void __syncthreads() {
+  ktae_emu::check_not_serial("__syncthreads");
+  ktae_emu::block->barrier.wait();
+}
 inline void __syncwarp(unsigned mask = 0xFFFFFFFFu) {
   uint64_t all[32];
   ktae_emu::exchange(mask, 0, all);

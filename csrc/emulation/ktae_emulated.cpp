@@ -26,15 +26,17 @@ bool dispatch(const char* name, void** params, int64_t grid, int block, int64_t 
   using namespace ktae;
   const auto is = [name](const char* expected) { return std::strcmp(name, expected) == 0; };
   const auto run = [&](auto kernel) { ktae_emu::run(kernel, grid, block, smem); return true; };
+  // kernels whose threads never wait on one another: every thread in turn on this one
+  const auto serial = [&](auto kernel) { ktae_emu::run_serial(kernel, grid, block, smem); return true; };
   if (is("ktae::scan_kernel")) return run([&] { scan_kernel(arg<PrepareArgs>(params, 0)); });
   if (is("ktae::groups_kernel")) return run([&] { groups_kernel(arg<PrepareArgs>(params, 0)); });
   if (is("ktae::group_sums_kernel")) return run([&] { group_sums_kernel(arg<PrepareArgs>(params, 0)); });
   if (is("ktae::dynamic_kernel<true>")) return run([&] { dynamic_kernel<true>(arg<KernelArgs>(params, 0)); });
   if (is("ktae::dynamic_kernel<false>")) return run([&] { dynamic_kernel<false>(arg<KernelArgs>(params, 0)); });
   if (is("ktae::nan_on_error_kernel")) {
-    return run([&] { nan_on_error_kernel(arg<KernelArgs>(params, 0), arg<int64_t>(params, 1)); });
+    return serial([&] { nan_on_error_kernel(arg<KernelArgs>(params, 0), arg<int64_t>(params, 1)); });
   }
-  if (is("ktae::table_statistics_kernel")) return run([&] { table_statistics_kernel(arg<StatsArgs>(params, 0)); });
+  if (is("ktae::table_statistics_kernel")) return serial([&] { table_statistics_kernel(arg<StatsArgs>(params, 0)); });
   return false;
 }
 
