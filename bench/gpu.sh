@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The hardware run for a short GPU loan (15 minutes of device time, the machine's start included): at
-# most KTAE_GPU_BUDGET_S seconds of script (default 340), each stage capped, a failed or cut stage
+# most KTAE_GPU_BUDGET_S seconds of script (default 400), each stage capped, a failed or cut stage
 # recorded and the script carrying on. In order:
 #   versions  python, torch, triton, cuda-core, NVRTC, setuptools, nanobind, the driver; fails, naming what
 #             is missing, when an import a later stage needs fails (tqdm: the [bench] extra; pytest: [test];
@@ -9,12 +9,14 @@
 #             --no-build-isolation; then the CUDA kernels' first-use NVRTC compile, timed
 #   check     bench/gpu_check.py: the paper batch's correctness and timings of cuda and triton against
 #             torch first, then the other checks (streams, graphs, overflow, races, big groups, tuning)
+#   variants  bench/gpu_variants.py: every cuda launch variant on the paper batch (exactness, calls and graph
+#             replays between CUDA events, per-kernel times, a host profile), ranked; its JSON handed back
 #   tests     the tests that need a GPU (KTAE_GPU_TESTS: other test files, e.g. for a rerun):
 #             pytest -v -ra --durations=20, each test at most 60 s
 #   bench     what time is left: the paper batch through python -m bench (torch, triton, cuda)
 # Nothing that runs without a GPU runs here (the interpreter and emulator tests, the compile report).
 # After every stage, what the run has so far is copied to $OUT when it is set (the lending tool's
-# output folder): gpu.log (this script's log), gpu-check.json, results.tgz (every file of the run).
+# output folder): gpu.log (this script's log), gpu-check.json, gpu-variants.json, results.tgz (every file of the run).
 # A TERM or INT (the lending tool's limit, a Ctrl-C) is passed on to the stage in flight, which ends
 # with the script, and what the run has, that stage's partial results included (gpu_check writes its
 # JSON after every check), is handed back before the script exits. Each stage runs under `timeout` in
@@ -27,7 +29,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 START=$(date +%s)
-BUDGET=${KTAE_GPU_BUDGET_S:-340}
+BUDGET=${KTAE_GPU_BUDGET_S:-400}
 DEADLINE=$((START + BUDGET))
 PY=${PYTHON:-python3}
 DRY=${KTAE_GPU_DRY_RUN:-}
@@ -48,6 +50,7 @@ hand_back() {
   tar czf "$OUT/results.tgz.part" -C "$RESULTS" . 2>/dev/null && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
   cp "$LOG" "$OUT/gpu.log" 2>/dev/null
   cp "$RESULTS"/*gpu-check*.json "$OUT/gpu-check.json" 2>/dev/null
+  cp "$RESULTS"/*gpu-variants*.json "$OUT/gpu-variants.json" 2>/dev/null
   return 0
 }
 
@@ -161,6 +164,7 @@ if [[ -n "$DRY" ]]; then
 else
   stage build 150 bash -c build
   stage check 100 "$PY" -m bench.gpu_check --repeats 20 --out "$RESULTS"
+  stage variants 90 "$PY" -m bench.gpu_variants --repeats 20 --out "$RESULTS"
   TIMEOUT=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")
   stage tests 100 "$PY" -m pytest -v -ra --durations=20 -p no:cacheprovider $TIMEOUT $GPU_TESTS
   stage bench 60 "$PY" -m bench --device cuda --shape 16x1024x3072 --backends torch,triton,cuda --repeats 5 \

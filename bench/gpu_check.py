@@ -283,14 +283,25 @@ def graph_capture(args, backends: list[str]) -> dict:
 
 
 def replay_times(graph, samples: int = REPLAYS) -> dict[str, float]:
-    """Seconds of ``samples`` replays of ``graph``: each between two CUDA events, the device synchronised
-    (idle) before it, so that nothing queued earlier is timed. The median, quartiles, min and max."""
+    """Seconds of ``samples`` replays of ``graph`` (``event_times``)."""
+    return event_times(graph.replay, samples)
+
+
+def event_times(fn: Callable[[], Any], samples: int) -> dict[str, float]:
+    """Seconds of ``samples`` calls of ``fn``: each between two CUDA events, the device synchronised
+    (idle) before it, so that nothing queued earlier is timed (on the CPU: wall time). The median,
+    quartiles, min and max."""
     times = []
     for _ in range(samples):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            continue
         torch.cuda.synchronize()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        fn()
         stop.record()
         stop.synchronize()
         times.append(start.elapsed_time(stop) / 1e3)
