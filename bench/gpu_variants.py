@@ -1,7 +1,8 @@
 """The cuda backend's launch variants on the paper batch, measured in one run, so that one GPU loan
-picks the fastest (``bench/gpu.sh``'s variants stage; 21 variants, well under 4 minutes on an H200).
+picks the fastest (``bench/gpu.sh``'s variants stage; 22 variants, well under 4 minutes on an H200).
 
-A variant is a ``CudaTuning`` (threads a block at most, blocks an SM, the packed slot, the slot index):
+A variant is a ``CudaTuning`` (threads a block at most, blocks an SM, the packed slot, the slot index,
+the order of the groups):
 run-time choices of the same kernels, none of which may change a bit of the result. For each variant:
 - exactness: its advantages ``torch.equal`` to the reference (the torch backend on the same device); a
   variant that differs is dropped from the ranking, with the number of positions that differ;
@@ -43,10 +44,10 @@ from ktae_kernels.backends import cuda
 from ktae_kernels.validation import normalise_batch
 
 def paper_variants() -> dict[str, CudaTuning]:
-    """The default, then each block size x blocks an SM x slot x slot index, named by the threads a block
-    runs on the paper batch's L (a cap that runs as many as a smaller one is left out; two blocks an SM
-    cap a block at 512 threads)."""
-    variants = {"default": CudaTuning()}
+    """The default and the default taking the largest groups first, then each block size x blocks an SM x
+    slot x slot index, named by the threads a block runs on the paper batch's L (a cap that runs as many
+    as a smaller one is left out; two blocks an SM cap a block at 512 threads)."""
+    variants = {"default": CudaTuning(), "largest-first": CudaTuning(largest_first=True)}
     for blocks in (1, 2):
         for cap in (256, 384, 512, 768, 1024):
             runs = cuda.block_threads(PAPER_SHAPE.L, cuda.most_threads(cap, blocks))

@@ -69,6 +69,8 @@ class CudaTuning:
     max_threads: most threads per block (a multiple of 32 in [64, 1024]).
     slot_index: the shared pass records each position's slot while building, and the gather reads
         2 bytes a position instead of the mask and the int64 id.
+    largest_first: the table passes take the groups with the most masked tokens first (one device sort
+        of the groups a call), so that a large group does not run alone in the last wave.
     """
 
     table_slots: int | None = None
@@ -76,6 +78,7 @@ class CudaTuning:
     blocks_per_sm: int | None = None
     max_threads: int = 1024
     slot_index: bool = True
+    largest_first: bool = False
 
     def __post_init__(self) -> None:
         if self.table_slots is not None:
@@ -85,7 +88,7 @@ class CudaTuning:
         _positive_int("CudaTuning.max_threads", self.max_threads, 1024)
         if self.max_threads % 32 or self.max_threads < 64:
             raise ValueError(f"CudaTuning.max_threads must be a multiple of 32 in [64, 1024], got {self.max_threads!r}")
-        for name in ("packed", "slot_index"):
+        for name in ("packed", "slot_index", "largest_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CudaTuning.{name} must be a bool, got {getattr(self, name)!r}")
 

@@ -660,3 +660,30 @@ def test_a_group_whose_smallest_table_has_no_room_takes_the_global_pass(emulator
     assert views["status"][0] == -1 and views["flags"][4] == 1  # left, counted as left
     torch.testing.assert_close(cuda.token_advantage(wide, KTAEConfig(), None, options=few, launcher=emulator),
                                reference.token_advantage(wide, KTAEConfig(), None), rtol=0.0, atol=1e-6)
+
+
+def test_largest_groups_first_changes_no_bit(emulator):
+    """``CudaTuning(largest_first=True)``: the table passes take the groups by masked tokens, most first;
+    advantages and rows bitwise those of the default order, with the shared tables and with the global
+    pass alone (``table_slots`` too small for the big groups)."""
+    batch = normalise_batch(*make_batch(np.random.default_rng(21), [9, 2, 5, 1, 7, 3], 40, 80, shuffle=True))
+    ext = Recorder(emulator)
+    for extra in ({}, {"table_slots": 32}):
+        want = cuda.token_advantage(batch, KTAEConfig(), None, launcher=ext, options=tuned(**extra))
+        got = cuda.token_advantage(batch, KTAEConfig(), None, launcher=ext, options=tuned(largest_first=True, **extra))
+        assert torch.equal(got, want)
+        rows = cuda.key_token_scores(batch, KTAEConfig(), tuned(largest_first=True, **extra), launcher=ext)
+        assert_scores_match(cuda.key_token_scores(batch, KTAEConfig(), tuned(**extra), launcher=ext), rows)
+    assert any(a[0].group_order for (name, *_), a in zip(ext.kernels, ext.args) if name.startswith("ktae::dynamic"))
+
+
+def test_the_table_passes_take_the_groups_in_group_order(emulator, monkeypatch):
+    """The order the passes read is the one they follow: an order that lists group 0 for every block
+    leaves the other groups unwritten."""
+    batch = normalise_batch(*make_batch(np.random.default_rng(22), [3, 4, 2], 16, 30))
+    counts = torch.tensor([[2, 1, 1], [1, 3, 1], [10, 5, 8], [4, 20, 1]])
+    assert pipeline.group_order(counts).tolist() == [1, 0, 2]  # 25, 14, 9 masked tokens
+    monkeypatch.setattr(pipeline, "group_order", lambda c: torch.zeros(c.shape[1], dtype=torch.int64))
+    out = torch.full(tuple(batch.responses.shape), 7.0)
+    cuda.token_advantage(batch, KTAEConfig(), None, out, tuned(largest_first=True), launcher=emulator)
+    assert bool((out[3:] == 7.0).all()) and not bool((out[:3] == 7.0).all())

@@ -304,7 +304,7 @@ class StaticPlan:
     ids this layout's groups held before). fallback_blocks / fallback_bytes: the global-memory pass (0:
     every group surely completes in shared memory). key: where the call's largest distinct count and
     shared-memory need are learnt (``DeviceState.learn``). blocks_per_sm: the shared pass's blocks per
-    SM that ``shared_bytes`` and ``threads`` allow.
+    SM that ``shared_bytes`` and ``threads`` allow. largest_first: ``CudaTuning.largest_first``.
     """
 
     ext: Launcher
@@ -319,6 +319,7 @@ class StaticPlan:
     slot_index: bool = False
     key: tuple = ()
     blocks_per_sm: int = 1
+    largest_first: bool = False
 
 
 def static_plan(ext: Launcher, batch: Batch, config: KTAEConfig, tuning: CudaTuning = CudaTuning()) -> StaticPlan:
@@ -364,7 +365,8 @@ def static_plan(ext: Launcher, batch: Batch, config: KTAEConfig, tuning: CudaTun
         fallback_bytes = fallback_blocks * (-(-slice_bytes // 8) * 8)
     threads = block_threads(L, most_threads(tuning.max_threads, blocks_per_sm))
     return StaticPlan(ext, largest, bound, shared_bytes, max_capacity, tuning.packed, fallback_blocks,
-                      fallback_bytes, threads, tuning.slot_index and shared_bytes > 0, key, blocks_per_sm)
+                      fallback_bytes, threads, tuning.slot_index and shared_bytes > 0, key, blocks_per_sm,
+                      tuning.largest_first)
 
 
 def workspace_views(workspace: Tensor, B: int, n_groups: int) -> dict[str, Tensor]:
@@ -434,7 +436,8 @@ def enqueue(plan: StaticPlan, batch: Batch, config: KTAEConfig, given: Tensor | 
     shape = pipeline.AdvantageLaunch(shared_bytes=plan.shared_bytes, max_capacity=plan.max_capacity,
                                      allow_packed=plan.packed, fallback_blocks=plan.fallback_blocks,
                                      fallback_bytes=plan.fallback_bytes, slot_index=positions > 0,
-                                     threads=plan.threads, nan_on_error=nan_on_error)
+                                     threads=plan.threads, nan_on_error=nan_on_error,
+                                     largest_first=plan.largest_first)
     pipeline.advantage(plan.ext, inputs, scoring, shape)
     return out, workspace
 

@@ -96,6 +96,7 @@ struct KernelArgs {
   int64_t n_ignore;
   // the launch
   int64_t n_items;             // groups: block i takes groups i, i + gridDim.x, ...
+  const int64_t* group_order;  // [n_items] or null: the i-th group taken is group_order[i] (largest first)
   int32_t mode;                // Mode
   // the method's hyper-parameters
   double alpha, beta, k1, bm25_b, top, weight;

@@ -741,14 +741,15 @@ __device__ void process_dynamic(const KernelArgs& args, unsigned char* smem, int
 }
 
 
-// The advantage passes: blocks take the groups blockIdx.x, blockIdx.x + gridDim.x, ... The global
-// pass (after a shared pass) exits at once when the shared pass left no group.
+// The advantage passes: blocks take the groups blockIdx.x, blockIdx.x + gridDim.x, ... of
+// group_order when given (the groups with the most masked tokens first), else of the dense ids. The
+// global pass (after a shared pass) exits at once when the shared pass left no group.
 template <bool kSharedTable>
 __global__ void __launch_bounds__(kMaxThreads) dynamic_kernel(const KernelArgs args) {
   KTAE_DYNAMIC_SHARED(smem);
   if (!kSharedTable && args.shared_bytes > 0 && *reinterpret_cast<const volatile long long*>(args.left) == 0) return;
-  for (int64_t g = blockIdx.x; g < args.n_items; g += gridDim.x) {
-    process_dynamic<kSharedTable>(args, smem, g);
+  for (int64_t i = blockIdx.x; i < args.n_items; i += gridDim.x) {
+    process_dynamic<kSharedTable>(args, smem, args.group_order != nullptr ? args.group_order[i] : i);
     __syncthreads();
   }
 }

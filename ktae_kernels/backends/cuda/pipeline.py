@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -111,7 +111,8 @@ class Scoring:
 class AdvantageLaunch:
     """The launch shape: the shared pass's bytes and slot cap, the global pass's blocks and workspace
     bytes, whether the shared pass records each position's slot, threads per block; nan_on_error: a bad
-    input writes NaN over ``out`` (a captured call's replay) instead of nothing."""
+    input writes NaN over ``out`` (a captured call's replay) instead of nothing; largest_first: the table
+    passes take the groups by masked tokens, most first (``group_order``)."""
 
     threads: int
     shared_bytes: int = 0
@@ -121,6 +122,7 @@ class AdvantageLaunch:
     fallback_bytes: int = 0
     slot_index: bool = False
     nan_on_error: bool = False
+    largest_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -290,7 +292,8 @@ def advantage(launcher: Launcher, inputs: AdvantageInputs, scoring: Scoring, sha
     flags.zero_()  # on torch's current stream, as the launches
     if inputs.invalid is not None:
         flags[K["kFlagBadValues"]].copy_(inputs.invalid)
-    _enqueue(launcher, prepare, kernel, shape, B * L)
+    counts = inputs.workspace[parts.group_counts:parts.group_counts + 4 * n].view(4, n)
+    _enqueue(launcher, prepare, kernel, shape, B * L, (lambda: group_order(counts)) if shape.largest_first else None)
 
 
 def groups_blocks(items: int) -> int:
@@ -303,9 +306,16 @@ def nan_blocks(positions: int) -> int:
     return max(1, min(1024, -(-positions // K["kNanThreads"])))
 
 
+def group_order(group_counts: Tensor) -> Tensor:
+    """int64 ``[n]``: the groups by masked tokens (``T_c + T_w`` of the groups pass's int64 ``[4, n]``
+    counts), most first, ties by group id; enqueued on the device, nothing read back."""
+    return torch.argsort(group_counts[2] + group_counts[3], descending=True, stable=True)
+
+
 def _enqueue(launcher: Launcher, prepare: abi.PrepareArgs, kernel: abi.KernelArgs, shape: AdvantageLaunch,
-             positions: int) -> None:
-    """The launches of ``advantage`` after the flags are zeroed, in order."""
+             positions: int, order: Callable[[], Tensor] | None = None) -> None:
+    """The launches of ``advantage`` after the flags are zeroed, in order; ``order``: the table passes'
+    ``group_order``, enqueued after the groups passes."""
     threads = shape.threads
     if prepare.B > 0:
         launcher.launch("ktae::scan_kernel", min(prepare.B, MAX_GRID_BLOCKS), threads, 32, (prepare,))
@@ -315,6 +325,8 @@ def _enqueue(launcher: Launcher, prepare: abi.PrepareArgs, kernel: abi.KernelArg
                         8 * K["kGroupsThreads"], (prepare,))
     if kernel.n_items == 0:
         return
+    taken = None if order is None else order()  # held until the table passes are enqueued
+    kernel.group_order = ptr(taken)
     if kernel.shared_bytes > 0:
         launcher.launch("ktae::dynamic_kernel<true>", min(kernel.n_items, MAX_GRID_BLOCKS), threads,
                         kernel.shared_bytes, (kernel,))
