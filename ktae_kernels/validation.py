@@ -153,7 +153,7 @@ def check_out(out: Tensor | None, batch: Batch) -> Tensor | None:
 def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = True,
                             defer_values: bool = False) -> Tensor | None:
     """``[B]`` float64 on the batch device, or None (checked finite when ``read``, unless ``defer_values``:
-    a backend that checks values on the device checks it, ``check_finite`` after its read)."""
+    a backend that checks values on the device checks it, and raises after its read)."""
     if value is None:
         return None
     t = _as_tensor("rollout_advantage", value, batch.device, read)
@@ -161,11 +161,6 @@ def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = 
         raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], "
                          f"got {t.dtype} {tuple(t.shape)}")
     return _finite_float64("rollout_advantage", t, read and not defer_values)
-
-
-def check_finite(name: str, t: Tensor) -> None:
-    """The API's ValueError when float ``t`` holds NaN or inf (one read)."""
-    _finite_float64(name, t)
 
 
 def raise_unchecked(checks: tuple[ValueCheck, ...]) -> None:

@@ -77,6 +77,17 @@ def call(ext, responses, mask, rewards, index, rollout_advantage=None, correct=N
     return cuda.token_advantage(batch, KTAEConfig(), given, out, launcher=ext)
 
 
+def emulated_plan(emulator, index: torch.Tensor, shape: tuple[int, int]) -> TokenAdvantagePlan:
+    """A plan of ``index`` whose backend is the cuda backend on the emulator, registered as the cuda
+    backend is (token ids and values checked on the device, capturable)."""
+    emulated_cuda.LAUNCHER = emulator
+    spec = BackendSpec("emulated_cuda", "emulated_cuda", ("cpu",), lambda _: None, checks_token_ids=True,
+                       checks_values=True, capturable=True)
+    labels, group = np.unique(index.numpy(), return_inverse=True)
+    return TokenAdvantagePlan(shape=shape, device=torch.device("cpu"), config=KTAEConfig(), spec=spec,
+                              group=torch.as_tensor(group), group_labels=labels)
+
+
 def reference(responses, mask, rewards, index, **kwargs):
     return token_advantage(responses, mask, rewards, index, backend="reference", **kwargs)
 
@@ -103,12 +114,7 @@ def test_a_warm_call_reads_back_once_and_launches_five_kernels(emulator, index_k
 def test_a_plans_call_reads_back_once(emulator):
     """A plan's call (group ids made dense once): one read, after every launch, and no sort."""
     responses, mask, rewards, index = batch_data()
-    emulated_cuda.LAUNCHER = emulator
-    spec = BackendSpec("emulated_cuda", "emulated_cuda", ("cpu",), lambda _: None, checks_token_ids=True,
-                       checks_values=True, capturable=True)
-    labels, group = np.unique(index.numpy(), return_inverse=True)
-    plan = TokenAdvantagePlan(shape=tuple(responses.shape), device=torch.device("cpu"), config=KTAEConfig(),
-                              spec=spec, group=torch.as_tensor(group), group_labels=labels)
+    plan = emulated_plan(emulator, index, tuple(responses.shape))
     plan(responses, mask, rewards)
     with Reads() as counted, Ops() as ops:
         got = plan(responses, mask, rewards)
@@ -174,12 +180,7 @@ def test_a_replay_with_a_nan_reward_writes_nan_and_check_raises(emulator, monkey
     NaN, and ``check()`` raises the API's error."""
     responses, mask, rewards, index = batch_data()
     mask, rewards = mask.bool(), rewards.double()
-    emulated_cuda.LAUNCHER = emulator
-    spec = BackendSpec("emulated_cuda", "emulated_cuda", ("cpu",), lambda _: None, checks_token_ids=True,
-                       checks_values=True, capturable=True)
-    labels, group = np.unique(index.numpy(), return_inverse=True)
-    plan = TokenAdvantagePlan(shape=tuple(responses.shape), device=torch.device("cpu"), config=KTAEConfig(),
-                              spec=spec, group=torch.as_tensor(group), group_labels=labels)
+    plan = emulated_plan(emulator, index, tuple(responses.shape))
     plan(responses, mask, rewards)
     bad = rewards.clone()
     bad[5] = float("nan")
