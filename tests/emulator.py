@@ -61,7 +61,8 @@ def _build(target: Path) -> None:
 
 class Emulator:
     """A launcher (``ktae_kernels.backends.cuda.pipeline.Launcher``) that runs each kernel on the CPU,
-    block by block, on host threads; the device memory is the CPU tensors' memory."""
+    block by block, each CUDA thread a fiber on the calling thread (``csrc/emulation/cuda_on_cpu.h``);
+    the device memory is the CPU tensors' memory."""
 
     on_host = True
 

@@ -2,8 +2,8 @@
 built against the CPU emulator (csrc/emulation/), launched by the backend's own Python launches
 (ktae_kernels/backends/cuda/pipeline.py), checked against the reference.
 
-The emulator runs every CUDA thread of a block as a host thread, with real barriers and warp
-exchanges, so this checks the kernels' indexing, hash table, presence bitmasks, overflow fallback,
+The emulator runs every CUDA thread of a block as a fiber, switched at barriers, warp exchanges,
+atomics and at random, some threads held far behind the others, so this checks the kernels' indexing, hash table, presence bitmasks, overflow fallback,
 sort and statistics, the launches' argument checks and the host orchestration. It cannot check
 CUDA's memory model, performance or device limits: tests/test_cuda_backend.py does that on a GPU.
 The build is cached (tests/emulator.py). Marked slow (``-m "not slow"`` skips it).
@@ -426,16 +426,12 @@ def test_big_groups(emulator, sizes, length):
     """Groups of 128 and 1024 rollouts (4 and 32 presence words a slot; past the device grid's bound, so
     token_advantage computes each slot's table statistics in the kernel and key_token_scores those of
     the rows' tables on the host), shuffled, against the reference; the groups of 128 also with small
-    tables. The group of 1024 is checked through ``token_advantage`` only (each pass over its rollouts
-    takes the emulator ~10 s; the rows mode's presence-word loop is the groups of 128's)."""
+    tables."""
     batch = normalise_batch(*make_batch(np.random.default_rng(11), sizes, length, 60, shuffle=True))
     name = f"G{sizes[0]}-big"
+    check(emulator, name, batch, KTAEConfig())
     if sizes[0] < 1024:
-        check(emulator, name, batch, KTAEConfig())
         check(emulator, name, batch, KTAEConfig(), options=tuned(table_slots=32))
-    else:
-        got = cuda.token_advantage(batch, KTAEConfig(), None, None, launcher=emulator)
-        torch.testing.assert_close(got, expected(name, batch, KTAEConfig())[1], rtol=0.0, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["G4-mixed-shuffled", "G40-two-words", "all-masked-rollouts"])

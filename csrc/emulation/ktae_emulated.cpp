@@ -1,6 +1,6 @@
 // The KTAE kernels built for the CPU emulator (cuda_on_cpu.h): the same device source NVRTC compiles
-// (ktae_kernels/backends/cuda/ktae_kernels.cu), launched block by block on host threads through one
-// entry with cuLaunchKernel's arguments, so that the cuda backend's Python launches
+// (ktae_kernels/backends/cuda/ktae_kernels.cu), launched block by block (fibers on the calling thread)
+// through one entry with cuLaunchKernel's arguments, so that the cuda backend's Python launches
 // (ktae_kernels/backends/cuda/pipeline.py) drive it unchanged; tensors live on the CPU. A plain shared
 // library loaded with ctypes by tests/emulator.py; not part of the installed package.
 #define KTAE_CPU_EMULATION
