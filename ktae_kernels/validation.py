@@ -366,7 +366,8 @@ def group_ids(index: Any, batch_size: int, device: torch.device) -> GroupIds:
     A GPU tensor index is made dense where it lives (``tensor_group_ids``); a host index on the host
     (numpy is several times faster there for a trainer's few hundred rollouts), its ids then copied to
     ``device`` without waiting for the device."""
-    if isinstance(index, Tensor) and index.device.type not in ("cpu", "meta") and _index_tensor(index).dtype in _SORTABLE:
+    on_device = isinstance(index, Tensor) and index.device.type not in ("cpu", "meta")
+    if on_device and _index_tensor(index).dtype in _SORTABLE:
         if index.dim() != 1 or index.shape[0] != batch_size:
             raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {tuple(index.shape)}")
         return tensor_group_ids(index.detach(), device)

@@ -66,8 +66,9 @@ class AdvantageInputs:
     rewards float64 [B], correct (caller labels, bool [B]) and given (rollout advantage, float64 [B])
     when given; workspace int64 (``advantage_workspace_size``, its head the flags, then each group's
     status: its distinct ids); invalid: 0-dim bool or int64, non-zero when a value check the host
-    enqueued on the device failed (``kFlagBadValues``), or None; ``mode`` (ktae_args.h ``Mode``): kAdvantage writes out float32 [B, L], kRows
-    the rows into row_ints int64 [kRowInts, n_rows] from row_offset int64 [n_groups + 1], kCount nothing more."""
+    enqueued on the device failed (``kFlagBadValues``), or None; ``mode`` (ktae_args.h ``Mode``):
+    kAdvantage writes out float32 [B, L], kRows the rows into row_ints int64 [kRowInts, n_rows] from
+    row_offset int64 [n_groups + 1], kCount nothing more."""
 
     responses: Tensor
     mask: Tensor
@@ -274,7 +275,8 @@ def advantage(launcher: Launcher, inputs: AdvantageInputs, scoring: Scoring, sha
         log_rtol=log_rtol, log_err=log_err, p_one=p_one, ln2=ln2,
         ignore_ids=ptr(scoring.ignore_ids), n_ignore=scoring.ignore_ids.numel(), n_items=n, mode=inputs.mode,
         alpha=alpha, beta=beta, k1=k1, bm25_b=b, top=top, weight=weight, use_tf=scoring.use_tf,
-        bad_ids=prepare.bad_ids, status=at(parts.status), base=ptr(inputs.given) if inputs.given is not None else prepare.base,
+        bad_ids=prepare.bad_ids, status=at(parts.status),
+        base=ptr(inputs.given) if inputs.given is not None else prepare.base,
         advantage=ptr(inputs.out), extent=prepare.extent, shared_bytes=shape.shared_bytes,
         max_capacity=shape.max_capacity, largest_keys=at(K["kFlagDistinct"]), shared_need=at(K["kFlagSharedNeed"]),
         left=at(K["kFlagLeft"]), most_tokens=prepare.most_tokens, bad_values=prepare.bad_values,
