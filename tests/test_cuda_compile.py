@@ -9,8 +9,8 @@ user's first call takes (``runtime.cubin``: no GPU needed), and ptxas's report o
   kernels' registers and shared memory let the blocks per SM the host chooses (1 or 2) share an SM;
 - at most 64 registers a thread (1024-thread blocks);
 - in the sm_90 SASS (cuobjdump -sass), a tile's token-id loads all issue before the first range check of
-  any of them, in every kernel that builds a table (a check's atomic between two loads makes each load
-  wait for the one before: kUnroll dependent DRAM trips a tile instead of one).
+  any of them, in every kernel that builds a table and in the scan (a check between two loads makes each
+  load wait for the one before: kUnroll dependent DRAM trips a tile instead of one).
 The launches themselves run on the CPU emulator: tests/test_cuda_emulation.py.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ pytest.importorskip("cuda.core", reason='needs cuda-core and NVRTC (pip install 
 #: the readable name (compile_report._demangled) of every kernel the backend launches
 KERNELS = {re.sub(r"^ktae::", "", name) for name in runtime.KERNELS}
 SHARED_PATH = {name for name in KERNELS if "false" not in name}
-#: the kernels that build tables (load_tile)
-TABLE_KERNELS = {name for name in KERNELS if name.startswith(("dynamic_kernel", "group_kernel"))}
+#: the kernels that load and check token ids: those that build tables (load_tile) and the scan
+ID_KERNELS = {name for name in KERNELS if name.startswith(("dynamic_kernel", "scan_kernel"))}
 UNROLL = abi.CONSTANTS["kUnroll"]
 
 
@@ -81,7 +81,7 @@ def test_shared_table_kernels_fit_the_blocks_per_sm_the_host_chooses(compiled_re
     kernels = compiled_reports[arch]
     threads = cuda.most_threads(cuda.MAX_THREADS, blocks_per_sm)
     dynamic = cuda.shared_limit(OPT_IN_SHARED[arch], blocks_per_sm)
-    for name in sorted(SHARED_PATH & TABLE_KERNELS):
+    for name in sorted(SHARED_PATH & ID_KERNELS):  # the scan runs on the table passes' threads
         entry = kernels[name]
         assert blocks_per_sm * threads * entry["registers"] <= 65536, (name, entry)
         assert blocks_per_sm * (dynamic + entry["shared"] + 1024) <= OPT_IN_SHARED[arch] + 1024, (name, entry)
@@ -91,9 +91,9 @@ def test_shared_table_kernels_fit_the_blocks_per_sm_the_host_chooses(compiled_re
 def test_a_tiles_id_loads_all_issue_before_their_range_checks():
     functions = sass_functions(sass(runtime.cubin(90).code))
     assert set(functions) == KERNELS, sorted(functions)
-    tile = "L" * UNROLL + "C" * UNROLL
-    order = {name: id_loads_and_checks(functions[name]) for name in TABLE_KERNELS}
-    assert all(seen and seen == tile * (len(seen) // len(tile)) for seen in order.values()), order
+    tiles = re.compile(f"(?:L{{{UNROLL}}}C{{{UNROLL}}})+C?")  # the scan's last check: its largest id, no load
+    order = {name: id_loads_and_checks(functions[name]) for name in ID_KERNELS}
+    assert len(order) == 3 and all(tiles.fullmatch(seen) for seen in order.values()), order
 
 
 def test_id_loads_and_checks_reads_the_order_of_loads_and_checks():

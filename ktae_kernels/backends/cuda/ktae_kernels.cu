@@ -1,7 +1,8 @@
 // KTAE on the GPU: one thread block per group of rollouts.
 //
 // token_advantage (pipeline.advantage) enqueues, with nothing read back in between:
-//   scan         one block per rollout: masked tokens, extent, ids out of range (the flags);
+//   scan         one block per rollout: masked tokens, extent, ids out of range (the flags), kUnroll
+//                mask bytes and then the ids under them in flight per thread;
 //   groups       correct flags and group offsets (a thread per rollout), then a warp per group:
 //                n_c, n_w, T_c, T_w and the rollout advantage A_i;
 //   shared pass  one block per group. Build: the block reads its rollouts' tokens once (coalesced,
@@ -781,11 +782,14 @@ __device__ __forceinline__ long long warp_max(long long value) {
 }
 
 // Scan pass, one block per rollout: masked tokens, extent (last masked position + 1) and the ids out
-// of [0, 2^31) under the mask (bad_ids). Four block-wide accumulators in dynamic shared memory.
+// of [0, 2^31) under the mask (bad_ids). Each step, a thread loads its kUnroll mask bytes, then the ids
+// under them, all issued before any is used (2 dependent DRAM trips a step, not 2 a position), and
+// checks them after the last load. Four block-wide accumulators in dynamic shared memory.
 __global__ void __launch_bounds__(kMaxThreads) scan_kernel(const PrepareArgs args) {
   KTAE_DYNAMIC_SHARED(smem);
   auto* count = reinterpret_cast<unsigned long long*>(smem);
   auto* acc = reinterpret_cast<long long*>(smem);  // [1] extent, [2] least id, [3] excess of the largest
+  const int64_t step = static_cast<int64_t>(blockDim.x) * kUnroll;
   for (int64_t r = blockIdx.x; r < args.B; r += gridDim.x) {
     if (threadIdx.x == 0) {
       *count = 0ull;
@@ -796,13 +800,28 @@ __global__ void __launch_bounds__(kMaxThreads) scan_kernel(const PrepareArgs arg
     const int64_t* tokens = args.responses + r * args.L;
     unsigned long long mine = 0ull;
     long long last = 0, low = 0, high = 0;
-    for (int64_t pos = threadIdx.x; pos < args.L; pos += blockDim.x) {
-      if (!mask[pos]) continue;
-      ++mine;
-      last = pos + 1;
-      const long long id = tokens[pos];
-      low = id < low ? id : low;
-      high = id > high ? id : high;
+    for (int64_t start = 0; start < args.L; start += step) {
+      bool masked[kUnroll];
+      int64_t id[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
+        masked[u] = pos < args.L && mask[pos];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        id[u] = masked[u] ? tokens[start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x] : 0;
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!masked[u]) continue;
+        ++mine;
+        last = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x + 1;
+        if (id[u] < 0 || id[u] > kMaxTokenId) {
+          low = id[u] < low ? id[u] : low;
+          high = id[u] > high ? id[u] : high;
+        }
+      }
     }
     // a warp's totals first, then one shared atomic per warp: every thread of the block updates the
     // same two words, and atomics on one shared address serialise. Every lane gets here (blockDim is
