@@ -1,9 +1,10 @@
 """The cuda backend's launch variants on the paper batch, measured in one run, so that one GPU loan
-picks the fastest (``bench/gpu.sh``'s variants stage; 22 variants, well under 4 minutes on an H200).
+picks the fastest (``bench/gpu.sh``'s variants stage; 26 variants, well under 4 minutes on an H200).
 
-A variant is a ``CudaTuning`` (threads a block at most, blocks an SM, the packed slot, the slot index,
-the order of the groups):
-run-time choices of the same kernels, none of which may change a bit of the result. For each variant:
+A variant is a ``CudaTuning``: run-time choices of the same kernels (threads a block at most, blocks an
+SM, the packed slot, the slot index, the order of the groups) or a compile-time ``KernelVariant`` of
+them (loads in flight a thread, merging a warp's equal ids, the load-ahead; each compiled by NVRTC at its
+first call, which the warm-up call takes), none of which may change a bit of the result. For each variant:
 - exactness: its advantages ``torch.equal`` to the reference (the torch backend on the same device); a
   variant that differs is dropped from the ranking, with the number of positions that differ;
 - ``call_s``: ``--repeats`` calls with ``out=``, each between CUDA events with the device idle before it
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -39,15 +41,23 @@ from bench.gpu_check import event_times, kernel_shares
 from bench.grid import PAPER_SHAPE
 from bench.machine import machine_info, machine_slug, today
 from bench.__main__ import _shape
-from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig, plan_token_advantage, token_advantage
+from ktae_kernels import (CudaTuning, ExecutionOptions, KernelVariant, KTAEConfig, plan_token_advantage,
+                          token_advantage)
 from ktae_kernels.backends import cuda
 from ktae_kernels.validation import normalise_batch
 
+#: the compile-time variants measured, each on the default launch choices.
+KERNEL_VARIANTS = {"unroll2": KernelVariant(unroll=2), "unroll8": KernelVariant(unroll=8),
+                   "lanes-alone": KernelVariant(match_any=False), "no-load-ahead": KernelVariant(load_ahead=False)}
+
+
 def paper_variants() -> dict[str, CudaTuning]:
-    """The default and the default taking the largest groups first, then each block size x blocks an SM x
-    slot x slot index, named by the threads a block runs on the paper batch's L (a cap that runs as many
-    as a smaller one is left out; two blocks an SM cap a block at 512 threads)."""
+    """The default, the default taking the largest groups first, the default compiled as each of
+    ``KERNEL_VARIANTS``, then each block size x blocks an SM x slot x slot index, named by the threads a
+    block runs on the paper batch's L (a cap that runs as many as a smaller one is left out; two blocks an
+    SM cap a block at 512 threads)."""
     variants = {"default": CudaTuning(), "largest-first": CudaTuning(largest_first=True)}
+    variants.update({name: CudaTuning(variant=variant) for name, variant in KERNEL_VARIANTS.items()})
     for blocks in (1, 2):
         for cap in (256, 384, 512, 768, 1024):
             runs = cuda.block_threads(PAPER_SHAPE.L, cuda.most_threads(cap, blocks))
@@ -80,7 +90,7 @@ def run_variants(variants: dict[str, CudaTuning], call: Call, reference: Tensor,
     report: dict[str, Any] = {"repeats": repeats, "variants": {}, "ranking": [], "best": None}
     for name, tuning in variants.items():
         out = torch.empty_like(reference)
-        row: dict[str, Any] = {"tuning": {k: getattr(tuning, k) for k in tuning.__dataclass_fields__}}
+        row: dict[str, Any] = {"tuning": dataclasses.asdict(tuning)}
         if threads is not None:
             row["threads"] = threads(tuning)
         try:

@@ -9,7 +9,7 @@ from .backends.base import BackendUnavailableError, GraphCaptureError
 from .caches import clear_caches
 from .config import KTAEConfig
 from .fisher import fisher_exact_pvalue
-from .options import CudaTuning, ExecutionOptions, TritonTuning
+from .options import CudaTuning, ExecutionOptions, KernelVariant, TritonTuning
 from .plan import TokenAdvantagePlan, plan_token_advantage
 from .registry import available_backends
 from .types import KeyTokenScores
@@ -22,6 +22,7 @@ __all__ = [
     "ExecutionOptions",
     "GraphCaptureError",
     "KTAEConfig",
+    "KernelVariant",
     "KeyTokenScores",
     "TokenAdvantagePlan",
     "TritonTuning",

@@ -56,6 +56,36 @@ def _positive_int(name: str, value: object, most: int | None = None) -> None:
 
 @named_fields()
 @dataclass(frozen=True)
+class KernelVariant:
+    """How the ``cuda`` backend's kernels are compiled. A variant other than the default is compiled
+    (by NVRTC, and cached) the first time a call asks for it; every variant computes the same bits.
+
+    unroll: positions each thread loads per step of the scan, the table build and the gather (2, 4 or
+        8): the loads in flight before the first is used.
+    match_any: lanes of a warp holding the same id are merged (``__match_any_sync``), so a frequent id
+        costs one atomic per warp; False: each lane updates its own id's slot.
+    load_ahead: while a step's ids are inserted, ask L2 for the lines of the next step's mask and ids.
+    """
+
+    unroll: int = 4
+    match_any: bool = True
+    load_ahead: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.unroll, bool) or self.unroll not in (2, 4, 8):
+            raise ValueError(f"KernelVariant.unroll must be 2, 4 or 8, got {self.unroll!r}")
+        for name in ("match_any", "load_ahead"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelVariant.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def macros(self) -> tuple[tuple[str, str], ...]:
+        """The variant as the device source's compile-time macros (ktae_args.h), name and value."""
+        return (("KTAE_UNROLL", str(self.unroll)), ("KTAE_MATCH_ANY", str(int(self.match_any))),
+                ("KTAE_LOAD_AHEAD", str(int(self.load_ahead))))
+
+
+@named_fields()
+@dataclass(frozen=True)
 class CudaTuning:
     """Launch choices of the ``cuda`` backend.
 
@@ -71,6 +101,7 @@ class CudaTuning:
         2 bytes a position instead of the mask and the int64 id.
     largest_first: the table passes take the groups with the most masked tokens first (one device sort
         of the groups a call), so that a large group does not run alone in the last wave.
+    variant: how the kernels are compiled (``KernelVariant``).
     """
 
     table_slots: int | None = None
@@ -79,8 +110,11 @@ class CudaTuning:
     max_threads: int = 1024
     slot_index: bool = True
     largest_first: bool = False
+    variant: KernelVariant = KernelVariant()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.variant, KernelVariant):
+            raise ValueError(f"CudaTuning.variant must be a KernelVariant, got {self.variant!r}")
         if self.table_slots is not None:
             _power_of_two("CudaTuning.table_slots", self.table_slots, 2)
         if self.blocks_per_sm not in (None, 1, 2):

@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 
 from build_cache import cache_root
+from ktae_kernels import KernelVariant
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "csrc" / "emulation" / "ktae_emulated.cpp"
 DEPENDS = [ROOT / "csrc" / "emulation" / "cuda_on_cpu.h", ROOT / "ktae_kernels" / "backends" / "cuda" / "ktae_kernels.cu",
            ROOT / "ktae_kernels" / "backends" / "cuda" / "ktae_args.h"]
-#: emulator builds kept in the cache (one per source version).
-KEEP_BUILDS = 3
+#: emulator builds kept in the cache (one per source version and kernel variant).$
+KEEP_BUILDS = 6
 
 
 def compiler() -> str | None:
@@ -32,24 +33,24 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++"))
 
 
-def command(output: Path) -> list[str]:
-    """The compile command of the emulator library."""
+def command(output: Path, variant: KernelVariant = KernelVariant()) -> list[str]:
+    """The compile command of the emulator library of ``variant`` (its macros, as NVRTC gets them)."""
     return [compiler(), "-std=c++17", "-O2", "-g0", "-shared", "-fPIC", "-pthread", "-Wall", "-Wno-unknown-pragmas",
-            str(SOURCE), "-o", str(output)]
+            *(f"-D{name}={value}" for name, value in variant.macros()), str(SOURCE), "-o", str(output)]
 
 
-def _build_key() -> str:
-    digest = hashlib.sha256(" ".join(command(Path("out"))).encode())
+def _build_key(variant: KernelVariant) -> str:
+    digest = hashlib.sha256(" ".join(command(Path("out"), variant)).encode())
     for path in [SOURCE, *DEPENDS]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def _build(target: Path) -> None:
-    """Compile the emulator library to ``target`` (atomically: concurrent runs may race)."""
+def _build(target: Path, variant: KernelVariant) -> None:
+    """Compile the emulator library of ``variant`` to ``target`` (atomically: concurrent runs may race)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f"build-{os.getpid()}-{target.name}")
-    result = subprocess.run(command(tmp), capture_output=True, text=True, timeout=1200)
+    result = subprocess.run(command(tmp, variant), capture_output=True, text=True, timeout=1200)
     if result.returncode != 0:
         pytest.fail(f"building the CUDA emulator failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     os.replace(tmp, target)
@@ -62,12 +63,12 @@ def _build(target: Path) -> None:
 class Emulator:
     """A launcher (``ktae_kernels.backends.cuda.pipeline.Launcher``) that runs each kernel on the CPU,
     block by block, each CUDA thread a fiber on the calling thread (``csrc/emulation/cuda_on_cpu.h``);
-    the device memory is the CPU tensors' memory."""
+    the device memory is the CPU tensors' memory. ``variant``: the kernels' compile-time variant."""
 
     on_host = True
 
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self.lib = library
+    def __init__(self, library: ctypes.CDLL, variant: KernelVariant = KernelVariant()) -> None:
+        self.lib, self.variant = library, variant
         self.lib.ktae_emulated_launch.argtypes = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int64,
                                                   ctypes.c_void_p]
         for name in ("max_shared_bytes", "max_keys", "header_bytes", "shared_table_bytes", "group_shared_need"):
@@ -87,16 +88,16 @@ class Emulator:
 
     def __getattr__(self, name: str):
         """The header's table sizes as the emulator's C++ computes them (``max_keys``, ``header_bytes``, ...)."""
-        if name.startswith("_") or name == "lib":
+        if name.startswith("_") or name in ("lib", "variant"):
             raise AttributeError(name)
         return getattr(self.lib, f"ktae_emulated_{name}")
 
 
-def load() -> Emulator:
-    """The emulator (built first when the cache lacks it); skips the test without a compiler."""
+def load(variant: KernelVariant = KernelVariant()) -> Emulator:
+    """The emulator of ``variant`` (built first when the cache lacks it); skips the test without a compiler."""
     if compiler() is None:
         pytest.skip("no C++ compiler")
-    target = cache_root() / "cuda_emulator" / f"{_build_key()}.so"
+    target = cache_root() / "cuda_emulator" / f"{_build_key(variant)}.so"
     if not target.exists():
-        _build(target)
-    return Emulator(ctypes.CDLL(str(target)))
+        _build(target, variant)
+    return Emulator(ctypes.CDLL(str(target)), variant)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ktae_kernels import fisher, method, validation
+from ktae_kernels import KernelVariant, fisher, method, validation
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "ktae_kernels"
@@ -269,9 +269,13 @@ def test_the_gpu_backends_share_their_constants_with_the_cuda_sources():
     assert int(eval(constant(path, "kMaxGroupTokens").replace("int64_t{1}", "1"))) == device.MAX_GROUP_TOKENS
     codes = dict(re.findall(r"kBaseline(\w+) = (\d+)", path.read_text()))
     assert {name.lower(): int(code) for name, code in codes.items()} == device.BASELINE_CODES
-    for name, value in (("kMaxThreads", cuda.MAX_THREADS), ("kUnroll", cuda.UNROLL),
-                        ("kMinCapacity", cuda.MIN_CAPACITY), ("kPackedMaxTokens", cuda.PACKED_MAX_TOKENS)):
+    for name, value in (("kMaxThreads", cuda.MAX_THREADS), ("kMinCapacity", cuda.MIN_CAPACITY),
+                        ("kPackedMaxTokens", cuda.PACKED_MAX_TOKENS)):
         assert int(constant(path, name)) == value == abi.CONSTANTS[name], name
+    # the header's variant macros default to KernelVariant(): the kernels a compile without -D builds
+    macros = dict(re.findall(r"#define (KTAE_\w+) (\d+)", path.read_text()))
+    assert {name: int(v) for name, v in KernelVariant().macros()} == {n: int(v) for n, v in macros.items()}
+    assert {name: abi.CONSTANTS[name] for name in macros} == {n: int(v) for n, v in macros.items()}
     flags = dict(re.findall(r"(kFlag\w+|kAdvantageFlags) = (\d+)", path.read_text()))
     assert {name: int(at) for name, at in flags.items()} == {name: abi.CONSTANTS[name] for name in flags}
     assert cuda.ADVANTAGE_FLAGS == len(dataclasses.fields(cuda.Flags)) == int(flags["kAdvantageFlags"])

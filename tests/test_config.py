@@ -5,7 +5,7 @@ import inspect
 
 import pytest
 
-from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig
+from ktae_kernels import CudaTuning, ExecutionOptions, KernelVariant, KTAEConfig
 
 
 def test_defaults_follow_the_method():
@@ -63,6 +63,25 @@ def test_a_misspelt_field_names_the_closest_one_and_every_field():
                                  "threads, cuda, triton")
     with pytest.raises(TypeError, match=r"^CudaTuning has no field 'slots' \(did you mean 'table_slots'\?\)"):
         CudaTuning(slots=4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(unroll=3), r"KernelVariant.unroll must be 2, 4 or 8, got 3"),
+    (dict(unroll=True), r"KernelVariant.unroll must be 2, 4 or 8, got True"),
+    (dict(match_any=1), r"KernelVariant.match_any must be a bool, got 1"),
+    (dict(load_ahead="no"), r"KernelVariant.load_ahead must be a bool, got 'no'"),
+])
+def test_kernel_variant_is_checked(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        KernelVariant(**kwargs)
+
+
+def test_a_kernel_variant_goes_in_cuda_tuning():
+    assert CudaTuning().variant == KernelVariant() and KernelVariant(unroll=8).macros()[0] == ("KTAE_UNROLL", "8")
+    with pytest.raises(ValueError, match=r"^CudaTuning.variant must be a KernelVariant, got \{'unroll': 2\}$"):
+        CudaTuning(variant={"unroll": 2})
+    with pytest.raises(TypeError, match=r"^KernelVariant has no field 'unrol' \(did you mean 'unroll'\?\)"):
+        KernelVariant(unrol=2)
 
 
 def test_the_field_check_keeps_the_dataclass_behaviour():

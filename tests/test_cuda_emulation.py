@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig, method, reference
+from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig, KernelVariant, method, reference
 from ktae_kernels.backends import cuda, device as device_state
 from ktae_kernels.backends.cuda import pipeline
 from ktae_kernels.validation import normalise_batch
@@ -683,3 +683,46 @@ def test_the_table_passes_take_the_groups_in_group_order(emulator, monkeypatch):
     out = torch.full(tuple(batch.responses.shape), 7.0)
     cuda.token_advantage(batch, KTAEConfig(), None, out, tuned(largest_first=True), launcher=emulator)
     assert bool((out[3:] == 7.0).all()) and not bool((out[:3] == 7.0).all())
+
+
+#: the kernel variants tested besides the default: with it, each alternative of each switch runs.
+VARIANTS = [KernelVariant(unroll=2, match_any=False, load_ahead=False), KernelVariant(unroll=8)]
+
+
+def _same_scores(want, got) -> None:
+    for field in dataclasses.fields(want):
+        a, b = getattr(got, field.name), getattr(want, field.name)
+        assert torch.equal(a, b) if isinstance(b, torch.Tensor) else np.array_equal(a, b), field.name
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=["unroll2-lanes-alone-no-load-ahead", "unroll8"])
+def test_every_kernel_variant_computes_the_same_bits(emulator, variant):
+    """A ``KernelVariant`` changes how many loads a thread has in flight, whether a warp's lanes merge
+    their ids and whether the next step's lines are asked of L2, never a bit: advantages and rows
+    ``torch.equal`` to the default variant's over the shared cases, with shared tables and with tables
+    too small (the global pass, hash partitions), both Fisher modes, and long rollouts in blocks of 64
+    threads (many steps a rollout, the load-ahead across steps and rollouts)."""
+    from emulator import load
+
+    ext = load(variant)
+    runs = [(case, {}) for case in CASES] + [(case, {"table_slots": 32}) for case in CASES]
+    rng = np.random.default_rng(31)
+    runs.append((("long-rollouts", *make_batch(rng, [5, 3, 40], 1500, 400, zipf=True, shuffle=True)),
+                 {"max_threads": 64}))
+    for (name, responses, mask, rewards, index), extra in runs:
+        batch = normalise_batch(responses, mask, rewards, index)
+        for fisher in ("exact", "upstream") if not extra else ("exact",):
+            config = KTAEConfig(fisher=fisher)
+            want = cuda.token_advantage(batch, config, None, None, tuned(**extra), launcher=emulator)
+            got = cuda.token_advantage(batch, config, None, None, tuned(variant=variant, **extra), launcher=ext)
+            assert torch.equal(got, want), (name, extra, fisher)
+        _same_scores(cuda.key_token_scores(batch, KTAEConfig(), tuned(**extra), launcher=emulator),
+                     cuda.key_token_scores(batch, KTAEConfig(), tuned(variant=variant, **extra), launcher=ext))
+
+
+def test_a_launcher_runs_only_the_variant_it_was_compiled_for(emulator):
+    batch = normalise_batch(*make_batch(np.random.default_rng(5), [3, 2], 8, 10))
+    with pytest.raises(ValueError, match=r"`launcher` runs the kernels of KernelVariant\(unroll=4.*"
+                                         r"`options.cuda.variant` asks for KernelVariant\(unroll=2"):
+        cuda.token_advantage(batch, KTAEConfig(), None, None, tuned(variant=KernelVariant(unroll=2)),
+                             launcher=emulator)

@@ -43,11 +43,12 @@ def test_block_threads(length, threads):
     assert threads % 32 == 0 and cuda.MIN_THREADS <= threads <= cuda.MAX_THREADS
 
 
-def test_block_threads_covers_a_rollout_in_as_few_passes_as_possible():
+@pytest.mark.parametrize("unroll", [2, 4, 8])
+def test_block_threads_covers_a_rollout_in_as_few_passes_as_possible(unroll):
     for length in range(1, 20000, 97):
-        threads = cuda.block_threads(length)
-        passes = -(-length // (threads * cuda.UNROLL))
-        assert passes == max(1, -(-length // (cuda.MAX_THREADS * cuda.UNROLL)))
+        threads = cuda.block_threads(length, unroll=unroll)
+        passes = -(-length // (threads * unroll))
+        assert passes == max(1, -(-length // (cuda.MAX_THREADS * unroll)))
 
 
 class _SharedOnly:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ktae_kernels import BackendUnavailableError, clear_caches
+from ktae_kernels import BackendUnavailableError, KernelVariant, clear_caches
 from ktae_kernels.backends.cuda import abi, runtime
 from ktae_kernels.registry import resolve
 
@@ -52,6 +52,22 @@ def test_cache_dir_follows_ktae_cache_dir(monkeypatch, tmp_path):
     monkeypatch.delenv("KTAE_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert runtime.cache_dir() == tmp_path / "xdg" / "ktae_kernels" / "cuda"
+
+
+@needs_nvrtc
+def test_a_kernel_variant_is_compiled_only_when_asked_for_into_its_own_entry(cache, caplog):
+    """The default variant's compile leaves one cache entry; another variant (its macros) compiles at
+    its first use into an entry of its own, kept in memory beside the default's."""
+    caplog.set_level(logging.DEBUG, logger="ktae_kernels.cuda")
+    default = runtime.cubin(80)
+    assert len(list(cache.glob("*.cubin"))) == 1
+    variant = KernelVariant(unroll=2, match_any=False)
+    other = runtime.cubin(80, variant=variant)
+    assert sum(COMPILED in r.message for r in caplog.records) == 2
+    assert other.code != default.code and set(other.symbols) == set(default.symbols)
+    assert runtime.cubin(80, variant=variant) is other and runtime.cubin(80) is default
+    assert {p.name.split("-")[0] for p in cache.glob("*.cubin")} == {runtime.cache_key(80),
+                                                                      runtime.cache_key(80, variant)}
 
 
 @needs_nvrtc
@@ -219,6 +235,10 @@ def test_the_driver_launcher_enqueues_on_torchs_stream_and_raises_shared_memory_
     launcher = runtime.launcher(0)
     assert launcher.max_shared_bytes() == 166912 and runtime.launcher(0) is launcher
     assert ("load", runtime.cubin(80).code) in calls
+    variant = KernelVariant(load_ahead=False)
+    other = runtime.launcher(0, variant)  # a variant's own kernels, loaded beside the default's
+    assert other is not launcher and other.variant == variant and launcher.variant == KernelVariant()
+    assert ("load", runtime.cubin(80, variant=variant).code) in calls
     symbol = runtime.cubin(80).symbols["ktae::dynamic_kernel<true>"]
     args = abi.KernelArgs(n_items=3)
     calls.clear()

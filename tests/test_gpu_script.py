@@ -141,7 +141,8 @@ def test_cuda_variants_are_named_by_the_threads_they_run_on_the_paper_batch():
         tuning = options.cuda
         runs = cuda.block_threads(PAPER_SHAPE.L, cuda.most_threads(tuning.max_threads, tuning.blocks_per_sm))
         assert name.startswith(f"threads{runs}-") and runs == tuning.max_threads, name
-    measured = {name: t for name, t in gpu_variants.VARIANTS.items() if name not in ("default", "largest-first")}
+    launch = {"default", "largest-first", *gpu_variants.KERNEL_VARIANTS}  # the default's threads
+    measured = {name: t for name, t in gpu_variants.VARIANTS.items() if name not in launch}
     for name, tuning in measured.items():
         runs = cuda.block_threads(PAPER_SHAPE.L, cuda.most_threads(tuning.max_threads, tuning.blocks_per_sm))
         assert name.startswith(f"threads{runs}-sm{tuning.blocks_per_sm}-"), name
@@ -187,24 +188,27 @@ def _end(proc: subprocess.Popen, tmp_path: Path) -> None:
 
 def test_gpu_variants_measures_each_variant_and_drops_one_that_is_not_exact(emulator, tmp_path):
     """bench/gpu_variants.py's measurement on the CPU emulator of the cuda kernels (wall-clock timings, no
-    graphs, no kernel profile): every variant's call times, threads and host profile; a variant whose
-    advantages differ by one bit from the reference is dropped from the ranking; the report is saved
-    after each variant."""
+    graphs, no kernel profile): every variant's call times, threads and host profile, a compile-time
+    variant on its own kernels; a variant whose advantages differ by one bit from the reference is dropped
+    from the ranking; the report is saved after each variant."""
     import numpy as np
 
     from bench import gpu_variants
     from cases import make_batch
-    from ktae_kernels import ExecutionOptions, KTAEConfig
+    from ktae_kernels import ExecutionOptions, KernelVariant, KTAEConfig
     from ktae_kernels.backends import cuda
     from ktae_kernels.validation import normalise_batch
+    from emulator import load
 
     batch = normalise_batch(*make_batch(np.random.default_rng(5), [4, 4], 32, 40))
-    names = ["default", "threads256-sm2-wide-reread", "threads768-sm1-packed-index"]
+    names = ["default", "threads256-sm2-wide-reread", "unroll2", "threads768-sm1-packed-index"]
+    launchers = {emulator.variant: emulator, gpu_variants.KERNEL_VARIANTS["unroll2"]: load(KernelVariant(unroll=2))}
     variants = {name: gpu_variants.VARIANTS[name] for name in names}
     variants["planted"] = gpu_variants.VARIANTS["threads384-sm1-packed-index"]
 
     def call(tuning, out):
-        cuda.token_advantage(batch, KTAEConfig(), None, out, ExecutionOptions(cuda=tuning), launcher=emulator)
+        cuda.token_advantage(batch, KTAEConfig(), None, out, ExecutionOptions(cuda=tuning),
+                             launcher=launchers[tuning.variant])
         if tuning is variants["planted"]:
             out.view(torch.int32)[0, 0] ^= 1  # one bit off
         return out
@@ -214,7 +218,7 @@ def test_gpu_variants_measures_each_variant_and_drops_one_that_is_not_exact(emul
     report = gpu_variants.run_variants(variants, call, reference, repeats=3,
                                        threads=lambda t: cuda.static_plan(emulator, batch, KTAEConfig(), t).threads,
                                        save=lambda r: saved.append(json.loads(json.dumps(r, default=str))))
-    assert len(saved) == 4 and list(saved[-1]["variants"]) == [*names, "planted"]
+    assert len(saved) == 5 and list(saved[-1]["variants"]) == [*names, "planted"]
     assert sorted(report["ranking"]) == sorted(names) and report["best"] in names
     planted = report["variants"]["planted"]
     assert planted["exact"] is False and planted["positions_differing"] == 1 and "call_s" not in planted
@@ -222,3 +226,4 @@ def test_gpu_variants_measures_each_variant_and_drops_one_that_is_not_exact(emul
         row = report["variants"][name]
         assert row["exact"] and row["call_s"]["samples"] == 3 and row["call_s"]["median"] > 0
         assert row["threads"] in (64, 96, 128, 256) and row["host"] and row["host"][0]["own_s"] >= 0
+    assert report["variants"]["unroll2"]["tuning"]["variant"] == {"unroll": 2, "match_any": True, "load_ahead": True}

@@ -35,7 +35,7 @@ from torch import Tensor
 
 from ... import method
 from ...config import KTAEConfig
-from ...options import DEFAULT_OPTIONS, CudaTuning, ExecutionOptions
+from ...options import DEFAULT_OPTIONS, CudaTuning, ExecutionOptions, KernelVariant
 from ...types import Batch, KeyTokenScores, ValueCheck
 from ...validation import MAX_TOKEN_ID, check_id_range, invalid_on_device, raise_unchecked
 from .. import device as device_state
@@ -47,7 +47,6 @@ from .pipeline import Launcher, advantage_workspace_size, header_bytes, shared_t
 # The table passes' modes and the kernels' constants (ktae_args.h, read by ``abi``).
 ADVANTAGE, COUNT, ROWS = abi.CONSTANTS["kAdvantage"], abi.CONSTANTS["kCount"], abi.CONSTANTS["kRows"]
 MAX_THREADS = abi.CONSTANTS["kMaxThreads"]
-UNROLL = abi.CONSTANTS["kUnroll"]
 #: fewest threads per block and fewest slots of an automatically sized table.
 MIN_THREADS = 64
 MIN_CAPACITY = abi.CONSTANTS["kMinCapacity"]
@@ -156,16 +155,16 @@ def most_threads(max_threads: int, blocks_per_sm: int) -> int:
     return min(max_threads, MAX_THREADS if blocks_per_sm <= 1 else 512)
 
 
-def block_threads(length: int, max_threads: int | None = None) -> int:
+def block_threads(length: int, max_threads: int | None = None, unroll: int = KernelVariant().unroll) -> int:
     """Threads per block for rollouts of ``length`` positions.
 
-    Each pass of a block covers ``threads * UNROLL`` positions of one rollout: use as few passes as
-    ``max_threads`` (default ``MAX_THREADS``) allows, split evenly, in whole warps, and at least
-    ``MIN_THREADS``.
+    Each pass of a block covers ``threads * unroll`` positions of one rollout (``KernelVariant.unroll``):
+    use as few passes as ``max_threads`` (default ``MAX_THREADS``) allows, split evenly, in whole warps,
+    and at least ``MIN_THREADS``.
     """
     most = MAX_THREADS if max_threads is None else max_threads
-    passes = max(1, -(-length // (most * UNROLL)))
-    per_pass = -(-length // (passes * UNROLL))
+    passes = max(1, -(-length // (most * unroll)))
+    per_pass = -(-length // (passes * unroll))
     return min(most, max(MIN_THREADS, -(-per_pass // 32) * 32))
 
 
@@ -176,7 +175,7 @@ def key_token_scores(batch: Batch, config: KTAEConfig, options: ExecutionOptions
     ``launcher``: what runs the kernels (default ``load_launcher``; the tests pass the CPU emulator).
     """
     with on_device(batch.device):
-        return _scores(launcher or load_launcher(batch.device), batch, config, options.cuda)
+        return _scores(launcher_for(batch.device, options.cuda, launcher), batch, config, options.cuda)
 
 
 def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor | None = None,
@@ -184,7 +183,7 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     """float32 ``[B, L]``: ``(A_i + weight * score[group(i), token]) * mask`` (arguments as above;
     ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``), in ``out`` when given.
     Raises the API's ValueError for a bad input, ``out`` untouched."""
-    ext = launcher or load_launcher(batch.device)
+    ext = launcher_for(batch.device, options.cuda, launcher)
     with on_device(batch.device):
         rows = None
         if config.fisher != "exact":  # the rows' float32 p-values come from the host first
@@ -206,7 +205,7 @@ def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor 
     overflow (the global pass takes any group), so a replay completes unless an input is bad, and then
     writes NaN over ``out``; the returned ``CapturedCall`` holds the cached tensors the graph reads and
     reads a replay's flags."""
-    ext = launcher or load_launcher(batch.device)
+    ext = launcher_for(batch.device, options.cuda, launcher)
     learnt = device_state.state(batch.device).learnt(device_state.learnt_key("cuda", batch))
     if learnt is None and batch.responses.numel():
         raise GraphCaptureError(device_state.WARM_UP)
@@ -230,10 +229,21 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def load_launcher(device: torch.device) -> runtime.DriverLauncher:
-    """The kernels loaded on ``device`` (compiled at first use); BackendUnavailableError naming the fix
-    when they cannot be."""
-    return runtime.launcher(_device_index(device))
+def load_launcher(device: torch.device, variant: KernelVariant = KernelVariant()) -> runtime.DriverLauncher:
+    """The kernels of ``variant`` loaded on ``device`` (compiled at first use); BackendUnavailableError
+    naming the fix when they cannot be."""
+    return runtime.launcher(_device_index(device), variant)
+
+
+def launcher_for(device: torch.device, tuning: CudaTuning, launcher: Launcher | None) -> Launcher:
+    """What runs a call's kernels: ``launcher`` when given (ValueError unless it runs ``tuning.variant``),
+    else ``load_launcher(device, tuning.variant)``."""
+    if launcher is None:
+        return load_launcher(device, tuning.variant)
+    if launcher.variant != tuning.variant:
+        raise ValueError(f"`launcher` runs the kernels of {launcher.variant}, `options.cuda.variant` asks for "
+                         f"{tuning.variant}")
+    return launcher
 
 
 def _check_table_slots(slots: int, words: int, limit: int, packed: bool) -> int:
@@ -363,7 +373,7 @@ def static_plan(ext: Launcher, batch: Batch, config: KTAEConfig, tuning: CudaTun
         least = mask_bytes + 2 * (12 + 4 * words)
         slice_bytes = max(least, min(need, STATIC_FALLBACK_BYTES // fallback_blocks))
         fallback_bytes = fallback_blocks * (-(-slice_bytes // 8) * 8)
-    threads = block_threads(L, most_threads(tuning.max_threads, blocks_per_sm))
+    threads = block_threads(L, most_threads(tuning.max_threads, blocks_per_sm), tuning.variant.unroll)
     return StaticPlan(ext, largest, bound, shared_bytes, max_capacity, tuning.packed, fallback_blocks,
                       fallback_bytes, threads, tuning.slot_index and shared_bytes > 0, key, blocks_per_sm,
                       tuning.largest_first)

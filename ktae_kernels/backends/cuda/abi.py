@@ -4,8 +4,9 @@ definition the device source includes) when this module is imported: each ``stru
 ``constexpr`` integer and ``enum`` member a value of ``CONSTANTS``. Nothing here is a copy of the header.
 
 The header is written in a small subset of C++ that ``parse`` reads: ``struct Name { type a, b; ... };``
-with scalar or pointer fields, ``constexpr <int type> kName = <integer expression>;`` and
-``enum Name : int { kA = 0, ... };``. Anything else in it is ignored.
+with scalar or pointer fields, ``constexpr <int type> kName = <integer expression>;``,
+``enum Name : int { kA = 0, ... };`` and ``#define KTAE_NAME <integer>`` (the default of a compile-time
+variant macro). Anything else in it is ignored.
 """
 from __future__ import annotations
 
@@ -91,11 +92,14 @@ def parse(text: str) -> Header:
     text = _strip_comments(text)
     constants: dict[str, int] = {}
     structs: dict[str, list[tuple[str, str]]] = {}
-    statement = re.compile(r"constexpr\s+[\w ]+?\s+(k\w+)\s*=\s*([^;]+);|enum\s+\w+\s*(?::\s*\w+\s*)?\{([^}]*)\}\s*;"
-                           r"|struct\s+(\w+)\s*\{([^}]*)\}\s*;")
+    statement = re.compile(r"#define[ \t]+(KTAE_\w+)[ \t]+(\d+)[ \t]*$"
+                           r"|constexpr\s+[\w ]+?\s+(k\w+)\s*=\s*([^;]+);|enum\s+\w+\s*(?::\s*\w+\s*)?\{([^}]*)\}\s*;"
+                           r"|struct\s+(\w+)\s*\{([^}]*)\}\s*;", re.M)
     for found in statement.finditer(text):
-        name, expression, enum, struct, body = found.groups()
-        if name is not None:
+        macro, value, name, expression, enum, struct, body = found.groups()
+        if macro is not None:  # a variant macro's default (#ifndef ... #define KTAE_X n)
+            constants[macro] = int(value)
+        elif name is not None:
             constants[name] = _integer(expression, constants)
         elif enum is not None:
             for member in filter(None, (m.strip() for m in enum.split(","))):

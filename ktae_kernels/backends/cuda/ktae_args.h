@@ -44,8 +44,23 @@ constexpr int64_t kMaxGroupTokens = int64_t{1} << 30;
 constexpr uint32_t kEmptyKey = 0xFFFFFFFFu;
 // Upper bound of threads per block (the kernels' __launch_bounds__).
 constexpr int kMaxThreads = 1024;
-// Tokens each thread loads per step of the table build and of the gather.
-constexpr int kUnroll = 4;
+// The compile-time variants of the kernels (options.KernelVariant, whose defaults these are; runtime.py
+// and the emulator's build pass a variant's values as -D macros, each variant its own compile).
+#ifndef KTAE_UNROLL
+#define KTAE_UNROLL 4
+#endif
+#ifndef KTAE_MATCH_ANY
+#define KTAE_MATCH_ANY 1
+#endif
+#ifndef KTAE_LOAD_AHEAD
+#define KTAE_LOAD_AHEAD 1
+#endif
+// Tokens each thread loads per step of the scan, the table build and the gather.
+constexpr int kUnroll = KTAE_UNROLL;
+// Lanes of a warp holding the same id merge into one update (__match_any_sync); 0: a lane its own.
+constexpr int kMatchAny = KTAE_MATCH_ANY;
+// The next step's mask and ids asked of L2 while this one is inserted; 0: not.
+constexpr int kLoadAhead = KTAE_LOAD_AHEAD;
 
 // Most distinct ids a table of `capacity` slots takes before it counts as overflowed (3/4 load).
 KTAE_HOST_DEVICE inline constexpr int64_t max_keys(int64_t capacity) { return capacity - capacity / 4; }

@@ -13,7 +13,7 @@
 //                occurrence counter pair (f_c, f_w) and one presence bit per rollout (in the same
 //                8-byte word for the packed slot of small groups, see Table). Lanes of a warp holding
 //                the same id are merged with __match_any_sync, so a frequent token costs one atomic
-//                per warp. Score: per occupied slot (queued in a warp's lanes, 32 scored at once),
+//                per warp (kMatchAny). Score: per occupied slot (queued in a warp's lanes, 32 scored at once),
 //                a = popc(presence & correct rollouts), b = the
 //                rest; the table's statistics (strength = alpha F + beta IG, Cohen's h) from the
 //                device grid (or computed for groups past it; or the given per-row scores of
@@ -22,6 +22,8 @@
 //   global pass  a few blocks take the groups the shared pass left (a table too small for their
 //                distinct ids), in a global-memory slice each, splitting a group's ids into hash
 //                partitions until each fits; they exit at once when no group was left.
+// kUnroll, kMatchAny and kLoadAhead are compile-time variants (ktae_args.h, options.KernelVariant), each
+// computing the same bits.
 // key_token_scores runs the same passes twice, in other modes (KernelArgs.mode): kCount (each group's
 // distinct ids, into status, nothing scored or written), then kRows (each occupied slot as a row at
 // row_offset[g], in slot order: the host sorts them by (group, token)).
@@ -291,8 +293,8 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
   for (int r = 0; r < group_size; ++r) {
     if ((r & 31) == 0) staged = stage_rollouts<false>(args, first, group_size, r);
     const Rollout meta = staged_rollout<false>(staged, r);
-    int64_t next_row, next_end;
-    next_rollout(args, staged, first, group_size, r, next_row, next_end);
+    int64_t next_row = -1, next_end = 0;
+    if (kLoadAhead) next_rollout(args, staged, first, group_size, r, next_row, next_end);
     const int64_t rollout = meta.id;
     const int64_t* tokens = args.responses + rollout * length;
     const bool* mask = args.mask + rollout * length;
@@ -306,14 +308,16 @@ __device__ void build_table(const KernelArgs& args, const Table& t, int64_t firs
       int64_t token[kUnroll];
       bool valid[kUnroll];
       load_tile(args, tokens, mask, start, end, token, valid);
-      // the next pass's mask and ids into L2 while this one is inserted
-      load_ahead(args.mask, 1, rollout * length, start, end, next_row, next_end);
-      load_ahead(args.responses, 8, rollout * length, start, end, next_row, next_end);
+      if (kLoadAhead) {  // the next pass's mask and ids into L2 while this one is inserted
+        load_ahead(args.mask, 1, rollout * length, start, end, next_row, next_end);
+        load_ahead(args.responses, 8, rollout * length, start, end, next_row, next_end);
+      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const uint32_t key = valid[u] && in_part(static_cast<uint32_t>(token[u]), parts, part)
                                  ? static_cast<uint32_t>(token[u]) : kEmptyKey;
-        const unsigned peers = __match_any_sync(kFullWarp, key);
+        // kMatchAny: the lanes holding the same id, their lowest the leader; else each lane alone
+        const unsigned peers = kMatchAny ? __match_any_sync(kFullWarp, key) : 1u << lane;
         const unsigned leader = static_cast<unsigned>(__ffs(peers) - 1);
         uint32_t slot = kNoSlot;
         if (key != kEmptyKey && lane == leader) slot = find_or_insert(t, key, state);
@@ -590,10 +594,10 @@ __device__ void gather_advantage(const KernelArgs& args, const Table& t, int64_t
     const int64_t end = meta.end;
     if (kFromIndex) {  // the slots the build recorded: no mask, no ids, no probing
       const uint16_t* index = args.slot_index + rollout * length;
-      int64_t next_row, next_end;
-      next_rollout(args, staged, first, group_size, r, next_row, next_end);
+      int64_t next_row = -1, next_end = 0;
+      if (kLoadAhead) next_rollout(args, staged, first, group_size, r, next_row, next_end);
       for (int64_t start = 0; start < end; start += step) {
-        load_ahead(args.slot_index, 2, rollout * length, start, end, next_row, next_end);
+        if (kLoadAhead) load_ahead(args.slot_index, 2, rollout * length, start, end, next_row, next_end);
         uint16_t slot[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {

@@ -18,6 +18,7 @@ from typing import Callable, Protocol
 import torch
 from torch import Tensor
 
+from ...options import KernelVariant
 from . import abi
 
 K = abi.CONSTANTS
@@ -26,8 +27,11 @@ MAX_GRID_BLOCKS = 2**31 - 1
 
 
 class Launcher(Protocol):
-    """Runs kernel ``name`` (``runtime.KERNELS``) over ``grid`` blocks of ``block`` threads with ``smem``
-    bytes of dynamic shared memory; ``args``: its arguments as ctypes objects, in order."""
+    """Runs kernel ``name`` (``runtime.KERNELS``) of the kernels compiled in ``variant`` over ``grid`` blocks
+    of ``block`` threads with ``smem`` bytes of dynamic shared memory; ``args``: its arguments as ctypes
+    objects, in order."""
+
+    variant: KernelVariant
 
     def launch(self, name: str, grid: int, block: int, smem: int, args: tuple) -> None: ...
 

@@ -1,14 +1,15 @@
 """The CUDA kernels compiled at first use and launched on torch's stream.
 
-``cubin(arch)`` compiles the device source (``ktae_kernels.cu`` and ``ktae_args.h``, package data) with
-NVRTC (through ``cuda-core``) for one arch, every kernel the backend launches (``KERNELS``: the name
-expressions of each template instantiation), and keeps the cubin in memory and on disk
-(``cache_dir()``: ``$KTAE_CACHE_DIR/cuda``, default ``~/.cache/ktae_kernels/cuda``). A disk entry is
-keyed by a hash of the sources, the arch, NVRTC's version and the options; it is written atomically
-and checked when read (an entry that fails its checksum, or that the driver refuses, is rebuilt). No
-device is needed to compile, so the tests compile every kernel for sm_80 and sm_90 on any machine.
+``cubin(arch, variant)`` compiles the device source (``ktae_kernels.cu`` and ``ktae_args.h``, package data)
+with NVRTC (through ``cuda-core``) for one arch and one ``KernelVariant`` (its macros), every kernel the
+backend launches (``KERNELS``: the name expressions of each template instantiation), and keeps the cubin
+in memory and on disk (``cache_dir()``: ``$KTAE_CACHE_DIR/cuda``, default ``~/.cache/ktae_kernels/cuda``).
+A disk entry is keyed by a hash of the sources, the arch, the variant, NVRTC's version and the options; it
+is written atomically and checked when read (an entry that fails its checksum, or that the driver refuses,
+is rebuilt). No device is needed to compile, so the tests compile every kernel for sm_80 and sm_90 on any
+machine.
 
-``DriverLauncher`` loads the cubin on a device and launches a kernel through the driver's
+``DriverLauncher`` loads a variant's cubin on a device and launches a kernel through the driver's
 ``cuLaunchKernel`` on torch's current stream, so that a CUDA graph capture records it like any torch op.
 Its kernels' dynamic shared memory limits are raised once, under its lock.
 
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ... import caches
+from ...options import KernelVariant
 from ..base import BackendUnavailableError
 from . import abi
 
@@ -93,37 +95,39 @@ def supported_archs() -> tuple[int, ...]:
     return tuple(archs)
 
 
-def cache_key(arch: int) -> str:
-    """A hash of everything a compile depends on: the sources, the kernels, the arch, NVRTC, the options."""
-    digest = hashlib.sha256(json.dumps([arch, nvrtc_version(), KERNELS, sorted(OPTIONS.items())]).encode())
+def cache_key(arch: int, variant: KernelVariant = KernelVariant()) -> str:
+    """A hash of everything a compile depends on: the sources, the kernels, the arch, the variant's macros,
+    NVRTC, the options."""
+    digest = hashlib.sha256(json.dumps([arch, variant.macros(), nvrtc_version(), KERNELS,
+                                        sorted(OPTIONS.items())]).encode())
     for path in (SOURCE, abi.HEADER):
         digest.update(path.read_bytes())
     return digest.hexdigest()[:24]
 
 
-_MEMORY: dict[int, Cubin] = {}
+_MEMORY: dict[tuple[int, KernelVariant], Cubin] = {}
 _LOCK = threading.Lock()
 
 
-def cubin(arch: int, rebuild: bool = False) -> Cubin:
-    """The kernels for ``arch`` (e.g. 90): from memory, else from the disk cache, else compiled (and
-    cached). ``rebuild``: compile again, replacing the cached entry (one the driver refused)."""
+def cubin(arch: int, rebuild: bool = False, variant: KernelVariant = KernelVariant()) -> Cubin:
+    """The kernels for ``arch`` (e.g. 90) in ``variant``: from memory, else from the disk cache, else
+    compiled (and cached). ``rebuild``: compile again, replacing the cached entry (one the driver refused)."""
     _nvrtc()  # BackendUnavailableError naming the fix, even for kernels compiled before
     with _LOCK:
-        if not rebuild and arch in _MEMORY:
-            return _MEMORY[arch]
-        path = cache_dir() / f"{cache_key(arch)}-sm_{arch}.cubin"
+        if not rebuild and (arch, variant) in _MEMORY:
+            return _MEMORY[arch, variant]
+        path = cache_dir() / f"{cache_key(arch, variant)}-sm_{arch}.cubin"
         found = None if rebuild else _read_entry(path, arch)
         if found is None:
-            found = _compile(arch)
+            found = _compile(arch, variant)
             _write_entry(path, found)
-        _MEMORY[arch] = found
+        _MEMORY[arch, variant] = found
         return found
 
 
-def _compile(arch: int, ptxas_log: list | None = None) -> Cubin:
-    """NVRTC's cubin of every kernel for ``arch``; BackendUnavailableError for an unknown arch or a
-    failed compile. ``ptxas_log``: a list that gets the compile log with ptxas's resource report."""
+def _compile(arch: int, variant: KernelVariant = KernelVariant(), ptxas_log: list | None = None) -> Cubin:
+    """NVRTC's cubin of every kernel for ``arch`` in ``variant``; BackendUnavailableError for an unknown
+    arch or a failed compile. ``ptxas_log``: a list that gets the compile log with ptxas's resource report."""
     if arch not in supported_archs():
         major, minor = nvrtc_version()
         raise BackendUnavailableError(
@@ -135,7 +139,7 @@ def _compile(arch: int, ptxas_log: list | None = None) -> Cubin:
     start = time.perf_counter()
     extra = {} if ptxas_log is None else dict(ptxas_options="-v")
     options = ProgramOptions(arch=f"sm_{arch}", include_path=[str(SOURCE.parent)], name=SOURCE.name, **OPTIONS,
-                             **extra)
+                             define_macro=list(variant.macros()), **extra)
     log = io.StringIO()
     try:
         program = Program(SOURCE.read_text(), "c++", options=options)
@@ -148,17 +152,17 @@ def _compile(arch: int, ptxas_log: list | None = None) -> Cubin:
     if ptxas_log is not None:
         ptxas_log.append(log.getvalue())
     symbols = {name: _text(code.symbol_mapping[name]) for name in KERNELS}
-    LOG.debug("compiled the cuda kernels for sm_%d with NVRTC in %.1f s (cached in %s)", arch,
+    LOG.debug("compiled the cuda kernels for sm_%d (%s) with NVRTC in %.1f s (cached in %s)", arch, variant,
               time.perf_counter() - start, cache_dir())
     return Cubin(arch, bytes(code.code), symbols)
 
 
-def compile_report(arch: int) -> tuple[Cubin, str]:
-    """The kernels for ``arch`` compiled as ``cubin`` compiles them, with ptxas's resource report
-    (registers, spills, stack and shared memory per kernel: the log of ``ptxas -v``); not cached."""
+def compile_report(arch: int, variant: KernelVariant = KernelVariant()) -> tuple[Cubin, str]:
+    """The kernels for ``arch`` in ``variant`` compiled as ``cubin`` compiles them, with ptxas's resource
+    report (registers, spills, stack and shared memory per kernel: the log of ``ptxas -v``); not cached."""
     _nvrtc()
     log: list[str] = []
-    return _compile(arch, log), log[0]
+    return _compile(arch, variant, log), log[0]
 
 
 def _text(symbol: bytes | str) -> str:
@@ -210,14 +214,14 @@ def _check(result: tuple, what: str) -> tuple:
 
 
 class DriverLauncher:
-    """The kernels loaded on CUDA device ``index``, launched through ``cuLaunchKernel`` on torch's current
-    stream. Thread-safe: loading and each kernel's shared memory limit happen under the lock (a limit
-    only grows, so two threads never lower each other's)."""
+    """The kernels of ``variant`` loaded on CUDA device ``index``, launched through ``cuLaunchKernel`` on
+    torch's current stream. Thread-safe: loading and each kernel's shared memory limit happen under the
+    lock (a limit only grows, so two threads never lower each other's)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, variant: KernelVariant = KernelVariant()) -> None:
         from cuda.bindings import driver
 
-        self.index = index
+        self.index, self.variant = index, variant
         self._lock = threading.Lock()
         self._limits: dict[str, int] = {}
         _check(driver.cuInit(0), "cuInit")
@@ -225,9 +229,9 @@ class DriverLauncher:
         (self._context,) = _check(driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
         arch = device_arch(index)
         try:
-            self._kernels = self._load(cubin(arch))
+            self._kernels = self._load(cubin(arch, variant=variant))
         except RuntimeError:  # a cached cubin the driver refuses: compile it again
-            self._kernels = self._load(cubin(arch, rebuild=True))
+            self._kernels = self._load(cubin(arch, rebuild=True, variant=variant))
         (self.max_shared,) = _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._device),
             "cuDeviceGetAttribute")
@@ -274,17 +278,18 @@ class DriverLauncher:
                f"launching {name}")
 
 
-_LAUNCHERS: dict[int, DriverLauncher] = {}
+_LAUNCHERS: dict[tuple[int, KernelVariant], DriverLauncher] = {}
 
 
-def launcher(index: int) -> DriverLauncher:
-    """The kernels loaded on CUDA device ``index`` (loaded on first use; compiled then if not cached)."""
+def launcher(index: int, variant: KernelVariant = KernelVariant()) -> DriverLauncher:
+    """The kernels of ``variant`` loaded on CUDA device ``index`` (loaded on first use; compiled then if
+    not cached)."""
     with _LOCK:
-        found = _LAUNCHERS.get(index)
+        found = _LAUNCHERS.get((index, variant))
     if found is None:
-        made = DriverLauncher(index)
+        made = DriverLauncher(index, variant)
         with _LOCK:
-            found = _LAUNCHERS.setdefault(index, made)
+            found = _LAUNCHERS.setdefault((index, variant), made)
     return found
 
 
