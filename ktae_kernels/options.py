@@ -72,7 +72,7 @@ class KernelVariant:
     load_ahead: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.unroll, bool) or self.unroll not in (2, 4, 8):
+        if type(self.unroll) is not int or self.unroll not in (2, 4, 8):
             raise ValueError(f"KernelVariant.unroll must be 2, 4 or 8, got {self.unroll!r}")
         for name in ("match_any", "load_ahead"):
             if not isinstance(getattr(self, name), bool):

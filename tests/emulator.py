@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "csrc" / "emulation" / "ktae_emulated.cpp"
 DEPENDS = [ROOT / "csrc" / "emulation" / "cuda_on_cpu.h", ROOT / "ktae_kernels" / "backends" / "cuda" / "ktae_kernels.cu",
            ROOT / "ktae_kernels" / "backends" / "cuda" / "ktae_args.h"]
-#: emulator builds kept in the cache (one per source version and kernel variant).$
+#: emulator builds kept in the cache (one per source version and kernel variant).
 KEEP_BUILDS = 6
 
 

@@ -68,6 +68,7 @@ def test_a_misspelt_field_names_the_closest_one_and_every_field():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(unroll=3), r"KernelVariant.unroll must be 2, 4 or 8, got 3"),
     (dict(unroll=True), r"KernelVariant.unroll must be 2, 4 or 8, got True"),
+    (dict(unroll=4.0), r"KernelVariant.unroll must be 2, 4 or 8, got 4.0"),
     (dict(match_any=1), r"KernelVariant.match_any must be a bool, got 1"),
     (dict(load_ahead="no"), r"KernelVariant.load_ahead must be a bool, got 'no'"),
 ])

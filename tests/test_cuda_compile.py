@@ -21,6 +21,7 @@ import pytest
 
 from compile_report import (ARCHS, OPT_IN_SHARED, _demangled, cuobjdump, id_loads_and_checks, ptxas_report, sass,
                             sass_functions)
+from bench.gpu_variants import KERNEL_VARIANTS
 from ktae_kernels import KernelVariant
 from ktae_kernels.backends import cuda
 from ktae_kernels.backends.cuda import runtime
@@ -31,9 +32,8 @@ KERNELS = {re.sub(r"^ktae::", "", name) for name in runtime.KERNELS}
 SHARED_PATH = {name for name in KERNELS if "false" not in name}
 #: the kernels that load and check token ids: those that build tables (load_tile) and the scan
 ID_KERNELS = {name for name in KERNELS if name.startswith(("dynamic_kernel", "scan_kernel"))}
-#: the default kernel variant, and others that change the code the SASS checks read
-VARIANTS = [KernelVariant(), KernelVariant(unroll=2, match_any=False, load_ahead=False),
-            KernelVariant(unroll=8, match_any=False, load_ahead=False)]
+#: the default kernel variant and those bench/gpu_variants.py measures
+VARIANTS = [KernelVariant(), *KERNEL_VARIANTS.values()]
 
 
 @pytest.fixture(scope="module")
@@ -91,22 +91,25 @@ def test_shared_table_kernels_fit_the_blocks_per_sm_the_host_chooses(compiled_re
 
 
 @pytest.mark.skipif(cuobjdump() is None, reason="cuobjdump not found (CUDA toolkit or Triton wheel)")
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"unroll{v.unroll}")
+@pytest.mark.parametrize("variant", VARIANTS, ids=str)
 def test_a_tiles_id_loads_all_issue_before_their_range_checks(variant):
-    functions = sass_functions(sass(runtime.cubin(90, variant=variant).code))
+    functions = sass_functions(sass(runtime.cubin(90, variant).code))
     assert set(functions) == KERNELS, sorted(functions)
-    unroll = variant.unroll
-    tiles = re.compile(f"(?:L{{{unroll}}}C{{{unroll}}})+C?")  # the scan's last check: its largest id, no load
+    tile = f"L{{{variant.unroll}}}C{{{variant.unroll}}}"
     order = {name: id_loads_and_checks(functions[name]) for name in ID_KERNELS}
-    assert len(order) == 3 and all(tiles.fullmatch(seen) for seen in order.values()), order
+    assert len(order) == 3, order
+    for name, seen in order.items():  # the scan's last check, of its largest id, follows no load
+        assert re.fullmatch(f"(?:{tile})+{'C' if name == 'scan_kernel' else ''}", seen), (name, seen)
 
 
-@pytest.mark.parametrize("variant", VARIANTS[1:], ids=lambda v: f"unroll{v.unroll}")
-def test_the_variants_compile_and_spill_only_where_they_unroll_past_4(variant):
-    """The other variants (compiled only when a call asks for one) compile without a warning. Those of at
-    most 4 loads a step keep the shared-memory path spill-free; 8 loads a step spill in the shared-table
-    pass at 64 registers (ptxas: 40 bytes), which only a GPU run can weigh against its longer tiles."""
-    _, log = runtime.compile_report(90, variant)
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", VARIANTS[1:], ids=str)
+def test_the_variants_compile_and_spill_only_where_they_unroll_past_4(arch, variant):
+    """The variants the GPU run measures (compiled only when a call asks for one) compile without a
+    warning. Those of at most 4 loads a step keep the shared-memory path spill-free; 8 loads a step spill
+    in the shared-table pass at 64 registers (docs/kernels.md), which only a GPU run can weigh against
+    its longer tiles."""
+    _, log = runtime.compile_report(arch, variant)
     kernels = {_demangled(name): entry for name, entry in ptxas_report(log).items()}
     assert set(kernels) == KERNELS and "warning" not in log.lower(), log
     spilled = {name for name in SHARED_PATH if kernels[name]["spill_stores"]}

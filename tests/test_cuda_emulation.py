@@ -32,6 +32,8 @@ def wide_groups_case():
 
 
 CASES = random_cases(small=True) + adversarial_cases(small=True) + [wide_groups_case()]
+#: the kernel variants tested besides the default: with it, each alternative of each switch runs.
+VARIANTS = [KernelVariant(unroll=2, match_any=False, load_ahead=False), KernelVariant(unroll=8)]
 _expected: dict = {}
 
 
@@ -45,6 +47,13 @@ def expected(name: str, batch, config: KTAEConfig, given=None):
 
 def tuned(**tuning) -> ExecutionOptions:
     return ExecutionOptions(cuda=CudaTuning(**tuning))
+
+
+def launcher_of(variant: KernelVariant, default):
+    """The emulator of ``variant`` (``default``, the ``emulator`` fixture, for the default variant)."""
+    from emulator import load
+
+    return default if variant == KernelVariant() else load(variant)
 
 
 def check(ext, name, batch, config, *, options=ExecutionOptions(), given=None) -> None:
@@ -226,28 +235,31 @@ def test_long_rollouts_use_blocks_of_more_than_512_threads(emulator):
     check(emulator, "long-rollouts", batch, KTAEConfig())
 
 
+@pytest.mark.parametrize("variant", [KernelVariant(), *VARIANTS], ids=str)
 @pytest.mark.parametrize("bad, message", [(-5, r"token ids >= 0 where the mask is 1, found -7"),
                                           (2**31, r"token ids must be < 2\*\*31, found 2147483650")])
-def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message):
-    """The API leaves the id check to the backend (``checks_token_ids``): same errors, padding ignored."""
+def test_token_id_range_is_checked_by_the_kernels(emulator, bad, message, variant):
+    """The API leaves the id check to the backend (``checks_token_ids``): same errors in every kernel
+    variant, padding ignored (at a rollout's end and inside a tile)."""
     from ktae_kernels.registry import backend_spec
 
     assert backend_spec("cuda").checks_token_ids
+    ext, options = launcher_of(variant, emulator), tuned(variant=variant)
     name, responses, mask, rewards, index = CASES[0]
     responses, mask = responses.clone(), mask.clone()
-    mask[0, -1] = False
-    responses[0, -1] = -(2**40)  # under mask 0: never read
+    mask[0, -1] = mask[3, 1] = False
+    responses[0, -1], responses[3, 1] = -(2**40), 2**40  # under mask 0: never read
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
-    torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, launcher=emulator),
+    torch.testing.assert_close(cuda.token_advantage(batch, KTAEConfig(), None, None, options, launcher=ext),
                                reference.token_advantage(batch, KTAEConfig(), None), rtol=0.0, atol=1e-6)
     mask[1, 0] = mask[2, 1] = True
     responses[1, 0], responses[2, 1] = bad, bad - 2 if bad < 0 else bad + 2
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
     for config in (KTAEConfig(), KTAEConfig(fisher="upstream")):
         with pytest.raises(ValueError, match=message):
-            cuda.token_advantage(batch, config, None, launcher=emulator)
+            cuda.token_advantage(batch, config, None, None, options, launcher=ext)
         with pytest.raises(ValueError, match=message):
-            cuda.key_token_scores(batch, config, launcher=emulator)
+            cuda.key_token_scores(batch, config, options, launcher=ext)
 
 
 @pytest.mark.parametrize("packed, blocks_per_sm", [(False, 1), (True, 2), (False, 2)])
@@ -317,16 +329,18 @@ def test_statistics_launch_rejects_bad_arguments_naming_them(emulator):
 @pytest.mark.parametrize("bad, message", [(-7, r"token ids >= 0 where the mask is 1, found -7"),
                                           (2**31 + 5, r"token ids must be < 2\*\*31, found 2147483653")])
 @pytest.mark.parametrize("slots", [None, 2], ids=["shared", "global"])
-def test_bad_ids_leave_out_untouched(emulator, bad, message, slots):
+@pytest.mark.parametrize("variant", [KernelVariant(), *VARIANTS], ids=str)
+def test_bad_ids_leave_out_untouched(emulator, bad, message, slots, variant):
     """The scan pass flags the id before any table pass runs, and the table passes (shared and global)
-    write nothing when it is set: the ValueError comes from the one read after the launches, and a
-    caller's ``out`` is exactly as it was."""
+    write nothing when it is set, in every kernel variant: the ValueError comes from the one read after
+    the launches, and a caller's ``out`` is exactly as it was."""
+    emulator = launcher_of(variant, emulator)
     name, responses, mask, rewards, index = CASES[0]
     responses, mask = responses.clone(), mask.clone()
     mask[1, 0] = True
     responses[1, 0] = bad
     batch = normalise_batch(responses, mask, rewards, index, check_ids=False)
-    tuning = CudaTuning(table_slots=slots)
+    tuning = CudaTuning(table_slots=slots, variant=variant)
     plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
     assert plan is not None and (plan.fallback_blocks > 0) == (slots is not None)
     out = torch.full(responses.shape, float("nan"), dtype=torch.float32)
@@ -409,7 +423,7 @@ def test_one_group_holding_every_distinct_id(emulator, monkeypatch, slots, fallb
     batch = _one_diverse_group()
     if fallback_bytes is not None:
         monkeypatch.setattr(cuda, "STATIC_FALLBACK_BYTES", fallback_bytes)
-    tuning = CudaTuning(table_slots=slots)
+    tuning = CudaTuning(table_slots=slots, variant=variant)
     plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
     assert plan.largest == 3 and (plan.fallback_blocks > 0) == (slots is not None)
     distinct = int(torch.unique(batch.responses[:3][batch.mask[:3]]).numel())
@@ -684,9 +698,6 @@ def test_the_table_passes_take_the_groups_in_group_order(emulator, monkeypatch):
     cuda.token_advantage(batch, KTAEConfig(), None, out, tuned(largest_first=True), launcher=emulator)
     assert bool((out[3:] == 7.0).all()) and not bool((out[:3] == 7.0).all())
 
-
-#: the kernel variants tested besides the default: with it, each alternative of each switch runs.
-VARIANTS = [KernelVariant(unroll=2, match_any=False, load_ahead=False), KernelVariant(unroll=8)]
 
 
 def _same_scores(want, got) -> None:

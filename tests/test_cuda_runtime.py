@@ -71,6 +71,30 @@ def test_a_kernel_variant_is_compiled_only_when_asked_for_into_its_own_entry(cac
 
 
 @needs_nvrtc
+def test_a_variants_compile_holds_up_no_other_kernels(cache, monkeypatch):
+    """While one thread compiles a variant, another gets the default's kernels from memory at once."""
+    import threading
+
+    import cuda.core
+
+    default = runtime.cubin(80)
+    started, release, done = threading.Event(), threading.Event(), []
+    real = cuda.core.Program
+    monkeypatch.setattr(cuda.core, "Program", lambda *a, **k: (started.set(), release.wait(60), real(*a, **k))[2])
+    compiling = threading.Thread(target=runtime.cubin, args=(80, KernelVariant(unroll=2)))
+    compiling.start()
+    try:
+        assert started.wait(60)
+        other = threading.Thread(target=lambda: done.append(runtime.cubin(80)))
+        other.start()
+        other.join(10)
+        assert done == [default]  # while the variant is still compiling
+    finally:
+        release.set()
+        compiling.join()
+
+
+@needs_nvrtc
 def test_compiled_once_then_read_from_disk_and_clear_caches_keeps_the_disk(cache, caplog):
     caplog.set_level(logging.DEBUG, logger="ktae_kernels.cuda")
     first = runtime.cubin(80)

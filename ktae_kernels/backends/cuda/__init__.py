@@ -240,9 +240,9 @@ def launcher_for(device: torch.device, tuning: CudaTuning, launcher: Launcher | 
     else ``load_launcher(device, tuning.variant)``."""
     if launcher is None:
         return load_launcher(device, tuning.variant)
-    if launcher.variant != tuning.variant:
-        raise ValueError(f"`launcher` runs the kernels of {launcher.variant}, `options.cuda.variant` asks for "
-                         f"{tuning.variant}")
+    runs = getattr(launcher, "variant", None)
+    if runs != tuning.variant:
+        raise ValueError(f"`launcher` runs the kernels of {runs}, `options.cuda.variant` asks for {tuning.variant}")
     return launcher
 
 

@@ -106,22 +106,33 @@ def cache_key(arch: int, variant: KernelVariant = KernelVariant()) -> str:
 
 
 _MEMORY: dict[tuple[int, KernelVariant], Cubin] = {}
+#: guards _MEMORY, _COMPILING and _LAUNCHERS (held for lookups only, never through a compile)
 _LOCK = threading.Lock()
+#: one lock per (arch, variant), held while its cubin is read or compiled
+_COMPILING: dict[tuple[int, KernelVariant], threading.Lock] = {}
 
 
-def cubin(arch: int, rebuild: bool = False, variant: KernelVariant = KernelVariant()) -> Cubin:
+def cubin(arch: int, variant: KernelVariant = KernelVariant(), *, rebuild: bool = False) -> Cubin:
     """The kernels for ``arch`` (e.g. 90) in ``variant``: from memory, else from the disk cache, else
-    compiled (and cached). ``rebuild``: compile again, replacing the cached entry (one the driver refused)."""
+    compiled (and cached). ``rebuild``: compile again, replacing the cached entry (one the driver refused).
+    A compile holds only its own (arch, variant): other threads' calls go on meanwhile."""
     _nvrtc()  # BackendUnavailableError naming the fix, even for kernels compiled before
+    key = (arch, variant)
     with _LOCK:
-        if not rebuild and (arch, variant) in _MEMORY:
-            return _MEMORY[arch, variant]
+        if not rebuild and key in _MEMORY:
+            return _MEMORY[key]
+        compiling = _COMPILING.setdefault(key, threading.Lock())
+    with compiling:
+        with _LOCK:
+            if not rebuild and key in _MEMORY:  # another thread made it meanwhile
+                return _MEMORY[key]
         path = cache_dir() / f"{cache_key(arch, variant)}-sm_{arch}.cubin"
         found = None if rebuild else _read_entry(path, arch)
         if found is None:
             found = _compile(arch, variant)
             _write_entry(path, found)
-        _MEMORY[arch, variant] = found
+        with _LOCK:
+            _MEMORY[key] = found
         return found
 
 
@@ -229,9 +240,9 @@ class DriverLauncher:
         (self._context,) = _check(driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
         arch = device_arch(index)
         try:
-            self._kernels = self._load(cubin(arch, variant=variant))
+            self._kernels = self._load(cubin(arch, variant))
         except RuntimeError:  # a cached cubin the driver refuses: compile it again
-            self._kernels = self._load(cubin(arch, rebuild=True, variant=variant))
+            self._kernels = self._load(cubin(arch, variant, rebuild=True))
         (self.max_shared,) = _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._device),
             "cuDeviceGetAttribute")
