@@ -423,7 +423,7 @@ def test_one_group_holding_every_distinct_id(emulator, monkeypatch, slots, fallb
     batch = _one_diverse_group()
     if fallback_bytes is not None:
         monkeypatch.setattr(cuda, "STATIC_FALLBACK_BYTES", fallback_bytes)
-    tuning = CudaTuning(table_slots=slots, variant=variant)
+    tuning = CudaTuning(table_slots=slots)
     plan = cuda.static_plan(emulator, batch, KTAEConfig(), tuning)
     assert plan.largest == 3 and (plan.fallback_blocks > 0) == (slots is not None)
     distinct = int(torch.unique(batch.responses[:3][batch.mask[:3]]).numel())
