@@ -5,6 +5,7 @@ Without a GPU the same code paths run under the CPU emulator: tests/test_cuda_em
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from ktae_kernels import (BackendUnavailableError, CudaTuning, ExecutionOptions, KTAEConfig, key_token_scores,
                           token_advantage)
+from bench.gpu_variants import KERNEL_VARIANTS
 from ktae_kernels.backends import cuda
 from ktae_kernels.validation import normalise_batch
 from ktae_kernels.registry import get_backend
@@ -68,6 +70,21 @@ def test_overflow_fallback_matches_reference(case, fisher):
     assert_scores_match(scores, cuda.key_token_scores(batch, config, options))
     got = cuda.token_advantage(batch, config, None, None, options)
     torch.testing.assert_close(got.cpu(), want, rtol=0.0, atol=1e-6)
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", sorted(KERNEL_VARIANTS))
+def test_every_kernel_variant_computes_the_default_bits(name):
+    """On a GPU (its memory model, which the emulator lacks): each variant bench/gpu_variants.py measures
+    writes advantages ``torch.equal`` to the default's, with shared tables and with overflowing ones."""
+    for case in CASES:
+        batch = normalise_batch(*_on_gpu(*case[1:]))
+        for slots in (None, 32):
+            default = CudaTuning(table_slots=slots)
+            want = cuda.token_advantage(batch, KTAEConfig(), None, None, ExecutionOptions(cuda=default))
+            tuning = dataclasses.replace(default, variant=KERNEL_VARIANTS[name])
+            got = cuda.token_advantage(batch, KTAEConfig(), None, None, ExecutionOptions(cuda=tuning))
+            assert torch.equal(got, want), (case[0], slots)
 
 
 @needs_gpu
