@@ -139,14 +139,12 @@ __device__ void clear_table(const Table& t, int words) {
   }
 }
 
-// One pass over a rollout: this thread's kUnroll positions start + u * blockDim.x + threadIdx.x,
-// all loads issued before any is used. Positions at or past `end` (the rollout's extent, or L) read
-// nothing and are not valid; a token id is read only where the mask is set. An id outside [0, 2^31)
-// under the mask is left out and recorded in bad_ids (zeroed before the first pass: the least id
-// below 0, and by how much the largest exceeds 2^31 - 1), which the host reads after the kernels.
-__device__ __forceinline__ void load_tile(const KernelArgs& args, const int64_t* tokens, const bool* mask,
-                                          int64_t start, int64_t end, int64_t (&token)[kUnroll],
-                                          bool (&valid)[kUnroll]) {
+// This thread's kUnroll positions start + u * blockDim.x + threadIdx.x of a rollout, every load issued
+// before any is used: first the mask bytes, then the ids under them. Positions at or past `end` (the
+// rollout's extent, or L) read nothing and are not valid; a token id is read only where the mask is set
+// (padding ids are never read: 0). The table passes (load_tile) and the scan load their tiles here.
+__device__ __forceinline__ void load_masked_ids(const int64_t* tokens, const bool* mask, int64_t start,
+                                                int64_t end, int64_t (&token)[kUnroll], bool (&valid)[kUnroll]) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
@@ -154,9 +152,17 @@ __device__ __forceinline__ void load_tile(const KernelArgs& args, const int64_t*
   }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
-    token[u] = valid[u] ? tokens[pos] : 0;  // padding ids are never read
+    token[u] = valid[u] ? tokens[start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x] : 0;
   }
+}
+
+// One pass over a rollout (load_masked_ids), then the checks: an id outside [0, 2^31) under the mask is
+// left out and recorded in bad_ids (zeroed before the first pass: the least id below 0, and by how much
+// the largest exceeds 2^31 - 1), which the host reads after the kernels.
+__device__ __forceinline__ void load_tile(const KernelArgs& args, const int64_t* tokens, const bool* mask,
+                                          int64_t start, int64_t end, int64_t (&token)[kUnroll],
+                                          bool (&valid)[kUnroll]) {
+  load_masked_ids(tokens, mask, start, end, token, valid);
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {  // after every load: a check's atomic would order the loads after it
     if (token[u] < 0 || token[u] > kMaxTokenId) {
@@ -787,8 +793,8 @@ __device__ __forceinline__ long long warp_max(long long value) {
 
 // Scan pass, one block per rollout: masked tokens, extent (last masked position + 1) and the ids out
 // of [0, 2^31) under the mask (bad_ids). Each step, a thread loads its kUnroll mask bytes, then the ids
-// under them, all issued before any is used (2 dependent DRAM trips a step, not 2 a position), and
-// checks them after the last load. Four block-wide accumulators in dynamic shared memory.
+// under them (load_masked_ids: 2 dependent DRAM trips a step, not 2 a position), and checks them after
+// the last load. Four block-wide accumulators in dynamic shared memory.
 __global__ void __launch_bounds__(kMaxThreads) scan_kernel(const PrepareArgs args) {
   KTAE_DYNAMIC_SHARED(smem);
   auto* count = reinterpret_cast<unsigned long long*>(smem);
@@ -807,15 +813,7 @@ __global__ void __launch_bounds__(kMaxThreads) scan_kernel(const PrepareArgs arg
     for (int64_t start = 0; start < args.L; start += step) {
       bool masked[kUnroll];
       int64_t id[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t pos = start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x;
-        masked[u] = pos < args.L && mask[pos];
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        id[u] = masked[u] ? tokens[start + static_cast<int64_t>(u) * blockDim.x + threadIdx.x] : 0;
-      }
+      load_masked_ids(tokens, mask, start, args.L, id, masked);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         if (!masked[u]) continue;
