@@ -54,6 +54,13 @@ def _positive_int(name: str, value: object, most: int | None = None) -> None:
         raise ValueError(f"{name} must be an int in [1, {most or 'inf'}], got {value!r}")
 
 
+def _bools(options: object, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of ``options``' fields ``names`` that is not a bool."""
+    for name in names:
+        if not isinstance(getattr(options, name), bool):
+            raise ValueError(f"{type(options).__name__}.{name} must be a bool, got {getattr(options, name)!r}")
+
+
 @named_fields()
 @dataclass(frozen=True)
 class KernelVariant:
@@ -74,9 +81,7 @@ class KernelVariant:
     def __post_init__(self) -> None:
         if type(self.unroll) is not int or self.unroll not in (2, 4, 8):
             raise ValueError(f"KernelVariant.unroll must be 2, 4 or 8, got {self.unroll!r}")
-        for name in ("match_any", "load_ahead"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"KernelVariant.{name} must be a bool, got {getattr(self, name)!r}")
+        _bools(self, ("match_any", "load_ahead"))
 
     def macros(self) -> tuple[tuple[str, str], ...]:
         """The variant as the device source's compile-time macros (ktae_args.h), name and value."""
@@ -122,9 +127,7 @@ class CudaTuning:
         _positive_int("CudaTuning.max_threads", self.max_threads, 1024)
         if self.max_threads % 32 or self.max_threads < 64:
             raise ValueError(f"CudaTuning.max_threads must be a multiple of 32 in [64, 1024], got {self.max_threads!r}")
-        for name in ("packed", "slot_index", "largest_first"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"CudaTuning.{name} must be a bool, got {getattr(self, name)!r}")
+        _bools(self, ("packed", "slot_index", "largest_first"))
 
 
 @named_fields()

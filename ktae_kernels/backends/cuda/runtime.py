@@ -136,7 +136,7 @@ def cubin(arch: int, variant: KernelVariant = KernelVariant(), *, rebuild: bool 
         return found
 
 
-def _compile(arch: int, variant: KernelVariant = KernelVariant(), ptxas_log: list | None = None) -> Cubin:
+def _compile(arch: int, variant: KernelVariant, ptxas_log: list | None = None) -> Cubin:
     """NVRTC's cubin of every kernel for ``arch`` in ``variant``; BackendUnavailableError for an unknown
     arch or a failed compile. ``ptxas_log``: a list that gets the compile log with ptxas's resource report."""
     if arch not in supported_archs():
