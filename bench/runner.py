@@ -112,8 +112,8 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
         floor += _floor_samples(batch, device) if full else []
         for result in shape_results:
             result.floor_s, result.floor_samples_s = floor_seconds(floor), floor
-        # Last: a peak measurement trims the heap and empties the output pool, and on the 2-core VM the
-        # calls after it ran at 2-9 ms instead of 0.5 ms on the micro-batch for longer than a warm-up.
+        # Last: a peak measurement trims the heap and empties the output pool, so the calls after it map
+        # memory again and run several times slower for longer than a warm-up.
         for result, contender in peaks:
             result.peak_extra_bytes = peak_extra_bytes(lambda b=batch, c=contender: c.run(b), device)
         results += shape_results

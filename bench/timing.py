@@ -25,9 +25,9 @@ from bench.data import BenchBatch
 MIN_SAMPLES = 3
 #: per-group contenders always run on at least this many groups (when the batch has them).
 MIN_GROUPS = 4
-#: seconds of untimed runs before a vectorised contender's samples (and the floor's, ``bench.runner``). On
-#: the 2-core VM, after 30 ms idle a 0.5 ms call took 1.6-1.9 ms and reached its steady time only after
-#: about 8 ms of calls (2026-12-03): one warm-up run of a sub-millisecond batch timed a cold core.
+#: seconds of untimed runs before a vectorised contender's samples (and the floor's, ``bench.runner``): after
+#: an idle spell a sub-millisecond call runs several times slower for some milliseconds of calls, so one
+#: warm-up run of a small batch would time a cold core.
 WARM_UP_S = 0.02
 
 
@@ -68,11 +68,10 @@ def _samples(fn: Callable[[], Tensor], device: torch.device, repeats: int, budge
 def warm_up(fn: Callable[[], Tensor], device: torch.device, seconds: float = WARM_UP_S) -> None:
     """Untimed calls of ``fn``: two, then more until these further calls have taken ``seconds``. Each is made
     while the previous call's output is still held, as in the timed runs: a backend that recycles freed
-    outputs (the native CPU kernel's pool) then maps its second output here, not in a timed run (one
-    such call took 10.6 ms against 0.6 ms, 2026-12-03). The first two calls, which may map memory, do
-    not count toward ``seconds``: when they did, the micro-batch's first call (18-20 ms, mapping its
-    output and the kernel's workspaces) ended the warm-up after 2-4 calls, and the timed calls that
-    followed still took 0.6-1.1 ms against 0.3-0.5 ms (2026-12-03)."""
+    outputs (the native CPU kernel's pool) then maps its second output here, not in a timed run, where
+    mapping costs many times a warm call. The first two calls, which may map memory, do not count toward
+    ``seconds``: a first call that maps its output and workspaces can take longer than the whole
+    warm-up, which would then end before the core is warm."""
     _, out = timed(fn, device)
     _, out = timed(fn, device)
     spent = 0.0

@@ -294,8 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=d.device, help="torch device (default: cuda if available, else cpu)")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="policy dtype (bfloat16 for a real model on a GPU)")
     g.add_argument("--threads", type=int, default=d.threads,
-                   help="torch CPU threads (default: 1 for --model tiny, which 2 threads slowed down 7x on the "
-                        "shared 2-core machine; torch's choice otherwise)")
+                   help="torch CPU threads (default: 1 for --model tiny, whose small matmuls more threads slow "
+                        "down; torch's choice otherwise)")
     g.add_argument("--report-every", type=int, default=d.report_every, metavar="N",
                    help="every N steps write <out-dir>/report-step<N>.html: the step's rollouts coloured by KTAE "
                         "key-token score (ktae_kernels.viz); 0: off")
