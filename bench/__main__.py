@@ -4,7 +4,7 @@ upstream-style loop on a grid of realistic batches; print a table, write JSON an
 Examples::
 
     python -m bench                       # default grid on this machine (CUDA if present)
-    python -m bench --quick               # a smoke run, under a minute
+    python -m bench --quick               # a smoke run: 8 small batches
     python -m bench --device cuda --sweep --backends torch,triton,cuda
     python -m bench --full --repeats 10   # no caps (hours on a CPU)
     python -m bench --contend             # the cpu backend's threads, quiet and beside a busy process
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(ALL_NAMES)} (default: every one available here)")
     grid = p.add_mutually_exclusive_group()
     grid.add_argument("--preset", choices=sorted(PRESETS), default="default", help="shape grid (default: default)")
-    grid.add_argument("--quick", dest="preset", action="store_const", const="quick", help="small grid (8 shapes: under 30 s on 2 idle cores, minutes under load)")
+    grid.add_argument("--quick", dest="preset", action="store_const", const="quick", help="small grid (8 shapes: seconds on idle cores, minutes under load)")
     grid.add_argument("--full", dest="preset", action="store_const", const="full", help="default grid, no caps")
     grid.add_argument("--sweep", dest="preset", action="store_const", const="sweep",
                       help="G=16, B=256..65536, L=512..8192 (for GPUs)")

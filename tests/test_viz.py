@@ -181,6 +181,17 @@ def test_cli_on_a_saved_batch(tmp_path, capsys):
     assert viz_main([str(tmp_path / "nope.pt")]) == 2
 
 
+def test_cli_ignore_ids_is_one_comma_separated_value(tmp_path, capsys):
+    batch = _saved_demo_batch(tmp_path)
+    out = tmp_path / "ignored.html"
+    assert viz_main(["--ignore-ids", "7,5", str(batch), "-o", str(out)]) == 0  # the ids do not swallow BATCH_FILE
+    ignored = [tok for tok in parse(out.read_text()).tokens if tok["data-token"] in ("5", "7")]
+    assert ignored and all(float(tok["data-score"]) == 0.0 for tok in ignored)
+    with pytest.raises(SystemExit):
+        viz_main(["--ignore-ids", "7,x", str(batch)])
+    assert "comma-separated integer token ids, got '7,x'" in capsys.readouterr().err
+
+
 def _saved_demo_batch(tmp_path):
     responses, mask, rewards, index = demo_batch()
     torch.save(dict(responses=responses, response_mask=mask, rewards=rewards, index=index), tmp_path / "batch.pt")

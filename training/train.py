@@ -23,6 +23,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from ktae_kernels import token_advantage
+from ktae_kernels.registry import backend_names
 
 from .config import ADVANTAGES, DTYPES, PRESETS, ROLLOUTS, TrainConfig
 from .logs import plot_run, write_csv, write_json, write_step_report
@@ -297,8 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch CPU threads (default: 1 for --model tiny, whose small matmuls more threads slow "
                         "down; torch's choice otherwise)")
     g.add_argument("--report-every", type=int, default=d.report_every, metavar="N",
-                   help="every N steps write <out-dir>/report-step<N>.html: the step's rollouts coloured by KTAE "
-                        "key-token score (ktae_kernels.viz); 0: off")
+                   help="every N steps write <out-dir>/report-stepNNNN.html (the step, 4 digits): the step's rollouts "
+                        "coloured by KTAE key-token score (ktae_kernels.viz); 0: off")
     g.add_argument("--no-progress", dest="progress", action="store_false", help="hide the tqdm progress bar")
     g = p.add_argument_group("model, task and rollouts")
     g.add_argument("--model", default=d.model, help="'tiny' (random Qwen2 built in code + char tokenizer) or a "
@@ -337,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--overlong-buffer", type=int, help="soft overlong penalty over the last N tokens; 0: off (preset)")
     g.add_argument("--overlong-factor", type=float, default=d.overlong_factor, help="overlong penalty at max length")
     g = p.add_argument_group("KTAE (ktae_kernels.KTAEConfig)")
-    g.add_argument("--ktae-backend", default=d.ktae_backend, help="auto, torch, reference, triton or cuda")
+    g.add_argument("--ktae-backend", default=d.ktae_backend, choices=("auto", *backend_names()),
+                   help="ktae_kernels backend (default auto: the fastest this machine runs)")
     g.add_argument("--ktae-weight", type=float, default=d.ktae_weight, help="advantage = A + weight * score")
     g.add_argument("--ktae-alpha", type=float, default=d.ktae_alpha, help="weight of the Fisher term")
     g.add_argument("--ktae-beta", type=float, default=d.ktae_beta, help="weight of the information gain")

@@ -125,6 +125,14 @@ def _is_connection_error(err: BaseException) -> bool:
     return isinstance(err, tuple(kinds))
 
 
+def _id_list(text: str) -> tuple[int, ...]:
+    """``"151643,151645"`` as ``(151643, 151645)``: ``--ignore-ids`` (one value, so it cannot swallow BATCH_FILE)."""
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integer token ids, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ktae_kernels.viz", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=10, help="key tokens listed per group (default 10)")
     p.add_argument("--no-tf", action="store_true", help="KTAEConfig(use_tf=False): no BM25 ratio in the direction")
     p.add_argument("--fisher", choices=("exact", "upstream"), default="exact", help="Fisher test mode (default exact)")
-    p.add_argument("--ignore-ids", type=int, nargs="*", default=[], help="token ids scored 0 (e.g. 151643)")
+    p.add_argument("--ignore-ids", type=_id_list, default=(), metavar="ID[,ID...]",
+                   help="token ids scored 0, comma-separated (e.g. 151643,151645)")
     p.add_argument("--threshold", type=float, default=0.0, help="a rollout is correct when reward > this (default 0)")
     p.add_argument("--backend", default="auto", help="ktae_kernels backend computing the scores (default auto)")
     p.add_argument("--allow-pickle", action="store_true",
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--groups must be >= 0, got {args.groups}")
     try:
         batch, prompts = load_batch(args.batch, allow_pickle=args.allow_pickle)
-        config = KTAEConfig(use_tf=not args.no_tf, fisher=args.fisher, ignore_token_ids=tuple(args.ignore_ids),
+        config = KTAEConfig(use_tf=not args.no_tf, fisher=args.fisher, ignore_token_ids=args.ignore_ids,
                             correct_threshold=args.threshold)
         decode = load_tokenizer(args.tokenizer) if args.tokenizer else None
         max_groups = args.groups or None
