@@ -392,6 +392,9 @@ def test_settings_travel_as_json_with_ignore_token_ids():
         ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: '{"alhpa": 1}'})
     with pytest.raises(ValueError, match="KTAE_OPENRLHF must hold a JSON object"):
         ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: "{"})
+    for bad in ('"gpu"', "null"):  # fails in the launcher and the trainer actor at start-up, not at the first batch
+        with pytest.raises(ValueError, match=r"KTAE_OPENRLHF.backend must be one of \('auto', 'reference'"):
+            ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: f'{{"backend": {bad}}}'})
 
 
 def test_runtime_env_merges_openrlhfs_own_and_the_users():

@@ -3,6 +3,7 @@ and the baseline, labels and their source, metrics by mode with ``ktae/backend``
 and the supported-version check."""
 from __future__ import annotations
 
+import re
 import time
 import types
 
@@ -13,6 +14,7 @@ import torch
 from ktae_kernels import ExecutionOptions, KTAEConfig, available_backends, key_token_scores, token_advantage
 from ktae_kernels.integrations import shared
 from ktae_kernels.metrics import ktae_metrics
+from ktae_kernels.registry import backend_names
 
 
 
@@ -40,6 +42,22 @@ def test_settings_name_the_section_and_the_expected_keys():
         shared.settings_from_mapping({"metrics": "all"}, where="sec")
     with pytest.raises(ValueError, match="sec: .*correct_key.* non-empty string"):
         shared.settings_from_mapping({"correct_key": ""}, where="sec")
+
+
+def test_a_bad_backend_name_fails_when_the_settings_are_built():
+    """A backend name that is neither "auto" nor a registered backend (a typo, ``null`` in a config, the
+    string "None") fails where the settings are read, naming the setting and listing the accepted names,
+    not at the first training step."""
+    accepted = ("auto", *backend_names())
+    for bad in ("gpu", None, "None", "", 3):
+        with pytest.raises(ValueError, match=rf"sec.backend must be one of {re.escape(str(accepted))}, got "
+                                             rf"{re.escape(repr(bad))}$"):
+            shared.settings_from_mapping({"backend": bad}, where="sec")
+        with pytest.raises(ValueError, match=r"`backend` must be one of \('auto', 'reference'"):
+            shared.AdapterSettings(backend=bad)
+    for good in accepted:
+        assert shared.settings_from_mapping({"backend": good}, where="sec").backend == good
+    assert shared.settings_from_mapping({}, where="sec").backend == "auto"
 
 
 def test_dense_groups_and_the_baseline_for_every_label_kind():

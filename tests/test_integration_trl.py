@@ -117,6 +117,15 @@ def test_metrics_off_logs_nothing(tmp_path):
                         ktae_metrics="all")
 
 
+def test_a_bad_backend_name_fails_when_the_trainer_is_built(tmp_path):
+    """``ktae_backend`` is checked at construction (not at the first step's kernel call)."""
+    for bad in ("gpu", None):
+        with pytest.raises(ValueError, match=r"`ktae_backend` must be one of \('auto', 'reference'.*got "
+                                             + repr(bad)):
+            KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                            processing_class=_tokenizer(), ktae_backend=bad)
+
+
 class _SequenceBranches(_Recording):
     """Records the advantages TRL's sequence-level branches (OPSM mask, VESPO weights) receive."""
 

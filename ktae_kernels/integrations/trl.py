@@ -27,8 +27,8 @@ from ..config import KTAEConfig
 from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
 from .gathered import grpo_groups, grpo_token_advantages
-from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_metrics_mode,
-                     check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
+from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_backend,
+                     check_metrics_mode, check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
 
 __all__ = ["SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order", "grpo_token_advantages",
            "liger_loss_takes_sequence_advantages"]
@@ -115,6 +115,7 @@ class KTAEGRPOMixin:
             raise ValueError(f"`ktae_config` must be a KTAEConfig or None, got {type(ktae_config).__name__}")
         if isinstance(ktae_correct_reward_funcs, str):
             ktae_correct_reward_funcs = [ktae_correct_reward_funcs]
+        check_backend(ktae_backend, "`ktae_backend`")
         check_metrics_mode(ktae_metrics, "`ktae_metrics`")
         self.ktae_settings = AdapterSettings(ktae_config or KTAEConfig(), ktae_backend, ktae_metrics,
                                              options=ktae_options or ExecutionOptions())
