@@ -4,6 +4,8 @@ sequence-level branches of OPSM and VESPO, and Liger (layer kernels only in TRL 
 split across processes: tests/test_distributed.py."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -278,6 +280,50 @@ def test_the_mixin_listed_second_fails_when_the_class_is_created(tmp_path):
     logged = trainer.state.log_history[0]
     assert logged["ktae/backend/torch"] == 1.0 and "ktae/threads" not in logged
     assert logged["ktae/label_source/_even_majority"] == 1.0 and "ktae/score_abs_mean" in logged
+
+
+class _Replaying(trl.GRPOTrainer):
+    """A subclass that, as TRL's replay-buffer trainer did, swaps groups of the step for stored ones after
+    the rewards were computed (so the rows no longer match the rewards KTAE labels them by)."""
+
+    def _generate_and_score_completions(self, inputs):
+        return super()._generate_and_score_completions(inputs)
+
+
+def _gmpo_trainer() -> type:
+    """TRL's own GMPOTrainer (its ``_compute_loss`` takes ``(B,)`` advantages), or a stand-in for a TRL
+    without it."""
+    try:
+        with warnings.catch_warnings():  # TRL warns about importing trl.experimental
+            warnings.simplefilter("ignore")
+            from trl.experimental.gmpo import GMPOTrainer
+        return GMPOTrainer
+    except ImportError:
+        class GMPOTrainer(trl.GRPOTrainer):
+            def _compute_loss(self, model, inputs):
+                return super()._compute_loss(model, inputs)
+
+        return GMPOTrainer
+
+
+@pytest.mark.parametrize("kind", ["gmpo", "replay"])
+def test_a_subclass_that_replaces_what_ktae_relies_on_is_refused(tmp_path, kind):
+    """A GRPOTrainer subclass with its own loss (GMPO: ``(B,)`` advantages) or its own batch making (a
+    replay buffer) under the mixin would run KTAE's ``(B, T)`` advantages through code never checked with
+    them: refused when the trainer is built, naming the class and the method, unless allowed explicitly."""
+    base, method = (_gmpo_trainer(), "_compute_loss") if kind == "gmpo" else (_Replaying, "_generate_and_score_completions")
+
+    class KTAEVariant(KTAEGRPOMixin, base):
+        pass
+
+    build = dict(reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                 processing_class=_tokenizer())
+    with pytest.raises(TypeError, match=rf"KTAEVariant: {base.__name__}\.{method} replaces GRPOTrainer's .* "
+                                        rf"ktae_allow_overrides=True"):
+        KTAEVariant(_model(), **build)
+    assert isinstance(KTAEVariant(_model(), ktae_allow_overrides=True, **build), base)
+    with pytest.raises(ValueError, match="`ktae_allow_overrides` must be True or False, got 'yes'"):
+        KTAEVariant(_model(), ktae_allow_overrides="yes", **build)
 
 
 def test_a_batch_that_bypassed_ktae_stops_the_loss(tmp_path):

@@ -30,8 +30,8 @@ from .gathered import grpo_groups, grpo_token_advantages
 from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_backend,
                      check_metrics_mode, check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
 
-__all__ = ["SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order", "grpo_token_advantages",
-           "liger_loss_takes_sequence_advantages"]
+__all__ = ["RELIED_ON", "SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order",
+           "check_subclass_overrides", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
 
 #: metrics averaged over tokens: across processes, weighted by each process's token count.
 TOKEN_METRICS = ("ktae/score_abs_mean", "ktae/key_token_share")
@@ -47,6 +47,12 @@ SHAPING_REWARDS = ("soft_overlong_punishment_reward", "repetition_penalty_reward
 OVERRIDDEN = {"_generate_and_score_completions": "the method that returns a step's rewards, completion ids and "
                                                  "(B,) advantages (KTAE replaces them with (B, T) ones)",
               "_calculate_rewards": "the method that returns the gathered rewards per reward function"}
+
+#: the ``GRPOTrainer`` methods whose own behaviour KTAE relies on: the batch its advantages are computed
+#: for, the rewards of exactly those rows, and a loss that takes ``(B, T)`` advantages. A subclass that
+#: replaces one (GMPO's loss takes ``(B,)`` advantages; a replay buffer swaps rows after the rewards) is
+#: refused unless ``ktae_allow_overrides=True``.
+RELIED_ON = ("_generate_and_score_completions", "_calculate_rewards", "compute_loss", "_compute_loss")
 
 
 def check_trainer_class(trainer_cls: type) -> None:
@@ -75,6 +81,23 @@ def check_mixin_order(cls: type) -> None:
                     f"plain GRPO; list it first: class {cls.__name__}({', '.join(works)})")
 
 
+def check_subclass_overrides(cls: type) -> None:
+    """Raise TypeError when a class between ``KTAEGRPOMixin`` and ``GRPOTrainer`` in ``cls``'s method
+    resolution order (the user's ``GRPOTrainer`` subclass under the mixin) defines one of ``RELIED_ON``,
+    naming the class and the method."""
+    mro = cls.__mro__
+    between = mro[mro.index(KTAEGRPOMixin) + 1:mro.index(GRPOTrainer)]
+    found = [(klass.__name__, name) for klass in between for name in RELIED_ON if name in vars(klass)]
+    if found:
+        owner, name = found[0]
+        raise TypeError(
+            f"{cls.__name__}: {owner}.{name} replaces GRPOTrainer's {name}, which KTAE relies on ({RELIED_ON}): its "
+            f"(B, T) advantages are for the rows and rewards GRPOTrainer's own methods produce, and its loss must take "
+            f"per-token advantages (a loss written for (B,) advantages, like GMPO's, or a replay buffer that swaps "
+            f"rows, trains on wrong numbers without an error). Once you have checked that {owner}.{name} works with "
+            f"KTAE's advantages, pass ktae_allow_overrides=True")
+
+
 def liger_loss_takes_sequence_advantages(trainer_cls: type = GRPOTrainer) -> bool:
     """Whether this TRL's ``use_liger_kernel=True`` routes the loss through Liger's fused GRPO loss
     (TRL 1.x before 1.16), which takes ``(B,)`` advantages only."""
@@ -91,8 +114,11 @@ class KTAEGRPOMixin:
     ``ktae_metrics`` ("advantages", "scores" or "off"), ``ktae_correct_reward_funcs`` (names of the
     reward functions that define correctness, e.g. ``["accuracy"]``: a rollout is correct when their
     weighted sum is > ``ktae_config.correct_threshold``; None: the only reward function, or the only
-    one that is not in ``SHAPING_REWARDS``; ValueError at construction when that leaves several or none)
-    and ``ktae_options`` (``ExecutionOptions``: how the kernels run; defaults when None).
+    one that is not in ``SHAPING_REWARDS``; ValueError at construction when that leaves several or
+    none), ``ktae_options`` (``ExecutionOptions``: how the kernels run; defaults when None) and
+    ``ktae_allow_overrides`` (False: a ``GRPOTrainer`` subclass under the mixin that replaces one of
+    ``RELIED_ON`` raises TypeError at construction; True: run it, once you have checked it takes KTAE's
+    ``(B, T)`` advantages).
     ``ktae_rewards_per_func``: the last step's gathered ``[N, n_funcs]`` rewards (None before it).
     """
 
@@ -103,8 +129,12 @@ class KTAEGRPOMixin:
     def __init__(self, *args: Any, ktae_config: KTAEConfig | None = None, ktae_backend: str = "auto",
                  ktae_use_trl_advantage: bool = True, ktae_metrics: str = "advantages",
                  ktae_correct_reward_funcs: Sequence[str] | None = None, ktae_options: ExecutionOptions | None = None,
-                 **kwargs: Any) -> None:
+                 ktae_allow_overrides: bool = False, **kwargs: Any) -> None:
         check_trainer_class(type(self).__mro__[type(self).__mro__.index(KTAEGRPOMixin) + 1])
+        if not isinstance(ktae_allow_overrides, bool):
+            raise ValueError(f"`ktae_allow_overrides` must be True or False, got {ktae_allow_overrides!r}")
+        if not ktae_allow_overrides:
+            check_subclass_overrides(type(self))
         training_args = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs).arguments.get("args")
         if (training_args is not None and getattr(training_args, "use_liger_kernel", False)
                 and liger_loss_takes_sequence_advantages(type(self))):
