@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,44 @@ def test_versions_outside_the_tested_range_stop_the_adapter():
         with pytest.warns(RuntimeWarning, match=rf"tested with {framework} >= {minimum}, < {below}; found {framework} "
                                                 rf"{version}, allowed by \$KTAE_ALLOW_UNTESTED"):
             shared.check_version(framework, version, minimum, below, environ={shared.ALLOW_UNTESTED: f"x, {name.upper()}"})
+
+
+# ------------------------------------------------------------------------------------------ the guide
+GUIDE = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text(encoding="utf-8")
+
+
+def _guide_section(title: str) -> str:
+    start = GUIDE.index(f"\n## {title}\n")
+    end = GUIDE.find("\n## ", start + 1)
+    return GUIDE[start:end if end > 0 else None]
+
+
+def test_the_guide_describes_the_version_check_as_the_code_runs_it():
+    """docs/integrations.md states each adapter's supported range as its constants, that a version past
+    it stops the adapter (``check_version`` raises) unless ``$KTAE_ALLOW_UNTESTED`` names the framework,
+    and the names that variable takes."""
+    from ktae_kernels.integrations import openrlhf
+    from ktae_kernels.integrations.verl import framework
+
+    text = _guide_section("When a framework moves")
+    ranges = {"verl": (framework.MIN_VERSION, framework.BELOW_VERSION), "openrlhf": (openrlhf.MIN_VERSION,
+                                                                                   openrlhf.BELOW_VERSION)}
+    trl = pytest.importorskip("ktae_kernels.integrations.trl")
+    ranges["trl"] = (trl.MIN_VERSION, trl.BELOW_VERSION)
+    rows = {line.split("|")[1].strip().lower(): line for line in text.splitlines() if line.startswith("| ")}
+    for name, (minimum, below) in ranges.items():
+        assert f"| >= {minimum}, < {below} |" in rows[name], name
+        assert f"`{name}`" in text, name  # a name KTAE_ALLOW_UNTESTED takes
+        with pytest.raises(shared.FrameworkMismatchError):
+            shared.check_version(name, below, minimum, below, environ={})
+    assert f"`{shared.ALLOW_UNTESTED}`" in text and f"{shared.ALLOW_UNTESTED}=verl,trl" in text
+    assert shared.allowed_untested({shared.ALLOW_UNTESTED: "verl, TRL"}) == {"verl", "trl"}
+    assert "is a `RuntimeWarning`" not in text.replace("then a `RuntimeWarning`", "")
+
+
+def test_the_guide_has_no_dated_measurements():
+    """Timings live in docs/benchmarks.md beside their raw results; the guide points there."""
+    for note in ("UTC", "load average", "EPYC", " ms a step"):
+        assert note not in GUIDE, note
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", GUIDE)
+    assert "benchmarks.md" in GUIDE
