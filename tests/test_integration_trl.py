@@ -17,7 +17,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from ktae_kernels import KTAEConfig, token_advantage  # noqa: E402
+from ktae_kernels import ExecutionOptions, KTAEConfig, token_advantage  # noqa: E402
 from ktae_kernels.integrations import shared  # noqa: E402
 from ktae_kernels.integrations.trl import KTAEGRPOMixin, KTAEGRPOTrainer  # noqa: E402
 
@@ -126,6 +126,24 @@ def test_a_bad_backend_name_fails_when_the_trainer_is_built(tmp_path):
                                              + repr(bad)):
             KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
                             processing_class=_tokenizer(), ktae_backend=bad)
+
+
+def test_keywords_of_the_wrong_type_fail_naming_the_keyword(tmp_path):
+    """``ktae_use_trl_advantage`` takes True or False only (a truthy string would pick TRL's advantage);
+    ``ktae_options`` an ``ExecutionOptions`` or None (the defaults): a dict, even an empty one, is refused
+    naming ``ktae_options``, as the API refuses one for ``options``."""
+    build = dict(reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                 processing_class=_tokenizer())
+    for bad in ("no", 0, None):
+        with pytest.raises(ValueError, match=rf"`ktae_use_trl_advantage` must be True or False, got {bad!r}"):
+            KTAEGRPOTrainer(_model(), ktae_use_trl_advantage=bad, **build)
+    for bad in ({"threads": 2}, {}):
+        with pytest.raises(ValueError, match=r"`ktae_options` must be an ExecutionOptions or None, got dict; build one "
+                                             r"with ExecutionOptions\(threads=\.\.\.\)"):
+            KTAEGRPOTrainer(_model(), ktae_options=bad, **build)
+    trainer = KTAEGRPOTrainer(_model(), ktae_options=ExecutionOptions(threads=2), ktae_use_trl_advantage=False, **build)
+    assert trainer.ktae_settings.options == ExecutionOptions(threads=2) and trainer.ktae_use_trl_advantage is False
+    assert KTAEGRPOTrainer(_model(), **build).ktae_settings.options == ExecutionOptions()
 
 
 class _SequenceBranches(_Recording):

@@ -108,17 +108,17 @@ class KTAEGRPOMixin:
     """Turns a ``GRPOTrainer`` (sub)class into a KTAE one: ``class T(KTAEGRPOMixin, MyGRPOTrainer)``.
 
     The mixin must come first (``class T(MyGRPOTrainer, KTAEGRPOMixin)`` raises TypeError when the class
-    is created). Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto"),
-    ``ktae_use_trl_advantage`` (True: ``A_i`` is TRL's own advantage, following its ``scale_rewards``
-    and ``multi_objective_aggregation``; False: ``ktae_config.baseline`` on the weighted reward),
-    ``ktae_metrics`` ("advantages", "scores" or "off"), ``ktae_correct_reward_funcs`` (names of the
-    reward functions that define correctness, e.g. ``["accuracy"]``: a rollout is correct when their
-    weighted sum is > ``ktae_config.correct_threshold``; None: the only reward function, or the only
-    one that is not in ``SHAPING_REWARDS``; ValueError at construction when that leaves several or
-    none), ``ktae_options`` (``ExecutionOptions``: how the kernels run; defaults when None) and
-    ``ktae_allow_overrides`` (False: a ``GRPOTrainer`` subclass under the mixin that replaces one of
-    ``RELIED_ON`` raises TypeError at construction; True: run it, once you have checked it takes KTAE's
-    ``(B, T)`` advantages).
+    is created). Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto" or a
+    registered backend name), ``ktae_use_trl_advantage`` (a bool; True: ``A_i`` is TRL's own advantage,
+    following its ``scale_rewards`` and ``multi_objective_aggregation``; False: ``ktae_config.baseline``
+    on the weighted reward), ``ktae_metrics`` ("advantages", "scores" or "off"),
+    ``ktae_correct_reward_funcs`` (names of the reward functions that define correctness, e.g.
+    ``["accuracy"]``: a rollout is correct when their weighted sum is > ``ktae_config.correct_threshold``;
+    None: the only reward function, or the only one that is not in ``SHAPING_REWARDS``; ValueError at
+    construction when that leaves several or none), ``ktae_options`` (``ExecutionOptions``: how the
+    kernels run; ``ExecutionOptions()`` when None; a dict is refused) and ``ktae_allow_overrides``
+    (False: a ``GRPOTrainer`` subclass under the mixin that replaces one of ``RELIED_ON`` raises TypeError
+    at construction; True: run it, once you have checked it takes KTAE's ``(B, T)`` advantages).
     ``ktae_rewards_per_func``: the last step's gathered ``[N, n_funcs]`` rewards (None before it).
     """
 
@@ -143,12 +143,17 @@ class KTAEGRPOMixin:
                              "Upgrade to TRL >= 1.16 or set use_liger_kernel=False")
         if ktae_config is not None and not isinstance(ktae_config, KTAEConfig):
             raise ValueError(f"`ktae_config` must be a KTAEConfig or None, got {type(ktae_config).__name__}")
+        if ktae_options is not None and not isinstance(ktae_options, ExecutionOptions):
+            raise ValueError(f"`ktae_options` must be an ExecutionOptions or None, got {type(ktae_options).__name__}; "
+                             f"build one with ExecutionOptions(threads=...)")
+        if not isinstance(ktae_use_trl_advantage, bool):
+            raise ValueError(f"`ktae_use_trl_advantage` must be True or False, got {ktae_use_trl_advantage!r}")
         if isinstance(ktae_correct_reward_funcs, str):
             ktae_correct_reward_funcs = [ktae_correct_reward_funcs]
         check_backend(ktae_backend, "`ktae_backend`")
         check_metrics_mode(ktae_metrics, "`ktae_metrics`")
-        self.ktae_settings = AdapterSettings(ktae_config or KTAEConfig(), ktae_backend, ktae_metrics,
-                                             options=ktae_options or ExecutionOptions())
+        self.ktae_settings = AdapterSettings(KTAEConfig() if ktae_config is None else ktae_config, ktae_backend,
+                                             ktae_metrics, options=ExecutionOptions() if ktae_options is None else ktae_options)
         self.ktae_use_trl_advantage = ktae_use_trl_advantage
         self.ktae_rewards_per_func: Tensor | None = None
         self._ktae_sequence_advantages: Tensor | None = None
