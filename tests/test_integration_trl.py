@@ -128,6 +128,17 @@ def test_a_bad_backend_name_fails_when_the_trainer_is_built(tmp_path):
                             processing_class=_tokenizer(), ktae_backend=bad)
 
 
+def test_a_backend_that_cannot_merge_split_groups_fails_when_built_for_several_processes(tmp_path, monkeypatch):
+    """With several processes the gathered groups are merged on the torch path, which takes backend "auto"
+    or "torch" only: another name fails when the trainer is built, not at the first step."""
+    import accelerate
+
+    monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
+    with pytest.raises(ValueError, match=r"`ktae_backend` must be 'auto' or 'torch' with several processes .*got 'cpu'"):
+        KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                        processing_class=_tokenizer(), ktae_backend="cpu")
+
+
 def test_keywords_of_the_wrong_type_fail_naming_the_keyword(tmp_path):
     """``ktae_use_trl_advantage`` takes True or False only (a truthy string would pick TRL's advantage);
     ``ktae_options`` an ``ExecutionOptions`` or None (the defaults): a dict, even an empty one, is refused

@@ -231,6 +231,8 @@ def column_values(columns: Mapping[str, Any] | None, key: str | None) -> Any:
 NATIVE_BACKEND = "cpu"
 #: the backend ``process_group=`` calls run (the torch stages, merged over the ranks).
 DISTRIBUTED_BACKEND = "torch"
+#: the ``backend=`` names a ``process_group=`` call accepts.
+DISTRIBUTED_BACKENDS = ("auto", DISTRIBUTED_BACKEND)
 
 
 def backend_that_runs(name: str, device: torch.device | str, *, distributed: bool = False) -> str:

@@ -27,8 +27,9 @@ from ..config import KTAEConfig
 from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
 from .gathered import grpo_groups, grpo_token_advantages
-from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_backend,
-                     check_metrics_mode, check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
+from .shared import (DISTRIBUTED_BACKENDS, AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs,
+                     check_backend, check_metrics_mode, check_version, correct_labels, missing_target, rollout_baseline,
+                     step_metrics)
 
 __all__ = ["RELIED_ON", "SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order",
            "check_subclass_overrides", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
@@ -109,7 +110,7 @@ class KTAEGRPOMixin:
 
     The mixin must come first (``class T(MyGRPOTrainer, KTAEGRPOMixin)`` raises TypeError when the class
     is created). Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto" or a
-    registered backend name), ``ktae_use_trl_advantage`` (a bool; True: ``A_i`` is TRL's own advantage,
+    registered backend name; "auto" or "torch" with several processes), ``ktae_use_trl_advantage`` (a bool; True: ``A_i`` is TRL's own advantage,
     following its ``scale_rewards`` and ``multi_objective_aggregation``; False: ``ktae_config.baseline``
     on the weighted reward), ``ktae_metrics`` ("advantages", "scores" or "off"),
     ``ktae_correct_reward_funcs`` (names of the reward functions that define correctness, e.g.
@@ -158,6 +159,9 @@ class KTAEGRPOMixin:
         self.ktae_rewards_per_func: Tensor | None = None
         self._ktae_sequence_advantages: Tensor | None = None
         super().__init__(*args, **kwargs)
+        if self.accelerator.num_processes > 1 and ktae_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"`ktae_backend` must be 'auto' or 'torch' with several processes (groups split across "
+                             f"them are merged on the torch path), got {ktae_backend!r}")
         self.ktae_correct_columns = self._ktae_reward_columns(ktae_correct_reward_funcs)
 
     @property
