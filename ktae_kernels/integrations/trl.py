@@ -110,9 +110,9 @@ class KTAEGRPOMixin:
 
     The mixin must come first (``class T(MyGRPOTrainer, KTAEGRPOMixin)`` raises TypeError when the class
     is created). Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto" or a
-    registered backend name; "auto" or "torch" with several processes), ``ktae_use_trl_advantage`` (a bool; True: ``A_i`` is TRL's own advantage,
-    following its ``scale_rewards`` and ``multi_objective_aggregation``; False: ``ktae_config.baseline``
-    on the weighted reward), ``ktae_metrics`` ("advantages", "scores" or "off"),
+    registered backend name; "auto" or "torch" with several processes), ``ktae_use_trl_advantage`` (a
+    bool; True: ``A_i`` is TRL's own advantage, following its ``scale_rewards`` and
+    ``multi_objective_aggregation``; False: ``ktae_config.baseline`` on the weighted reward), ``ktae_metrics`` ("advantages", "scores" or "off"),
     ``ktae_correct_reward_funcs`` (names of the reward functions that define correctness, e.g.
     ``["accuracy"]``: a rollout is correct when their weighted sum is > ``ktae_config.correct_threshold``;
     None: the only reward function, or the only one that is not in ``SHAPING_REWARDS``; ValueError at
