@@ -233,6 +233,26 @@ def test_gae_is_refused_when_the_maker_is_built(real, trainer_module):
         real.TrainerActor(real.FLAGS + ["--reward.remote_url", "reward.py"])
 
 
+def test_one_rollout_per_prompt_is_refused_when_the_maker_is_built(real, trainer_module):
+    """With ``n_samples_per_prompt=1`` every group holds one rollout, so KTAE's term is 0 and training is
+    the bare estimator. OpenRLHF refuses that for its group-baseline estimators but not for ``reinforce``;
+    KTAE refuses it for every estimator, when the maker is built and in ``add_key_token_scores``."""
+    single = ["--rollout.n_samples_per_prompt", "1", "--rollout.micro_batch_size", "1", "--reward.remote_url", "reward.py"]
+    args = real.parse_args(real.FLAGS + single + ["--algo.advantage.estimator", "reinforce"])
+    assert args.rollout.n_samples_per_prompt == 1  # OpenRLHF's own checks pass
+    message = r"KTAE needs groups of rollouts: pass --rollout.n_samples_per_prompt >= 2 \(got 1\)"
+    for estimator in ktae_openrlhf.ESTIMATORS:  # also where a launcher skips OpenRLHF's checks
+        args.algo.advantage.estimator = estimator
+        with pytest.raises(ValueError, match=message):
+            real.build_maker(args, _maker_class(real, AdapterSettings()))
+    ktae_openrlhf.patch_trainer_module(trainer_module, AdapterSettings())
+    with pytest.raises(ValueError, match=message):
+        real.TrainerActor(real.FLAGS + single + ["--algo.advantage.estimator", "reinforce"])
+    for n in (1, 0):
+        with pytest.raises(ValueError, match=rf"`n_samples_per_prompt` must be >= 2 .*got {n}"):
+            ktae_openrlhf.add_key_token_scores([], n_samples_per_prompt=n)
+
+
 def test_install_patches_the_trainer_module_only_when_it_is_imported(real, monkeypatch):
     """``install`` imports nothing of OpenRLHF; importing the trainer module patches it, and the trainer
     built from its ``BasePPOTrainer`` gets KTAE's experience maker with the settings; installing again
@@ -392,6 +412,9 @@ def test_settings_travel_as_json_with_ignore_token_ids():
         ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: '{"alhpa": 1}'})
     with pytest.raises(ValueError, match="KTAE_OPENRLHF must hold a JSON object"):
         ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: "{"})
+    for bad in ('"gpu"', "null"):  # fails in the launcher and the trainer actor at start-up, not at the first batch
+        with pytest.raises(ValueError, match=r"KTAE_OPENRLHF.backend must be one of \('auto', 'reference'"):
+            ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: f'{{"backend": {bad}}}'})
 
 
 def test_runtime_env_merges_openrlhfs_own_and_the_users():

@@ -3,8 +3,10 @@ and the baseline, labels and their source, metrics by mode with ``ktae/backend``
 and the supported-version check."""
 from __future__ import annotations
 
+import re
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 from ktae_kernels import ExecutionOptions, KTAEConfig, available_backends, key_token_scores, token_advantage
 from ktae_kernels.integrations import shared
 from ktae_kernels.metrics import ktae_metrics
+from ktae_kernels.registry import backend_names
 
 
 
@@ -40,6 +43,22 @@ def test_settings_name_the_section_and_the_expected_keys():
         shared.settings_from_mapping({"metrics": "all"}, where="sec")
     with pytest.raises(ValueError, match="sec: .*correct_key.* non-empty string"):
         shared.settings_from_mapping({"correct_key": ""}, where="sec")
+
+
+def test_a_bad_backend_name_fails_when_the_settings_are_built():
+    """A backend name that is neither "auto" nor a registered backend (a typo, ``null`` in a config, the
+    string "None") fails where the settings are read, naming the setting and listing the accepted names,
+    not at the first training step."""
+    accepted = ("auto", *backend_names())
+    for bad in ("gpu", None, "None", "", 3):
+        with pytest.raises(ValueError, match=rf"sec.backend must be one of {re.escape(str(accepted))}, got "
+                                             rf"{re.escape(repr(bad))}$"):
+            shared.settings_from_mapping({"backend": bad}, where="sec")
+        with pytest.raises(ValueError, match=r"`backend` must be one of \('auto', 'reference'"):
+            shared.AdapterSettings(backend=bad)
+    for good in accepted:
+        assert shared.settings_from_mapping({"backend": good}, where="sec").backend == good
+    assert shared.settings_from_mapping({}, where="sec").backend == "auto"
 
 
 def test_dense_groups_and_the_baseline_for_every_label_kind():
@@ -153,3 +172,44 @@ def test_versions_outside_the_tested_range_stop_the_adapter():
         with pytest.warns(RuntimeWarning, match=rf"tested with {framework} >= {minimum}, < {below}; found {framework} "
                                                 rf"{version}, allowed by \$KTAE_ALLOW_UNTESTED"):
             shared.check_version(framework, version, minimum, below, environ={shared.ALLOW_UNTESTED: f"x, {name.upper()}"})
+
+
+# ------------------------------------------------------------------------------------------ the guide
+GUIDE = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text(encoding="utf-8")
+
+
+def _guide_section(title: str) -> str:
+    start = GUIDE.index(f"\n## {title}\n")
+    end = GUIDE.find("\n## ", start + 1)
+    return GUIDE[start:end if end > 0 else None]
+
+
+def test_the_guide_describes_the_version_check_as_the_code_runs_it():
+    """docs/integrations.md states each adapter's supported range as its constants, that a version past
+    it stops the adapter (``check_version`` raises) unless ``$KTAE_ALLOW_UNTESTED`` names the framework,
+    and the names that variable takes."""
+    from ktae_kernels.integrations import openrlhf
+    from ktae_kernels.integrations.verl import framework
+
+    text = _guide_section("When a framework moves")
+    ranges = {"verl": (framework.MIN_VERSION, framework.BELOW_VERSION), "openrlhf": (openrlhf.MIN_VERSION,
+                                                                                   openrlhf.BELOW_VERSION)}
+    trl = pytest.importorskip("ktae_kernels.integrations.trl")
+    ranges["trl"] = (trl.MIN_VERSION, trl.BELOW_VERSION)
+    rows = {line.split("|")[1].strip().lower(): line for line in text.splitlines() if line.startswith("| ")}
+    for name, (minimum, below) in ranges.items():
+        assert f"| >= {minimum}, < {below} |" in rows[name], name
+        assert f"`{name}`" in text, name  # a name KTAE_ALLOW_UNTESTED takes
+        with pytest.raises(shared.FrameworkMismatchError):
+            shared.check_version(name, below, minimum, below, environ={})
+    assert f"`{shared.ALLOW_UNTESTED}`" in text and f"{shared.ALLOW_UNTESTED}=verl,trl" in text
+    assert shared.allowed_untested({shared.ALLOW_UNTESTED: "verl, TRL"}) == {"verl", "trl"}
+    assert "is a `RuntimeWarning`" not in text.replace("then a `RuntimeWarning`", "")
+
+
+def test_the_guide_has_no_dated_measurements():
+    """Timings live in docs/benchmarks.md beside their raw results; the guide points there."""
+    for note in ("UTC", "load average", "EPYC", " ms a step"):
+        assert note not in GUIDE, note
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", GUIDE)
+    assert "benchmarks.md" in GUIDE

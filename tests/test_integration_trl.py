@@ -4,6 +4,8 @@ sequence-level branches of OPSM and VESPO, and Liger (layer kernels only in TRL 
 split across processes: tests/test_distributed.py."""
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 from trl import GRPOConfig  # noqa: E402
 
-from ktae_kernels import KTAEConfig, token_advantage  # noqa: E402
+from ktae_kernels import ExecutionOptions, KTAEConfig, token_advantage  # noqa: E402
 from ktae_kernels.integrations import shared  # noqa: E402
 from ktae_kernels.integrations.trl import KTAEGRPOMixin, KTAEGRPOTrainer  # noqa: E402
 
@@ -115,6 +117,44 @@ def test_metrics_off_logs_nothing(tmp_path):
     with pytest.raises(ValueError, match="ktae_metrics"):
         KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), processing_class=_tokenizer(),
                         ktae_metrics="all")
+
+
+def test_a_bad_backend_name_fails_when_the_trainer_is_built(tmp_path):
+    """``ktae_backend`` is checked at construction (not at the first step's kernel call)."""
+    for bad in ("gpu", None):
+        with pytest.raises(ValueError, match=r"`ktae_backend` must be one of \('auto', 'reference'.*got "
+                                             + repr(bad)):
+            KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                            processing_class=_tokenizer(), ktae_backend=bad)
+
+
+def test_a_backend_that_cannot_merge_split_groups_fails_when_built_for_several_processes(tmp_path, monkeypatch):
+    """With several processes the gathered groups are merged on the torch path, which takes backend "auto"
+    or "torch" only: another name fails when the trainer is built, not at the first step."""
+    import accelerate
+
+    monkeypatch.setattr(accelerate.Accelerator, "num_processes", property(lambda self: 2))
+    with pytest.raises(ValueError, match=r"`ktae_backend` must be 'auto' or 'torch' with several processes .*got 'cpu'"):
+        KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                        processing_class=_tokenizer(), ktae_backend="cpu")
+
+
+def test_keywords_of_the_wrong_type_fail_naming_the_keyword(tmp_path):
+    """``ktae_use_trl_advantage`` takes True or False only (a truthy string would pick TRL's advantage);
+    ``ktae_options`` an ``ExecutionOptions`` or None (the defaults): a dict, even an empty one, is refused
+    naming ``ktae_options``, as the API refuses one for ``options``."""
+    build = dict(reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                 processing_class=_tokenizer())
+    for bad in ("no", 0, None):
+        with pytest.raises(ValueError, match=rf"`ktae_use_trl_advantage` must be True or False, got {bad!r}"):
+            KTAEGRPOTrainer(_model(), ktae_use_trl_advantage=bad, **build)
+    for bad in ({"threads": 2}, {}):
+        with pytest.raises(ValueError, match=r"`ktae_options` must be an ExecutionOptions or None, got dict; build one "
+                                             r"with ExecutionOptions\(threads=\.\.\.\)"):
+            KTAEGRPOTrainer(_model(), ktae_options=bad, **build)
+    trainer = KTAEGRPOTrainer(_model(), ktae_options=ExecutionOptions(threads=2), ktae_use_trl_advantage=False, **build)
+    assert trainer.ktae_settings.options == ExecutionOptions(threads=2) and trainer.ktae_use_trl_advantage is False
+    assert KTAEGRPOTrainer(_model(), **build).ktae_settings.options == ExecutionOptions()
 
 
 class _SequenceBranches(_Recording):
@@ -269,6 +309,50 @@ def test_the_mixin_listed_second_fails_when_the_class_is_created(tmp_path):
     logged = trainer.state.log_history[0]
     assert logged["ktae/backend/torch"] == 1.0 and "ktae/threads" not in logged
     assert logged["ktae/label_source/_even_majority"] == 1.0 and "ktae/score_abs_mean" in logged
+
+
+class _Replaying(trl.GRPOTrainer):
+    """A subclass that, as TRL's replay-buffer trainer did, swaps groups of the step for stored ones after
+    the rewards were computed (so the rows no longer match the rewards KTAE labels them by)."""
+
+    def _generate_and_score_completions(self, inputs):
+        return super()._generate_and_score_completions(inputs)
+
+
+def _gmpo_trainer() -> type:
+    """TRL's own GMPOTrainer (its ``_compute_loss`` takes ``(B,)`` advantages), or a stand-in for a TRL
+    without it."""
+    try:
+        with warnings.catch_warnings():  # TRL warns about importing trl.experimental
+            warnings.simplefilter("ignore")
+            from trl.experimental.gmpo import GMPOTrainer
+        return GMPOTrainer
+    except ImportError:
+        class GMPOTrainer(trl.GRPOTrainer):
+            def _compute_loss(self, model, inputs):
+                return super()._compute_loss(model, inputs)
+
+        return GMPOTrainer
+
+
+@pytest.mark.parametrize("kind", ["gmpo", "replay"])
+def test_a_subclass_that_replaces_what_ktae_relies_on_is_refused(tmp_path, kind):
+    """A GRPOTrainer subclass with its own loss (GMPO: ``(B,)`` advantages) or its own batch making (a
+    replay buffer) under the mixin would run KTAE's ``(B, T)`` advantages through code never checked with
+    them: refused when the trainer is built, naming the class and the method, unless allowed explicitly."""
+    base, method = (_gmpo_trainer(), "_compute_loss") if kind == "gmpo" else (_Replaying, "_generate_and_score_completions")
+
+    class KTAEVariant(KTAEGRPOMixin, base):
+        pass
+
+    build = dict(reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                 processing_class=_tokenizer())
+    with pytest.raises(TypeError, match=rf"KTAEVariant: {base.__name__}\.{method} replaces GRPOTrainer's .* "
+                                        rf"ktae_allow_overrides=True"):
+        KTAEVariant(_model(), **build)
+    assert isinstance(KTAEVariant(_model(), ktae_allow_overrides=True, **build), base)
+    with pytest.raises(ValueError, match="`ktae_allow_overrides` must be True or False, got 'yes'"):
+        KTAEVariant(_model(), ktae_allow_overrides="yes", **build)
 
 
 def test_a_batch_that_bypassed_ktae_stops_the_loss(tmp_path):

@@ -452,6 +452,10 @@ def test_check_names_a_bad_section_and_passes_a_good_one():
     assert "unknown keys ['alhpa']" in config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktae.alhpa=2"])
     assert "misspelled" in config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktea.weight=0"])
     assert "not 'ktae'" in config_problem(["algorithm.adv_estimator=grpo"])
+    for bad in ("gpu", "null"):  # a typo, or Hydra's null (the string "None" once str() was applied)
+        problem = config_problem(["algorithm.adv_estimator=ktae", f"+algorithm.ktae.backend={bad}"])
+        assert problem is not None and "algorithm.ktae.backend must be one of ('auto', 'reference'" in problem
+    assert config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktae.backend=torch"]) is None
 
 
 @pytest.mark.slow

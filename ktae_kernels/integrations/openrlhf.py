@@ -37,6 +37,8 @@ ENV_VAR = "KTAE_OPENRLHF"
 ESTIMATORS = ("group_norm", "dr_grpo", "rloo", "reinforce_baseline", "reinforce")
 #: OpenRLHF's flag that names the estimator (KTAE needs one of ``ESTIMATORS``).
 ESTIMATOR_FLAG = "--algo.advantage.estimator"
+#: OpenRLHF's flag that sets the rollouts per prompt: KTAE's groups (it needs >= 2).
+SAMPLES_FLAG = "--rollout.n_samples_per_prompt"
 #: the module whose ``RemoteExperienceMaker`` the trainer builds.
 TRAINER_MODULE = "openrlhf.trainer.ppo_trainer"
 #: the ``RemoteExperienceMaker`` methods KTAE extends: the batch step the trainer calls, and the advantage
@@ -60,20 +62,32 @@ def check_estimator(estimator: Any) -> str:
     return estimator
 
 
+def check_group_size(n_samples_per_prompt: Any) -> int:
+    """``n_samples_per_prompt`` when it is an int >= 2; else ValueError naming OpenRLHF's flag. With one
+    rollout per prompt every group is all correct or all wrong, so KTAE's term is 0 with every estimator
+    (OpenRLHF itself refuses that only for its group-baseline estimators, not for ``reinforce``)."""
+    if isinstance(n_samples_per_prompt, bool) or not isinstance(n_samples_per_prompt, int) or n_samples_per_prompt < 2:
+        raise ValueError(f"KTAE needs groups of rollouts: pass {SAMPLES_FLAG} >= 2 (got {n_samples_per_prompt!r}); "
+                         f"with one rollout per prompt KTAE's term is 0 and training would be the estimator alone")
+    return n_samples_per_prompt
+
+
 def add_key_token_scores(experiences: Sequence[Any], *, n_samples_per_prompt: int,
                          settings: AdapterSettings = AdapterSettings(metrics="off"),
                          rewards: Sequence[Tensor] | None = None) -> Tensor:
     """Add ``weight * score`` to each experience's ``advantages`` in place; returns the float32
     ``[B, A_max]`` score term of the experiences' rows in order (0 off the action mask).
 
+    ``n_samples_per_prompt``: rollouts per group (>= 2; ValueError otherwise).
     ``rewards``: each experience's ``[b]`` rewards before OpenRLHF shaped them in place (length
     penalties), as ``KTAEExperienceMakerMixin`` captures them; None: the experiences' ``rewards``.
     Correct / wrong (``> correct_threshold``), in order of preference: ``info[settings.correct_key]``
     (e.g. a reward function's extra field), OpenRLHF's binary task ``scores``, those ``rewards``.
     ``settings.metrics`` adds the step's ``ktae/*`` metrics to every experience's ``info``.
     """
-    if n_samples_per_prompt < 1:
-        raise ValueError(f"`n_samples_per_prompt` must be >= 1, got {n_samples_per_prompt}")
+    if n_samples_per_prompt < 2:
+        raise ValueError(f"`n_samples_per_prompt` must be >= 2 (in groups of one rollout KTAE's term is 0), "
+                         f"got {n_samples_per_prompt}")
     started = time.perf_counter()
     config = settings.config
     widths = [e.action_mask.shape[1] for e in experiences]
@@ -118,8 +132,8 @@ def _pad(t: Tensor, width: int) -> Tensor:
 
 
 class KTAEExperienceMakerMixin:
-    """``class Maker(KTAEExperienceMakerMixin, RemoteExperienceMaker)``: checks the estimator when built
-    (at start-up); OpenRLHF's advantages, then ``add_key_token_scores`` with the class attribute
+    """``class Maker(KTAEExperienceMakerMixin, RemoteExperienceMaker)``: checks the estimator and the
+    rollouts per prompt (``check_group_size``) when built (at start-up); OpenRLHF's advantages, then ``add_key_token_scores`` with the class attribute
     ``ktae_settings``, labelling by the rewards as they came in (before OpenRLHF's length penalties).
     ``make_experience_batch`` raises ``FrameworkMismatchError`` when OpenRLHF made the batch without
     calling ``compute_advantages_and_returns`` (so without KTAE), whatever the metrics mode;
@@ -130,6 +144,7 @@ class KTAEExperienceMakerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         check_estimator(self.strategy.args.algo.advantage.estimator)  # type: ignore[attr-defined]
+        check_group_size(self.strategy.args.rollout.n_samples_per_prompt)  # type: ignore[attr-defined]
         self.ktae_steps = 0
 
     def make_experience_batch(self, rollout_samples: Any, *args: Any, **kwargs: Any) -> list:

@@ -27,11 +27,12 @@ from ..config import KTAEConfig
 from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
 from .gathered import grpo_groups, grpo_token_advantages
-from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_metrics_mode,
-                     check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
+from .shared import (DISTRIBUTED_BACKENDS, AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs,
+                     check_backend, check_metrics_mode, check_version, correct_labels, missing_target, rollout_baseline,
+                     step_metrics)
 
-__all__ = ["SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order", "grpo_token_advantages",
-           "liger_loss_takes_sequence_advantages"]
+__all__ = ["RELIED_ON", "SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order",
+           "check_subclass_overrides", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
 
 #: metrics averaged over tokens: across processes, weighted by each process's token count.
 TOKEN_METRICS = ("ktae/score_abs_mean", "ktae/key_token_share")
@@ -47,6 +48,12 @@ SHAPING_REWARDS = ("soft_overlong_punishment_reward", "repetition_penalty_reward
 OVERRIDDEN = {"_generate_and_score_completions": "the method that returns a step's rewards, completion ids and "
                                                  "(B,) advantages (KTAE replaces them with (B, T) ones)",
               "_calculate_rewards": "the method that returns the gathered rewards per reward function"}
+
+#: the ``GRPOTrainer`` methods whose own behaviour KTAE relies on: the batch its advantages are computed
+#: for, the rewards of exactly those rows, and a loss that takes ``(B, T)`` advantages. A subclass that
+#: replaces one (GMPO's loss takes ``(B,)`` advantages; a replay buffer swaps rows after the rewards) is
+#: refused unless ``ktae_allow_overrides=True``.
+RELIED_ON = ("_generate_and_score_completions", "_calculate_rewards", "compute_loss", "_compute_loss")
 
 
 def check_trainer_class(trainer_cls: type) -> None:
@@ -75,6 +82,23 @@ def check_mixin_order(cls: type) -> None:
                     f"plain GRPO; list it first: class {cls.__name__}({', '.join(works)})")
 
 
+def check_subclass_overrides(cls: type) -> None:
+    """Raise TypeError when a class between ``KTAEGRPOMixin`` and ``GRPOTrainer`` in ``cls``'s method
+    resolution order (the user's ``GRPOTrainer`` subclass under the mixin) defines one of ``RELIED_ON``,
+    naming the class and the method."""
+    mro = cls.__mro__
+    between = mro[mro.index(KTAEGRPOMixin) + 1:mro.index(GRPOTrainer)]
+    found = [(klass.__name__, name) for klass in between for name in RELIED_ON if name in vars(klass)]
+    if found:
+        owner, name = found[0]
+        raise TypeError(
+            f"{cls.__name__}: {owner}.{name} replaces GRPOTrainer's {name}, which KTAE relies on ({RELIED_ON}): its "
+            f"(B, T) advantages are for the rows and rewards GRPOTrainer's own methods produce, and its loss must take "
+            f"per-token advantages (a loss written for (B,) advantages, like GMPO's, or a replay buffer that swaps "
+            f"rows, trains on wrong numbers without an error). Once you have checked that {owner}.{name} works with "
+            f"KTAE's advantages, pass ktae_allow_overrides=True")
+
+
 def liger_loss_takes_sequence_advantages(trainer_cls: type = GRPOTrainer) -> bool:
     """Whether this TRL's ``use_liger_kernel=True`` routes the loss through Liger's fused GRPO loss
     (TRL 1.x before 1.16), which takes ``(B,)`` advantages only."""
@@ -85,14 +109,17 @@ class KTAEGRPOMixin:
     """Turns a ``GRPOTrainer`` (sub)class into a KTAE one: ``class T(KTAEGRPOMixin, MyGRPOTrainer)``.
 
     The mixin must come first (``class T(MyGRPOTrainer, KTAEGRPOMixin)`` raises TypeError when the class
-    is created). Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto"),
-    ``ktae_use_trl_advantage`` (True: ``A_i`` is TRL's own advantage, following its ``scale_rewards``
-    and ``multi_objective_aggregation``; False: ``ktae_config.baseline`` on the weighted reward),
-    ``ktae_metrics`` ("advantages", "scores" or "off"), ``ktae_correct_reward_funcs`` (names of the
-    reward functions that define correctness, e.g. ``["accuracy"]``: a rollout is correct when their
-    weighted sum is > ``ktae_config.correct_threshold``; None: the only reward function, or the only
-    one that is not in ``SHAPING_REWARDS``; ValueError at construction when that leaves several or none)
-    and ``ktae_options`` (``ExecutionOptions``: how the kernels run; defaults when None).
+    is created). Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto" or a
+    registered backend name; "auto" or "torch" with several processes), ``ktae_use_trl_advantage`` (a
+    bool; True: ``A_i`` is TRL's own advantage, following its ``scale_rewards`` and
+    ``multi_objective_aggregation``; False: ``ktae_config.baseline`` on the weighted reward), ``ktae_metrics`` ("advantages", "scores" or "off"),
+    ``ktae_correct_reward_funcs`` (names of the reward functions that define correctness, e.g.
+    ``["accuracy"]``: a rollout is correct when their weighted sum is > ``ktae_config.correct_threshold``;
+    None: the only reward function, or the only one that is not in ``SHAPING_REWARDS``; ValueError at
+    construction when that leaves several or none), ``ktae_options`` (``ExecutionOptions``: how the
+    kernels run; ``ExecutionOptions()`` when None; a dict is refused) and ``ktae_allow_overrides``
+    (False: a ``GRPOTrainer`` subclass under the mixin that replaces one of ``RELIED_ON`` raises TypeError
+    at construction; True: run it, once you have checked it takes KTAE's ``(B, T)`` advantages).
     ``ktae_rewards_per_func``: the last step's gathered ``[N, n_funcs]`` rewards (None before it).
     """
 
@@ -103,8 +130,12 @@ class KTAEGRPOMixin:
     def __init__(self, *args: Any, ktae_config: KTAEConfig | None = None, ktae_backend: str = "auto",
                  ktae_use_trl_advantage: bool = True, ktae_metrics: str = "advantages",
                  ktae_correct_reward_funcs: Sequence[str] | None = None, ktae_options: ExecutionOptions | None = None,
-                 **kwargs: Any) -> None:
+                 ktae_allow_overrides: bool = False, **kwargs: Any) -> None:
         check_trainer_class(type(self).__mro__[type(self).__mro__.index(KTAEGRPOMixin) + 1])
+        if not isinstance(ktae_allow_overrides, bool):
+            raise ValueError(f"`ktae_allow_overrides` must be True or False, got {ktae_allow_overrides!r}")
+        if not ktae_allow_overrides:
+            check_subclass_overrides(type(self))
         training_args = inspect.signature(GRPOTrainer.__init__).bind_partial(self, *args, **kwargs).arguments.get("args")
         if (training_args is not None and getattr(training_args, "use_liger_kernel", False)
                 and liger_loss_takes_sequence_advantages(type(self))):
@@ -113,15 +144,24 @@ class KTAEGRPOMixin:
                              "Upgrade to TRL >= 1.16 or set use_liger_kernel=False")
         if ktae_config is not None and not isinstance(ktae_config, KTAEConfig):
             raise ValueError(f"`ktae_config` must be a KTAEConfig or None, got {type(ktae_config).__name__}")
+        if ktae_options is not None and not isinstance(ktae_options, ExecutionOptions):
+            raise ValueError(f"`ktae_options` must be an ExecutionOptions or None, got {type(ktae_options).__name__}; "
+                             f"build one with ExecutionOptions(threads=...)")
+        if not isinstance(ktae_use_trl_advantage, bool):
+            raise ValueError(f"`ktae_use_trl_advantage` must be True or False, got {ktae_use_trl_advantage!r}")
         if isinstance(ktae_correct_reward_funcs, str):
             ktae_correct_reward_funcs = [ktae_correct_reward_funcs]
+        check_backend(ktae_backend, "`ktae_backend`")
         check_metrics_mode(ktae_metrics, "`ktae_metrics`")
-        self.ktae_settings = AdapterSettings(ktae_config or KTAEConfig(), ktae_backend, ktae_metrics,
-                                             options=ktae_options or ExecutionOptions())
+        self.ktae_settings = AdapterSettings(KTAEConfig() if ktae_config is None else ktae_config, ktae_backend,
+                                             ktae_metrics, options=ExecutionOptions() if ktae_options is None else ktae_options)
         self.ktae_use_trl_advantage = ktae_use_trl_advantage
         self.ktae_rewards_per_func: Tensor | None = None
         self._ktae_sequence_advantages: Tensor | None = None
         super().__init__(*args, **kwargs)
+        if self.accelerator.num_processes > 1 and ktae_backend not in DISTRIBUTED_BACKENDS:
+            raise ValueError(f"`ktae_backend` must be 'auto' or 'torch' with several processes (groups split across "
+                             f"them are merged on the torch path), got {ktae_backend!r}")
         self.ktae_correct_columns = self._ktae_reward_columns(ktae_correct_reward_funcs)
 
     @property
