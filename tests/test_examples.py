@@ -203,14 +203,18 @@ def test_openrlhf_launcher_hands_openrlhf_an_initialised_ray(monkeypatch):
     assert started["runtime_env"] == runtime_env(settings)
     assert settings_from_env(started["runtime_env"]["env_vars"]) == settings
     started.clear()
+    group = ["--algo.advantage.estimator", "group_norm", "--rollout.n_samples_per_prompt=4"]
     with pytest.raises(SystemExit, match="group outcome advantage"):
         launcher.main(["--", "--algo.advantage.estimator", "gae"])
+    for samples in ([], ["--rollout.n_samples_per_prompt", "1"], ["--rollout.n_samples_per_prompt=x"]):
+        with pytest.raises(SystemExit, match="KTAE needs groups of rollouts: pass --rollout.n_samples_per_prompt >= 2"):
+            launcher.main(["--", "--algo.advantage.estimator", "reinforce", *samples])
     with pytest.raises(SystemExit, match=r"--ktae has unknown keys \['alhpa'\] \(did you mean 'alpha'\?\)"):
-        launcher.main(["--ktae", '{"alhpa": 1}', "--", "--algo.advantage.estimator", "group_norm"])
+        launcher.main(["--ktae", '{"alhpa": 1}', "--", *group])
     monkeypatch.setattr(ktae_openrlhf, "installed_version", lambda: "0.12.0")
     monkeypatch.delenv("KTAE_ALLOW_UNTESTED", raising=False)
     with pytest.raises(SystemExit, match="KTAE supports OpenRLHF >= 0.10.2, < 0.12; found OpenRLHF 0.12.0"):
-        launcher.main(["--", "--algo.advantage.estimator", "group_norm"])
+        launcher.main(["--", *group])
     assert not started
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from ktae_kernels import ExecutionOptions, KTAEConfig, available_backends, key_token_scores, token_advantage
+from ktae_kernels import distributed
 from ktae_kernels.integrations import shared
 from ktae_kernels.metrics import ktae_metrics
 from ktae_kernels.registry import backend_names
@@ -138,6 +139,8 @@ def test_the_backend_that_runs_resolves_auto_and_the_distributed_path():
     assert shared.backend_that_runs("reference", "cpu") == "reference"
     with pytest.raises(ValueError, match="`backend` must be 'auto' or one of"):
         shared.backend_that_runs("fast", "cpu")
+    # the adapters may not import ktae_kernels.distributed: their copy of its backends must stay the same
+    assert shared.DISTRIBUTED_BACKENDS == distributed.BACKENDS
 
 
 def test_thread_budget_follows_the_settings():

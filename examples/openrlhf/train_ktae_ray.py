@@ -3,7 +3,7 @@
     python examples/openrlhf/train_ktae_ray.py --ktae '{"ignore_token_ids": [151643]}' -- \\
         --algo.advantage.estimator group_norm --rollout.n_samples_per_prompt 16 ...   # see run_ktae.sh
 
-Checks the settings, the estimator, OpenRLHF's version and the trainer module KTAE extends, then starts
+Checks the settings, the estimator, the group size, OpenRLHF's version and the trainer module KTAE extends, then starts
 Ray (or joins ``RAY_ADDRESS``) with ``ktae_kernels.integrations.openrlhf.runtime_env(...)``: the named
 setup hook ``worker_setup`` plus the settings as JSON in ``$KTAE_OPENRLHF``, merged with OpenRLHF's own
 environment defaults (a value set in this shell wins). Only the process that imports OpenRLHF's trainer
@@ -23,17 +23,24 @@ from ktae_kernels.integrations.shared import AdapterSettings, FrameworkMismatchE
 OPENRLHF_MODULE = "openrlhf.cli.train_ppo_ray"
 
 
-def check_estimator(openrlhf_args: list[str]) -> str:
-    """The ``--algo.advantage.estimator`` among OpenRLHF's flags; KTAE needs a group estimator."""
-    flag = ktae_openrlhf.ESTIMATOR_FLAG
-    estimator = "gae"  # OpenRLHF's default (PPO with a critic)
+def flag_value(openrlhf_args: list[str], flag: str, default: str) -> str:
+    """The last value of ``flag`` among OpenRLHF's flags (``flag value`` or ``flag=value``), else ``default``."""
+    value = default
     for i, arg in enumerate(openrlhf_args):
         if arg == flag and i + 1 < len(openrlhf_args):
-            estimator = openrlhf_args[i + 1]
+            value = openrlhf_args[i + 1]
         elif arg.startswith(flag + "="):
-            estimator = arg.split("=", 1)[1]
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def check_flags(openrlhf_args: list[str]) -> tuple[str, int]:
+    """``(estimator, n_samples_per_prompt)`` among OpenRLHF's flags: KTAE needs a group estimator and
+    groups of at least 2 rollouts. OpenRLHF's defaults: ``gae`` (PPO with a critic) and 1 sample."""
     try:
-        return ktae_openrlhf.check_estimator(estimator)
+        estimator = ktae_openrlhf.check_estimator(flag_value(openrlhf_args, ktae_openrlhf.ESTIMATOR_FLAG, "gae"))
+        samples = flag_value(openrlhf_args, ktae_openrlhf.SAMPLES_FLAG, "1")
+        return estimator, ktae_openrlhf.check_group_size(int(samples) if samples.lstrip("-").isdigit() else samples)
     except ValueError as err:
         raise SystemExit(str(err)) from None
 
@@ -53,7 +60,7 @@ def parse(argv: list[str]) -> tuple[AdapterSettings, list[str]]:
         settings = settings_from_mapping(ktae, where="--ktae")
     except ValueError as err:  # one line naming the key and the accepted ones, not a traceback
         raise SystemExit(str(err)) from None
-    check_estimator(theirs)
+    check_flags(theirs)
     return settings, theirs
 
 
