@@ -88,3 +88,28 @@ def test_quick_start_runs_as_written_and_prints_no_negative_zero(capsys):
     exec(compile(README[start:README.index("```", start)], "README.md quick start", "exec"), {})
     out = capsys.readouterr().out
     assert "group 0  token 7" in out and "-0.000" not in out
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a markdown file's headings: lower case, punctuation but ``-`` and ``_``
+    dropped, spaces as ``-`` (code blocks' ``#`` lines are not headings)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#{1,6} (.+)$", text, re.M)}
+
+
+def test_every_relative_link_reaches_its_file_and_heading():
+    """A link such as ``[benchmarks.md](benchmarks.md#a-shared-node)`` in the README, the CHANGELOG, docs/ or
+    examples/ names a file of the repository and, with ``#``, one of that file's headings."""
+    broken = []
+    for page in [ROOT / "README.md", ROOT / "CHANGELOG.md", *ROOT.glob("docs/*.md"), *ROOT.glob("examples/**/*.md")]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text(encoding="utf-8")):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, broken
