@@ -12,13 +12,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import KTAEConfig
+from .config import MAX_TOKEN_ID, KTAEConfig  # the id range, here for the backends that check ids
 from .options import DEFAULT_OPTIONS, ExecutionOptions
 from .types import ArrayLike, Batch, ValueCheck
-
-#: token ids must fit a signed 32-bit int (every vocabulary does; the GPU and CPU kernels rely on it).
-MAX_TOKEN_ID = 2**31 - 1
-
 
 _DEFAULT_CONFIG = KTAEConfig()
 
