@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .config import MAX_TOKEN_ID, KTAEConfig  # the id range, here for the backends that check ids
 from .options import DEFAULT_OPTIONS, ExecutionOptions
-from .types import ArrayLike, Batch, ValueCheck
+from .types import ArrayLike, Batch, ValueCheck, host_tensor
 
 _DEFAULT_CONFIG = KTAEConfig()
 
@@ -212,15 +212,7 @@ def _as_tensor(name: str, value: Any, device: torch.device | None = None, read: 
     if isinstance(value, Tensor):
         t = value
     elif isinstance(value, (np.ndarray, list, tuple)):
-        array = np.asarray(value)
-        if array.dtype == object:
-            bad = next((v for v in array.reshape(-1) if not isinstance(v, (int, float, np.number, bool))), None)
-            raise ValueError(f"`{name}` must hold numbers, found {bad!r} ({type(bad).__name__}); "
-                             f"replace missing values before the call")
-        try:
-            t = torch.as_tensor(array)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"`{name}` must be a tensor or a numeric array: {err}") from None
+        t = host_tensor(name, value)
     else:
         raise ValueError(f"`{name}` must be a torch.Tensor, numpy array or list, got {type(value).__name__}")
     return t if device is None else t.to(device)

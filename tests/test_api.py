@@ -367,3 +367,68 @@ def test_no_negative_zero_scores(backend):
         score = key_token_scores(responses, mask, rewards, index, backend=backend).score
         zero = score == 0
         assert not torch.signbit(score[zero]).any()
+
+
+@pytest.fixture
+def scores(batch):
+    return key_token_scores(*batch, backend="torch")
+
+
+def test_scores_methods_take_lists_and_numpy_as_the_api_does(batch, scores):
+    responses, mask, rewards, index = batch
+    base = torch.linspace(-1.0, 1.0, 8, dtype=torch.float64)
+    want = scores.token_advantage(responses, mask, index, base, 0.5)
+    got = scores.token_advantage(responses.tolist(), mask.numpy(), index.tolist(), base.tolist(), np.float32(0.5))
+    assert torch.equal(got, want) and got.dtype == torch.float32
+    assert torch.equal(scores.token_scores(responses.numpy(), index.numpy()), scores.token_scores(responses, index))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda s, r, m, i: s.token_scores(r, i[:1]), r"^`index` must be 1-D of length B = 8, got shape \(1,\)$"),
+    (lambda s, r, m, i: s.token_scores(r[0], i), r"^`responses` must be 2-D \[B, L\], got shape \(10,\)$"),
+    (lambda s, r, m, i: s.token_scores(r.float(), i), r"^`responses` must hold integer token ids, got dtype "
+                                                      r"torch.float32; convert with `responses.long\(\)`$"),
+    (lambda s, r, m, i: s.token_scores([[1, 2], [3]], i), r"^`responses` must be a rectangular"),
+    (lambda s, r, m, i: s.token_scores(r, "uid"), r"^`index` must be a tensor, numpy array or list"),
+    (lambda s, r, m, i: s.token_advantage(r, m[:, :5], i, torch.zeros(8)),
+     r"^`response_mask` must have the shape of `responses` \(8, 10\), got \(8, 5\)$"),
+    (lambda s, r, m, i: s.token_advantage(r, m.long() * 2, i, torch.zeros(8)),
+     r"^`response_mask` must be bool or hold only 0 and 1"),
+    (lambda s, r, m, i: s.token_advantage(r, m, i, torch.zeros(1)),
+     r"^`rollout_advantage` must be real with shape \[B\] = \[8\], got torch.float32 \(1,\)$"),
+    (lambda s, r, m, i: s.token_advantage(r, m, i, torch.zeros(8), weight="1"),
+     r"^`weight` must be a finite number, got '1'$"),
+])
+def test_scores_methods_name_the_bad_argument(batch, scores, call, message):
+    responses, mask, rewards, index = batch
+    with pytest.raises(ValueError, match=message):
+        call(scores, responses, mask, index)
+
+
+def test_key_rows_and_lookup_check_the_group_and_top_k(scores):
+    rows = scores.key_rows(1)
+    assert scores.key_rows(1, top_k=2) == rows[:2] and scores.key_rows(1, top_k=0) == []
+    valid = r"a dense group id, an int in \[0, 2\) \(group_labels\[g\] is your label of group g\)"
+    with pytest.raises(ValueError, match=rf"^`top_k` must be None or an int >= 0, got -1$"):
+        scores.key_rows(0, top_k=-1)
+    with pytest.raises(ValueError, match=rf"^`top_k` must be None or an int >= 0, got True$"):
+        scores.key_rows(0, top_k=True)
+    with pytest.raises(ValueError, match=rf"^`group` must be {valid}, got 7$"):
+        scores.key_rows(7)
+    with pytest.raises(ValueError, match=rf"^`group` must be {valid}, got '0'$"):
+        scores.lookup("0", 7)
+    with pytest.raises(ValueError, match=r"^`scored_only` must be a bool, got 1$"):
+        scores.key_rows(0, scored_only=1)
+    with pytest.raises(ValueError, match=r"^`token` must be an int token id, got 7.0$"):
+        scores.lookup(0, 7.0)
+    token = int(scores.token[rows[0]])
+    assert scores.lookup(np.int64(1), token)["token"] == token
+    with pytest.raises(KeyError, match=r"no row for group 1, token 99"):
+        scores.lookup(1, 99)
+
+
+def test_a_label_given_for_a_dense_group_id_is_named():
+    responses = torch.tensor([[5, 7], [5, 8]])
+    scores = key_token_scores(responses, responses != 0, [1.0, 0.0], ["uid-a", "uid-a"])
+    with pytest.raises(ValueError, match=r"got 'uid-a'; 'uid-a' is your label of group 0$"):
+        scores.key_rows("uid-a")
