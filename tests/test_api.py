@@ -221,6 +221,31 @@ def test_backend_registry_errors(batch):
         token_advantage(*batch, backend="cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a usable CUDA GPU")
+def test_no_backend_is_available_for_cuda_tensors_without_a_gpu():
+    """What ``available_backends`` lists must run: without a CUDA GPU not even torch runs CUDA tensors."""
+    assert available_backends("cuda") == () and available_backends(torch.device("cuda", 0)) == ()
+    with pytest.raises(BackendUnavailableError, match=r"^backend 'torch' is unavailable: .*CUDA"):
+        resolve("torch", "cuda")
+    with pytest.raises(BackendUnavailableError, match=r"^no backend can run on device type 'cuda' here: .*CUDA"):
+        resolve("auto", "cuda")
+
+
+def test_with_a_gpu_reference_and_torch_run_cuda_tensors(monkeypatch):
+    from ktae_kernels.registry import backend_spec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert backend_spec("torch").unavailable("cuda") is None and backend_spec("reference").unavailable("cuda") is None
+
+
+@pytest.mark.parametrize("device", [None, 5, "tpu", "cuda:x"])
+def test_a_bad_device_is_named(device):
+    message = rf"^`device` must be a torch.device or a device string such as 'cpu' or 'cuda:0', got {device!r}$"
+    for call in (available_backends, lambda d: resolve("auto", d)):
+        with pytest.raises(ValueError, match=message):
+            call(device)
+
+
 def test_auto_on_cpu_prefers_the_native_kernel(monkeypatch):
     import ktae_kernels.backends.cpu as cpu
 
