@@ -312,23 +312,29 @@ def _check_correct(correct: Tensor, batch_size: int, read: bool = True,
     return _zero_one_flags("correct", correct, "e.g. `correct=task_score > 0`", read, pending)
 
 
-def _index_tensor(index: Tensor) -> Tensor:
-    """The caller's tensor of group ids, checked."""
+def correct_flags(correct: ArrayLike, batch_size: int, device: torch.device) -> Tensor:
+    """The caller's ``correct`` labels as the API checks them: bool ``[B]`` on ``device`` (their values read
+    there); ValueError naming ``correct``."""
+    return _check_correct(_as_tensor("correct", correct, device), batch_size)
+
+
+def _index_tensor(index: Tensor, name: str = "index") -> Tensor:
+    """The caller's tensor of group ids (the argument ``name``), checked."""
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-        raise ValueError(f"`index` as a tensor must hold integers, got {index.dtype}; convert with `index.long()`")
+        raise ValueError(f"`{name}` as a tensor must hold integers, got {index.dtype}; convert with `{name}.long()`")
     if index.device.type == "meta":
-        raise ValueError("`index` is a meta tensor with no values; pass real group ids")
+        raise ValueError(f"`{name}` is a meta tensor with no values; pass real group ids")
     return index.detach()
 
 
-def _index_values(index: Any) -> np.ndarray:
-    """The caller's group ids as a numpy array on the host."""
+def _index_values(index: Any, name: str = "index") -> np.ndarray:
+    """The caller's group ids (the argument ``name``) as a numpy array on the host."""
     if isinstance(index, Tensor):
-        index = _index_tensor(index)
+        index = _index_tensor(index, name)
         return index.numpy() if index.device.type == "cpu" else index.cpu().numpy()
     if isinstance(index, (np.ndarray, list, tuple)):
         return index if isinstance(index, np.ndarray) else np.asarray(index)
-    raise ValueError(f"`index` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
+    raise ValueError(f"`{name}` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
 
 
 @dataclass(frozen=True)
@@ -348,28 +354,29 @@ _SORTABLE = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, 
              torch.uint8: np.uint8}
 
 
-def group_ids(index: Any, batch_size: int, device: torch.device) -> GroupIds:
-    """``GroupIds`` of the caller's ``index`` (ints, uid strings; a tensor, numpy array or list).
+def group_ids(index: Any, batch_size: int, device: torch.device, name: str = "index") -> GroupIds:
+    """``GroupIds`` of the caller's ``index`` (ints, uid strings; a tensor, numpy array or list); errors
+    name the argument ``name``.
 
     A GPU tensor index is made dense where it lives (``tensor_group_ids``); a host index on the host
     (numpy is several times faster there for a trainer's few hundred rollouts), its ids then copied to
     ``device`` without waiting for the device."""
     on_device = isinstance(index, Tensor) and index.device.type not in ("cpu", "meta")
-    if on_device and _index_tensor(index).dtype in _SORTABLE:
+    if on_device and _index_tensor(index, name).dtype in _SORTABLE:
         if index.dim() != 1 or index.shape[0] != batch_size:
-            raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {tuple(index.shape)}")
+            raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {tuple(index.shape)}")
         return tensor_group_ids(index.detach(), device)
-    values = _index_values(index)
+    values = _index_values(index, name)
     if values.ndim != 1 or values.shape[0] != batch_size:
-        raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {values.shape}")
+        raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {values.shape}")
     if values.dtype.kind == "f":
         if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
-            raise ValueError("`index` must hold integer or string group ids, got non-integer floats")
+            raise ValueError(f"`{name}` must hold integer or string group ids, got non-integer floats")
         values = values.astype(np.int64)
     try:
         labels, inverse = _unique(values)
     except TypeError as err:
-        raise ValueError(f"`index` group ids must be mutually comparable (all ints or all strings): {err}") from None
+        raise ValueError(f"`{name}` group ids must be mutually comparable (all ints or all strings): {err}") from None
     group = inverse.reshape(-1).astype(np.int64, copy=False)
     contiguous = bool((group[1:] >= group[:-1]).all())
     members = np.arange(len(group)) if contiguous else np.argsort(group, kind="stable")  # TRL's layout: no sort
@@ -395,10 +402,11 @@ def tensor_group_ids(index: Tensor, device: torch.device) -> GroupIds:
     return GroupIds(group=group.to(device), labels=labels, members=members.to(device))
 
 
-def dense_group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[Tensor, np.ndarray]:
+def dense_group_ids(index: Any, batch_size: int, device: torch.device,
+                    name: str = "index") -> tuple[Tensor, np.ndarray]:
     """Dense int64 group ids ``[B]`` on ``device`` (sorted label order) and the labels ``[n_groups]``
-    of the caller's ``index`` (``group_ids`` without the members)."""
-    ids = group_ids(index, batch_size, device)
+    of the caller's ``index`` (``group_ids`` without the members; errors name ``name``)."""
+    ids = group_ids(index, batch_size, device, name)
     return ids.group, ids.labels
 
 
