@@ -332,9 +332,45 @@ def _index_values(index: Any, name: str = "index") -> np.ndarray:
     if isinstance(index, Tensor):
         index = _index_tensor(index, name)
         return index.numpy() if index.device.type == "cpu" else index.cpu().numpy()
-    if isinstance(index, (np.ndarray, list, tuple)):
-        return index if isinstance(index, np.ndarray) else np.asarray(index)
-    raise ValueError(f"`{name}` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
+    if isinstance(index, np.ndarray):
+        values = index
+    elif isinstance(index, (list, tuple)):
+        try:
+            values = np.asarray(index)
+        except ValueError:
+            raise ValueError(f"{_ONE_KIND.format(name=name)}, got a ragged nested list") from None
+        if values.dtype.kind in "US":  # numpy writes ints as text beside strings: the items say which they were
+            _check_one_kind(index, name)
+    else:
+        raise ValueError(f"`{name}` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
+    if values.dtype.kind in "fcb":
+        fix = "; convert float ids with `.astype(np.int64)`" if values.dtype.kind == "f" else ""
+        raise ValueError(f"{_ONE_KIND.format(name=name)}, got {values.dtype} values{fix}")
+    return values
+
+
+#: the start of the error for group ids that are not all ints or all strings.
+_ONE_KIND = "`{name}` must hold group ids of one kind, all ints or all strings"
+
+
+def _label_kind(label_type: type) -> str | None:
+    """"int", "str" or "bytes": the kind of group id a label of ``label_type`` is; None: it is none."""
+    if issubclass(label_type, (bool, np.bool_)):
+        return None
+    return next((kind for kind, types in (("int", (int, np.integer)), ("str", str), ("bytes", bytes))
+                 if issubclass(label_type, types)), None)
+
+
+def _check_one_kind(items: Any, name: str) -> set[type]:
+    """The types of the caller's labels ``items``; ValueError naming ``name`` unless they are of one kind
+    (``_label_kind``)."""
+    types = set(map(type, items))
+    kinds = {_label_kind(t) for t in types}
+    if len(kinds) > 1 or None in kinds:
+        mix = " and ".join(sorted(t.__name__ for t in types))
+        raise ValueError(f"{_ONE_KIND.format(name=name)}, got {'a mix of ' if len(types) > 1 else ''}{mix}"
+                         f"{'' if len(types) > 1 else ' values'}")
+    return types
 
 
 @dataclass(frozen=True)
@@ -369,14 +405,7 @@ def group_ids(index: Any, batch_size: int, device: torch.device, name: str = "in
     values = _index_values(index, name)
     if values.ndim != 1 or values.shape[0] != batch_size:
         raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {values.shape}")
-    if values.dtype.kind == "f":
-        if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
-            raise ValueError(f"`{name}` must hold integer or string group ids, got non-integer floats")
-        values = values.astype(np.int64)
-    try:
-        labels, inverse = _unique(values)
-    except TypeError as err:
-        raise ValueError(f"`{name}` group ids must be mutually comparable (all ints or all strings): {err}") from None
+    labels, inverse = _unique(values, name)
     group = inverse.reshape(-1).astype(np.int64, copy=False)
     contiguous = bool((group[1:] >= group[:-1]).all())
     members = np.arange(len(group)) if contiguous else np.argsort(group, kind="stable")  # TRL's layout: no sort
@@ -410,21 +439,23 @@ def dense_group_ids(index: Any, batch_size: int, device: torch.device,
     return ids.group, ids.labels
 
 
-def _unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(values, return_inverse=True)`` of a 1-D array; uid strings through a dict
+def _unique(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of a 1-D array of ints or strings; an object array's
+    labels checked to be of one kind (ValueError naming ``name``), uid strings through a dict
     (``_unique_strings``)."""
-    strings = _unique_strings(values) if values.dtype == object else None
-    return np.unique(values, return_inverse=True) if strings is None else strings
-
-
-def _unique_strings(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """``np.unique(values, return_inverse=True)`` of a 1-D object array of ``str`` (verl's uids) through
-    a dict, or None when some value is not a ``str``: numpy sorts an object array one Python comparison
-    at a time, several times slower on a paper-sized verl batch (docs/benchmarks.md). The labels are
-    the same: both order strings by Python's ``<``."""
+    if values.dtype != object:
+        return np.unique(values, return_inverse=True)
     items = values.tolist()
-    if set(map(type, items)) != {str}:
-        return None
+    if _check_one_kind(items, name) == {str}:
+        return _unique_strings(items)
+    return np.unique(values, return_inverse=True)
+
+
+def _unique_strings(items: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of the ``str`` items of a 1-D object array (verl's uids)
+    through a dict: numpy sorts an object array one Python comparison at a time, several times slower on
+    a paper-sized verl batch (docs/benchmarks.md). The labels are the same: both order strings by
+    Python's ``<``."""
     labels = sorted(set(items))
     rank = {label: i for i, label in enumerate(labels)}
     inverse = np.fromiter(map(rank.__getitem__, items), dtype=np.int64, count=len(items))

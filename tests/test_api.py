@@ -56,7 +56,7 @@ def test_token_level_rewards_are_summed_per_row_in_float64_bit_for_bit():
 
 def test_uid_strings_get_the_group_ids_and_labels_of_np_unique():
     """String uids take a dict, not numpy's object sort: the same labels (Python's string order, empty
-    and non-ASCII strings included) and the same dense ids; a mix of types still fails as before."""
+    and non-ASCII strings included) and the same dense ids; a mix of types fails."""
     from ktae_kernels.validation import dense_group_ids
 
     rng = np.random.default_rng(3)
@@ -66,7 +66,7 @@ def test_uid_strings_get_the_group_ids_and_labels_of_np_unique():
     want_labels, want_inverse = np.unique(uids, return_inverse=True)
     assert labels.dtype == object and labels.tolist() == want_labels.tolist()
     assert group.dtype == torch.int64 and group.tolist() == want_inverse.tolist()
-    with pytest.raises(ValueError, match="mutually comparable"):
+    with pytest.raises(ValueError, match="of one kind, all ints or all strings, got a mix of int and str"):
         dense_group_ids(np.array(["a", 1, "b"], dtype=object), 3, torch.device("cpu"))
 
 
@@ -457,3 +457,32 @@ def test_a_label_given_for_a_dense_group_id_is_named():
     scores = key_token_scores(responses, responses != 0, [1.0, 0.0], ["uid-a", "uid-a"])
     with pytest.raises(ValueError, match=r"got 'uid-a'; 'uid-a' is your label of group 0$"):
         scores.key_rows("uid-a")
+
+
+@pytest.mark.parametrize("index, got", [
+    ([0.0, 0.0, 1.0, 1.0], "float64 values"),
+    (np.array([0.0, 0.0, 1.0, 1.0]), "float64 values"),
+    (np.array([0.0, 0.0, 1.0, 1.0], dtype=np.float32), "float32 values"),
+    ([True, True, False, False], "bool values"),
+    ([0, "a", 0, "a"], "a mix of int and str"),
+    (np.array([0, "a", 0, "a"], dtype=object), "a mix of int and str"),
+    (np.array(["a", None, "a", None], dtype=object), "a mix of NoneType and str"),
+    (np.array([0.0, 0.0, 1.0, 1.0], dtype=object), "float values"),
+    ([[0], [0], [1], [1, 2]], "a ragged nested list"),
+])
+def test_index_holds_ints_or_strings_in_every_form(index, got):
+    """A float index is refused as a list or numpy array as it is as a tensor, and labels of two kinds (which
+    numpy would turn into strings) are refused rather than grouped by their text."""
+    responses = torch.tensor([[5, 7], [5, 8], [1, 2], [3, 4]])
+    with pytest.raises(ValueError, match=rf"^`index` must hold group ids of one kind, all ints or all strings, "
+                                         rf"got {got}"):
+        token_advantage(responses, responses != 0, [1.0, 0.0, 1.0, 0.0], index)
+
+
+@pytest.mark.parametrize("index", [[0, 0, 1, 1], np.array([7, 7, 2, 2], dtype=np.uint8), ["a", "a", "b", "b"],
+                                   np.array(["a", "a", "b", "b"], dtype=object), np.array([0, 0, 1, 1], dtype=object),
+                                   (np.int64(3), np.int64(3), 4, 4)])
+def test_index_forms_that_are_taken(index):
+    responses = torch.tensor([[5, 7], [5, 8], [1, 2], [3, 4]])
+    want = token_advantage(responses, responses != 0, [1.0, 0.0, 1.0, 0.0], torch.tensor([0, 0, 1, 1]))
+    assert torch.equal(token_advantage(responses, responses != 0, [1.0, 0.0, 1.0, 0.0], index), want)
