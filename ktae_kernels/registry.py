@@ -1,9 +1,10 @@
 """The backend registry: ``backend=`` name -> ``BackendSpec``, availability, and the "auto" order.
 
 "auto" order: on CPU tensors the native ``cpu`` kernel, then ``torch``. On CUDA tensors ``cuda`` (when
-NVRTC compiles its kernels for the GPU: the ``cuda`` extra), then ``triton``, then ``torch``: the order of their paper-batch times on an
-H200, where all three pass the GPU tests (docs/benchmarks.md). ``reference`` is never chosen
-automatically.
+NVRTC compiles its kernels for the GPU: the ``cuda`` extra), then ``triton``, then ``torch``: the order
+of their paper-batch times on an H200 (docs/benchmarks.md), where ``triton``, ``torch`` and the ``cuda``
+kernels as nvcc built them passed the GPU tests; ``cuda`` as NVRTC builds it has not yet run on a GPU.
+``reference`` is never chosen automatically.
 """
 from __future__ import annotations
 
