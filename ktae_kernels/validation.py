@@ -343,6 +343,8 @@ def _index_values(index: Any, name: str = "index") -> np.ndarray:
             _check_one_kind(index, name)
     else:
         raise ValueError(f"`{name}` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
+    if values.size == 0:
+        return values.astype(np.int64)  # numpy makes `[]` a float array: no id to refuse
     if values.dtype.kind in "fcb":
         fix = "; convert float ids with `.astype(np.int64)`" if values.dtype.kind == "f" else ""
         raise ValueError(f"{_ONE_KIND.format(name=name)}, got {values.dtype} values{fix}")

@@ -479,6 +479,13 @@ def test_index_holds_ints_or_strings_in_every_form(index, got):
         token_advantage(responses, responses != 0, [1.0, 0.0, 1.0, 0.0], index)
 
 
+@pytest.mark.parametrize("index", [[], np.array([])])
+def test_an_empty_batch_takes_an_empty_list_index(index):
+    """numpy makes ``[]`` a float64 array; an empty batch has no float id to refuse."""
+    responses = torch.zeros(0, 3, dtype=torch.int64)
+    assert token_advantage(responses, responses != 0, torch.zeros(0), index).shape == (0, 3)
+
+
 @pytest.mark.parametrize("index", [[0, 0, 1, 1], np.array([7, 7, 2, 2], dtype=np.uint8), ["a", "a", "b", "b"],
                                    np.array(["a", "a", "b", "b"], dtype=object), np.array([0, 0, 1, 1], dtype=object),
                                    (np.int64(3), np.int64(3), 4, 4)])
