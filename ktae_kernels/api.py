@@ -36,8 +36,8 @@ def token_advantage(
             tensor, numpy array or nested list.
         response_mask: ``[B, L]`` bool / int / float of 0 and 1; 1 on real response tokens.
         rewards: ``[B]`` sequence rewards, or verl's ``token_level_rewards [B, L]`` (summed over L).
-        index: ``[B]`` group ids: an int tensor, a numpy int array, a numpy object array of uid
-            strings (as verl passes it) or a list.
+        index: ``[B]`` group ids, all ints or all strings (not floats, bools or a mix): an int tensor, a
+            numpy int array, a numpy object array of uid strings (as verl passes it) or a list.
         config: hyper-parameters; ``KTAEConfig()`` when None.
         backend: "auto", "reference", "torch", "cpu", "triton" or "cuda" (see ``available_backends()``).
         rollout_advantage: optional ``[B]`` caller-given rollout advantage ``A_i``, used instead of

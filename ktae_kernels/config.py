@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
 
 from .options import named_fields
 
@@ -13,10 +16,16 @@ FisherMode = Literal["exact", "upstream"]
 
 BASELINES: tuple[str, ...] = ("grpo", "mean", "none")
 FISHER_MODES: tuple[str, ...] = ("exact", "upstream")
+#: token ids must fit a signed 32-bit int (every vocabulary does; the GPU and CPU kernels rely on it).
+MAX_TOKEN_ID = 2**31 - 1
+#: the real-valued fields, taken as Python floats when given as numpy scalars.
+REAL_FIELDS: tuple[str, ...] = ("alpha", "beta", "top", "k1", "b", "correct_threshold", "weight", "eps")
 
 
 def _check_real(name: str, value: object, *, minimum: float | None = None, positive: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    """ValueError naming ``KTAEConfig.name`` unless ``value`` is a finite real number (a Python or numpy
+    int or float, not a bool) in range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise ValueError(f"KTAEConfig.{name} must be a finite number, got {value!r}")
     if positive and not value > 0:
         raise ValueError(f"KTAEConfig.{name} must be > 0, got {value!r}")
@@ -35,17 +44,19 @@ class KTAEConfig:
     top: scores lie in (-top, top).
     k1, b: BM25 saturation and length normalisation.
     correct_threshold: a rollout is correct when its reward is > this.
-    ignore_token_ids: token ids whose score is forced to 0 (e.g. Qwen's 151643).
+    ignore_token_ids: token ids whose score is forced to 0 (e.g. Qwen's 151643), in ``[0, 2**31)`` as
+        token ids are.
     weight: advantage = A_rollout + weight * score; 0 leaves the rollout advantage alone. A negative
         weight reverses the key-token term (the tokens typical of correct rollouts are pushed down),
         which is only an ablation: it is allowed, with a warning, so that such a run can be made.
     baseline: rollout advantage A: "grpo" (group z-score), "mean" (group mean-centred, Dr. GRPO),
         "none" (the reward itself).
-    eps: added to the group std in the "grpo" baseline.
+    eps: added to the group std in the "grpo" baseline (> 0: a group of equal rewards has std 0).
     fisher: "exact" (scipy's two-sided test in float64) or "upstream" (the published float32 code).
 
     Raises:
-        ValueError: a field is out of range or of the wrong type (the message names the field).
+        ValueError: a field is out of range or of the wrong type (the message names the field). Real
+            fields take Python or numpy numbers (numpy ones are stored as Python floats), never bools.
         TypeError: an unknown keyword (the message lists the fields; ``threads`` is in ``ExecutionOptions``).
 
     Example:
@@ -85,16 +96,19 @@ class KTAEConfig:
             warnings.warn(f"KTAEConfig.weight={self.weight!r} is negative: the key-token term is reversed (tokens "
                           f"of correct rollouts are pushed down, those of wrong ones up); use weight >= 0 "
                           f"unless this is an ablation", UserWarning, stacklevel=4)
-        _check_real("eps", self.eps, minimum=0.0)
+        _check_real("eps", self.eps, positive=True)
         if self.baseline not in BASELINES:
             raise ValueError(f"KTAEConfig.baseline must be one of {BASELINES}, got {self.baseline!r}")
         if self.fisher not in FISHER_MODES:
             raise ValueError(f"KTAEConfig.fisher must be one of {FISHER_MODES}, got {self.fisher!r}")
         object.__setattr__(self, "ignore_token_ids", _normalise_ids(self.ignore_token_ids))
+        for name in REAL_FIELDS:
+            if type(getattr(self, name)) not in (int, float):  # a numpy scalar: the kernels take Python numbers
+                object.__setattr__(self, name, float(getattr(self, name)))
 
 
 def _normalise_ids(ids: object) -> tuple[int, ...]:
-    """Sorted, de-duplicated tuple of non-negative Python ints."""
+    """Sorted, de-duplicated tuple of Python ints in ``[0, MAX_TOKEN_ID]``."""
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise ValueError(f"KTAEConfig.ignore_token_ids must be an iterable of ints, got {ids!r}")
     out = set()
@@ -104,5 +118,7 @@ def _normalise_ids(ids: object) -> tuple[int, ...]:
         v = int(v)
         if v < 0:
             raise ValueError(f"KTAEConfig.ignore_token_ids must be >= 0, got {v}")
+        if v > MAX_TOKEN_ID:
+            raise ValueError(f"KTAEConfig.ignore_token_ids must be < 2**31 (token ids' range), got {v}")
         out.add(v)
     return tuple(sorted(out))

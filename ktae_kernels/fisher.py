@@ -13,11 +13,13 @@ used (the group's largest ``min(a + b, a + c)`` plus one).
 from __future__ import annotations
 
 import math
+import numbers
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from .types import ArrayLike
+from .types import ArrayLike, host_tensor
 
 #: scipy's relative tolerance for "no more probable than the observed table".
 SCIPY_RTOL = 1e-14
@@ -45,7 +47,8 @@ def fisher_exact_pvalue(a: ArrayLike, b: ArrayLike, c: ArrayLike, d: ArrayLike) 
         ``scipy.stats.fisher_exact([[a, b], [c, d]]).pvalue`` to ~1e-12 relative for small tables.
 
     Raises:
-        ValueError: a cell is not an integer or is negative (the message names it).
+        ValueError: a cell is not an integer or is negative, or the cells do not broadcast (the message
+            names them).
 
     Example:
         >>> from ktae_kernels import fisher_exact_pvalue
@@ -53,6 +56,11 @@ def fisher_exact_pvalue(a: ArrayLike, b: ArrayLike, c: ArrayLike, d: ArrayLike) 
         0.034965
     """
     cells = [_as_count_tensor(name, v) for name, v in zip("abcd", (a, b, c, d))]
+    try:
+        torch.broadcast_shapes(*(t.shape for t in cells))
+    except RuntimeError:
+        raise ValueError(f"fisher_exact_pvalue: `a`, `b`, `c`, `d` must broadcast to one shape, got shapes "
+                         f"{', '.join(str(tuple(t.shape)) for t in cells)}") from None
     device = next((t.device for t in cells if t.device.type != "cpu"), cells[0].device)
     a, b, c, d = torch.broadcast_tensors(*(t.to(device) for t in cells))
     shape = a.shape
@@ -60,8 +68,20 @@ def fisher_exact_pvalue(a: ArrayLike, b: ArrayLike, c: ArrayLike, d: ArrayLike) 
     return p.reshape(shape)
 
 
-def _as_count_tensor(name: str, value) -> Tensor:
-    t = value if isinstance(value, Tensor) else torch.as_tensor(value)
+def _as_count_tensor(name: str, value: object) -> Tensor:
+    """int64 cells of the caller's ``name``; ValueError naming it unless they are non-negative integers."""
+    if isinstance(value, Tensor):
+        t = value
+    elif isinstance(value, (np.ndarray, list, tuple)):
+        try:
+            t = host_tensor(name, value)
+        except ValueError as err:
+            raise ValueError(f"fisher_exact_pvalue: {err}") from None
+    elif isinstance(value, (numbers.Real, np.bool_)):
+        t = torch.as_tensor(value)
+    else:
+        raise ValueError(f"fisher_exact_pvalue: `{name}` must be an integer tensor, numpy array, list or int, "
+                         f"got {type(value).__name__}")
     if t.dtype.is_floating_point:
         if not bool(torch.isfinite(t).all()) or not bool((t == t.round()).all()):
             raise ValueError(f"fisher_exact_pvalue: `{name}` must hold non-negative integer counts")

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .types import KeyTokenScores
-from .validation import dense_group_ids
+from .types import ArrayLike, KeyTokenScores, host_tensor
+from .validation import correct_flags, dense_group_ids
 
 __all__ = ["METRIC_NAMES", "ktae_metrics"]
 
@@ -39,8 +39,8 @@ METRIC_NAMES: tuple[str, ...] = (
 
 
 def ktae_metrics(scores: KeyTokenScores | None = None, *, advantages: Tensor | None = None,
-                 mask: Tensor | None = None, rollout_advantage: Tensor | None = None, group: Any = None,
-                 correct: Tensor | None = None, weight: float = 1.0, elapsed_s: float | None = None,
+                 mask: ArrayLike | None = None, rollout_advantage: ArrayLike | None = None, group: Any = None,
+                 correct: ArrayLike | None = None, weight: float = 1.0, elapsed_s: float | None = None,
                  key_threshold: float = 0.5, prefix: str = "ktae/") -> dict[str, float]:
     """A step's KTAE diagnostics as Python floats keyed ``prefix + name`` (see the module docstring).
 
@@ -48,13 +48,20 @@ def ktae_metrics(scores: KeyTokenScores | None = None, *, advantages: Tensor | N
         scores: the step's ``KeyTokenScores``; when given, every metric comes from it and the
             per-token arguments are ignored.
         advantages, mask, rollout_advantage, group, correct: without ``scores``: the ``[B, L]`` KTAE
-            advantages, the ``[B, L]`` response mask, the ``[B]`` rollout advantages ``A_i`` they were
-            built on, ``[B]`` group ids (tensor, numpy array or list; any labels) and ``[B]`` correct
-            flags (bool or 0/1). ``weight`` is ``KTAEConfig.weight``.
+            advantages (a real tensor), the ``[B, L]`` response mask, the ``[B]`` rollout advantages
+            ``A_i`` they were built on, ``[B]`` group ids (ints or strings, as ``token_advantage``'s
+            ``index``) and ``[B]`` correct flags (bool or 0/1); each but ``advantages`` a tensor, numpy
+            array or list. ``weight`` is ``KTAEConfig.weight``.
         elapsed_s: seconds the KTAE step took; reported as ``time_ms`` (omitted when None).
         key_threshold: ``|score|`` at or above which a token counts as a key token.
     Empty batches give 0 for the shares and means.
+
+    Raises:
+        ValueError: an argument of the wrong type or shape (the message names it), or ``correct`` holding a
+            value other than 0 and 1 (its values are read on the host).
     """
+    if scores is not None and not isinstance(scores, KeyTokenScores):
+        raise ValueError(f"`scores` must be a KeyTokenScores or None, got {type(scores).__name__}")
     if scores is not None:
         values = _from_scores(scores, key_threshold)
     elif advantages is not None:
@@ -86,11 +93,24 @@ def _from_scores(s: KeyTokenScores, key_threshold: float) -> dict[str, float]:
     }
 
 
-def _from_advantages(advantages: Tensor, mask: Tensor | None, rollout_advantage: Tensor | None, group: Any,
-                     correct: Tensor | None, weight: float, key_threshold: float) -> dict[str, float]:
+def _from_advantages(advantages: Tensor, mask: ArrayLike | None, rollout_advantage: ArrayLike | None, group: Any,
+                     correct: ArrayLike | None, weight: float, key_threshold: float) -> dict[str, float]:
     if mask is None or rollout_advantage is None or group is None or correct is None:
         raise ValueError("ktae_metrics from advantages needs mask, rollout_advantage, group and correct")
-    base = torch.as_tensor(rollout_advantage, device=advantages.device).to(advantages.dtype)
+    if not isinstance(advantages, Tensor) or advantages.dim() != 2 or advantages.dtype.is_complex \
+            or advantages.dtype == torch.bool:
+        got = f"{advantages.dtype} {tuple(advantages.shape)}" if isinstance(advantages, Tensor) \
+            else type(advantages).__name__
+        raise ValueError(f"`advantages` must be a real [B, L] tensor, got {got}")
+    shape, device = tuple(advantages.shape), advantages.device
+    mask = _on(device, "mask", mask)
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"`mask` must have the shape of `advantages` {shape}, got {tuple(mask.shape)}")
+    base = _on(device, "rollout_advantage", rollout_advantage)
+    if base.dtype.is_complex or base.dtype == torch.bool or tuple(base.shape) != shape[:1]:
+        raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{shape[0]}], "
+                         f"got {base.dtype} {tuple(base.shape)}")
+    base = base.to(advantages.dtype)
     values: dict[str, float] = {}
     if weight != 0:  # |score| * |weight| = |advantage - A_i| on masked tokens
         tokens, total, keys = _magnitudes(advantages, mask, base, key_threshold * abs(weight), key_threshold <= 0)
@@ -98,8 +118,13 @@ def _from_advantages(advantages: Tensor, mask: Tensor | None, rollout_advantage:
         values["key_token_share"] = _ratio(keys, tokens)
     else:  # no score reaches the advantages
         values["score_abs_mean"] = values["key_token_share"] = 0.0
-    values["mixed_group_share"] = _mixed_share(group, correct)
+    values["mixed_group_share"] = _mixed_share(group, correct, shape[0])
     return values
+
+
+def _on(device: torch.device, name: str, value: ArrayLike) -> Tensor:
+    """The caller's ``name`` (a tensor, numpy array or list) as a tensor on ``device``."""
+    return (value.detach() if isinstance(value, Tensor) else host_tensor(name, value)).to(device)
 
 
 #: rows of ``[B, L]`` the metrics take at a time on the CPU, so that their temporaries stay in cache: on
@@ -128,13 +153,13 @@ def _magnitudes(advantages: Tensor, mask: Tensor, base: Tensor, threshold: float
     return tokens, total, keys
 
 
-def _mixed_share(group: Any, correct: Tensor) -> float:
+def _mixed_share(group: Any, correct: ArrayLike, batch_size: int) -> float:
     """Share of groups whose rollouts are neither all correct nor all wrong (``group``: the caller's
-    index, made dense as the API does)."""
-    flags = torch.as_tensor(correct).detach().cpu().reshape(-1).bool().long()
-    if flags.shape[0] == 0:
+    index, made dense as the API does; ``correct``: ``[B]`` flags, checked as the API checks them)."""
+    flags = correct_flags(correct, batch_size, torch.device("cpu")).long()
+    dense, labels = dense_group_ids(group, batch_size, torch.device("cpu"), name="group")
+    if batch_size == 0:
         return 0.0
-    dense, labels = dense_group_ids(group, flags.shape[0], torch.device("cpu"))
     n = len(labels)
     size = torch.bincount(dense, minlength=n)
     n_c = torch.bincount(dense, weights=flags.double(), minlength=n).long()

@@ -49,9 +49,9 @@ def _power_of_two(name: str, value: object, least: int) -> None:
         raise ValueError(f"{name} must be a power of two >= {least}, got {value!r}")
 
 
-def _positive_int(name: str, value: object, most: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (most is not None and value > most):
-        raise ValueError(f"{name} must be an int in [1, {most or 'inf'}], got {value!r}")
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def _bools(options: object, names: tuple[str, ...]) -> None:
@@ -124,9 +124,9 @@ class CudaTuning:
             _power_of_two("CudaTuning.table_slots", self.table_slots, 2)
         if self.blocks_per_sm not in (None, 1, 2):
             raise ValueError(f"CudaTuning.blocks_per_sm must be None, 1 or 2, got {self.blocks_per_sm!r}")
-        _positive_int("CudaTuning.max_threads", self.max_threads, 1024)
-        if self.max_threads % 32 or self.max_threads < 64:
-            raise ValueError(f"CudaTuning.max_threads must be a multiple of 32 in [64, 1024], got {self.max_threads!r}")
+        threads = self.max_threads
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads % 32 or not 64 <= threads <= 1024:
+            raise ValueError(f"CudaTuning.max_threads must be a multiple of 32 in [64, 1024], got {threads!r}")
         _bools(self, ("packed", "slot_index", "largest_first"))
 
 

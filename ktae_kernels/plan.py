@@ -23,7 +23,7 @@ from .backends.base import BackendSpec, BackendUnavailableError, CapturedCall, G
 from .backends.device import capturing
 from .config import KTAEConfig
 from .options import ExecutionOptions
-from .registry import resolve
+from .registry import as_device, resolve
 from .types import ArrayLike, GroupLayout
 from .validation import (GroupIds, check_config, check_options, check_out, check_rollout_advantage,
                          dense_group_ids, planned_batch)
@@ -164,8 +164,9 @@ def plan_token_advantage(index: Any, shape: tuple[int, int], *, device: torch.de
         options: as ``token_advantage``.
 
     Raises:
-        ValueError: a bad ``index``, ``shape``, ``config`` or backend name.
-        BackendUnavailableError: the backend cannot run on ``device`` here.
+        ValueError: a bad ``index``, ``shape``, ``device``, ``config`` or backend name.
+        BackendUnavailableError: the backend cannot run on ``device`` here (e.g. "cuda" on a machine where
+            torch can use no CUDA GPU).
 
     Example:
         >>> import torch
@@ -177,7 +178,7 @@ def plan_token_advantage(index: Any, shape: tuple[int, int], *, device: torch.de
     """
     config, options = check_config(config), check_options(options)
     B, L = _check_shape(shape)
-    device = torch.device(device)
+    device = as_device(device)
     spec = resolve(backend, device)
     group, labels = dense_group_ids(index, B, device)
     return TokenAdvantagePlan(shape=(B, L), device=device, config=config, spec=spec, group=group,

@@ -1,9 +1,10 @@
 """The backend registry: ``backend=`` name -> ``BackendSpec``, availability, and the "auto" order.
 
 "auto" order: on CPU tensors the native ``cpu`` kernel, then ``torch``. On CUDA tensors ``cuda`` (when
-NVRTC compiles its kernels for the GPU: the ``cuda`` extra), then ``triton``, then ``torch``: the order of their paper-batch times on an
-H200, where all three pass the GPU tests (docs/benchmarks.md). ``reference`` is never chosen
-automatically.
+NVRTC compiles its kernels for the GPU: the ``cuda`` extra), then ``triton``, then ``torch``: the order
+of their paper-batch times on an H200 (docs/benchmarks.md), where ``triton``, ``torch`` and the ``cuda``
+kernels as nvcc built them passed the GPU tests; ``cuda`` as NVRTC builds it has not yet run on a GPU.
+``reference`` is never chosen automatically.
 """
 from __future__ import annotations
 
@@ -43,13 +44,27 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
+def as_device(device: object) -> torch.device:
+    """``device`` (a ``torch.device`` or a string such as "cuda:0") as a ``torch.device``; ValueError naming
+    ``device`` for anything else (an int, None, an unknown device type)."""
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            pass
+    raise ValueError(f"`device` must be a torch.device or a device string such as 'cpu' or 'cuda:0', got {device!r}")
+
+
 def available_backends(device: torch.device | str = "cpu") -> tuple[str, ...]:
-    """Backends usable for tensors on ``device``.
+    """Backends that run tensors on ``device`` on this machine: none for CUDA tensors where torch can use no
+    CUDA GPU.
 
     Example: ``available_backends("cpu")`` -> ``('reference', 'cpu', 'torch')`` where the native
     kernel is built.
     """
-    kind = torch.device(device).type
+    kind = as_device(device).type
     return tuple(n for n, s in _REGISTRY.items() if kind in s.devices and s.unavailable(kind) is None)
 
 
@@ -65,7 +80,7 @@ class BackendStatus(NamedTuple):
 def availability(device: torch.device | str = "cpu") -> list[BackendStatus]:
     """Every backend for tensors on ``device``'s type: those "auto" may pick first, in its order, then the
     others (what ``python -m ktae_kernels --check`` prints)."""
-    kind = torch.device(device).type
+    kind = as_device(device).type
     names = sorted((n for n, s in _REGISTRY.items() if kind in s.devices),
                    key=lambda n: _REGISTRY[n].auto_rank.get(kind, len(_REGISTRY)))
     return [BackendStatus(n, _REGISTRY[n].unavailable(kind), kind in _REGISTRY[n].auto_rank) for n in names]
@@ -74,7 +89,7 @@ def availability(device: torch.device | str = "cpu") -> list[BackendStatus]:
 def device_problem(device: torch.device | str) -> str | None:
     """None when this machine can hold tensors of ``device``'s type (the CPU; CUDA with a usable GPU),
     else why not."""
-    kind = torch.device(device).type
+    kind = as_device(device).type
     return None if kind == "cpu" else _no_cuda_gpu() if kind == "cuda" else f"no backend runs on {kind} tensors"
 
 
@@ -82,9 +97,10 @@ def resolve(name: str, device: torch.device | str) -> BackendSpec:
     """The spec of ``name`` on ``device``; "auto" picks the first usable one in the auto order.
 
     Raises ValueError for an unknown name, and BackendUnavailableError (saying why and what to do)
-    when the backend is known but cannot run on ``device`` here.
+    when the backend is known but cannot run on ``device`` here (CUDA tensors where torch can use no CUDA
+    GPU included). ValueError for a ``device`` that is not one (``as_device``).
     """
-    kind = torch.device(device).type
+    kind = as_device(device).type
     if name == "auto":
         ranked = sorted((s.auto_rank[kind], n) for n, s in _REGISTRY.items() if kind in s.auto_rank)
         skipped: list[tuple[str, str]] = []
@@ -95,8 +111,10 @@ def resolve(name: str, device: torch.device | str) -> BackendSpec:
                     _warn_fallback(kind, candidate, skipped[0])
                 return _REGISTRY[candidate]
             skipped.append((candidate, reason))
-        raise BackendUnavailableError(f"no backend can run on device type {kind!r}; "
-                                      f"move the tensors to the CPU (`.cpu()`)")
+        problem = _no_cuda_gpu() if kind == "cuda" else None
+        raise BackendUnavailableError(f"no backend can run on device type {kind!r} here"
+                                      f"{'' if problem is None else ': ' + problem}; use CPU tensors (`.cpu()`, or "
+                                      f"device='cpu' for a plan)")
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"`backend` must be 'auto' or one of {backend_names()}, got {name!r}")
     spec = _REGISTRY[name]
@@ -150,8 +168,9 @@ def get_backend(name: str, device: torch.device | str) -> Backend:
     return resolve(name, device).load()
 
 
-def _always(_: str) -> None:
-    return None
+def _gpu_if_cuda(kind: str) -> str | None:
+    """Why a backend that runs on any device cannot run ``kind`` tensors here: CUDA ones need a CUDA GPU."""
+    return _no_cuda_gpu() if kind == "cuda" else None
 
 
 def _rocm() -> bool:
@@ -198,10 +217,10 @@ def _cpu_unavailable(_: str) -> str | None:
     return cpu.unavailable_reason()
 
 
-register_backend(BackendSpec("reference", "ktae_kernels.reference", ("cpu", "cuda"), _always))
+register_backend(BackendSpec("reference", "ktae_kernels.reference", ("cpu", "cuda"), _gpu_if_cuda))
 register_backend(BackendSpec("cpu", "ktae_kernels.backends.cpu", ("cpu",), _cpu_unavailable,
                              {"cpu": 0}, checks_token_ids=True))
-register_backend(BackendSpec("torch", "ktae_kernels.backends.torch", ("cpu", "cuda"), _always,
+register_backend(BackendSpec("torch", "ktae_kernels.backends.torch", ("cpu", "cuda"), _gpu_if_cuda,
                              {"cpu": 1, "cuda": 2}))
 register_backend(BackendSpec("triton", "ktae_kernels.backends.triton", ("cpu", "cuda"), _triton_unavailable,
                              {"cuda": 1}, checks_token_ids=True, capturable=True))

@@ -1,8 +1,12 @@
-"""The two data types every backend shares: a validated batch and the per-(group, token) result."""
+"""The two data types every backend shares: a validated batch and the per-(group, token) result; and
+``ArrayLike``, what the public functions take for a tensor, with its one conversion (``host_tensor``)."""
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from dataclasses import dataclass, fields
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import numpy as np
 import torch
@@ -10,6 +14,60 @@ from torch import Tensor
 
 #: what the public functions accept for a tensor argument: a tensor, a numpy array or a (nested) list.
 ArrayLike = Union[Tensor, np.ndarray, Sequence]
+
+
+def host_tensor(name: str, value: np.ndarray | Sequence) -> Tensor:
+    """A CPU tensor of the caller's numpy array or (nested) list ``name``; ValueError naming it for a ragged
+    nested list, a value that is not a number, or an array torch cannot hold."""
+    try:
+        array = np.asarray(value)
+    except ValueError:
+        raise ValueError(f"`{name}` must be a rectangular array (every row of one length), got a ragged nested "
+                         f"list; pad the rows to one length (and set `response_mask` to 0 on the padding)") from None
+    if array.dtype == object:
+        bad = next((v for v in array.reshape(-1) if not isinstance(v, (int, float, np.number, bool))), None)
+        raise ValueError(f"`{name}` must hold numbers, found {bad!r} ({type(bad).__name__}); "
+                         f"replace missing values before the call")
+    try:
+        return torch.as_tensor(array)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"`{name}` must be a tensor or a numeric array: {err}") from None
+
+
+def _any_tensor(name: str, value: Any) -> Tensor:
+    """``value`` as a tensor where it is (a tensor) or on the CPU (a numpy array or list)."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, (np.ndarray, list, tuple)):
+        return host_tensor(name, value)
+    raise ValueError(f"`{name}` must be a torch.Tensor, numpy array or list, got {type(value).__name__}")
+
+
+def _token_ids(responses: Any) -> Tensor:
+    """int64 ``[B, L]`` on the CPU of the caller's ``responses`` (any ids, negative ones too)."""
+    ids = _any_tensor("responses", responses)
+    if ids.dim() != 2:
+        raise ValueError(f"`responses` must be 2-D [B, L], got shape {tuple(ids.shape)}")
+    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
+        raise ValueError(f"`responses` must hold integer token ids, got dtype {ids.dtype}; "
+                         f"convert with `responses.long()`")
+    return ids.cpu().long()
+
+
+def _labels(index: Any, batch_size: int) -> list:
+    """The caller's ``index`` (``[B]`` group labels) as a list of Python values."""
+    if isinstance(index, Tensor):
+        values = index.detach().cpu().numpy()
+    elif isinstance(index, (np.ndarray, list, tuple)):
+        values = np.asarray(index, dtype=object) if isinstance(index, (list, tuple)) else index
+    else:
+        raise ValueError(f"`index` must be a tensor, numpy array or list of group labels, got {type(index).__name__}")
+    labels = values.tolist()
+    nested = values.ndim == 1 and any(isinstance(v, (list, tuple)) for v in labels)
+    if values.ndim != 1 or values.shape[0] != batch_size or nested:
+        got = "a nested list" if nested else f"shape {values.shape}"
+        raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got {got}")
+    return labels
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,7 +189,13 @@ class KeyTokenScores:
         return KeyTokenScores(**moved)
 
     def lookup(self, group: int, token: int) -> dict[str, float]:
-        """The row of one (dense group id, token id) as a dict of Python numbers; KeyError if absent."""
+        """The row of one (dense group id, token id) as a dict of Python numbers; KeyError if the group has
+        no row of ``token``, ValueError for a group id outside ``[0, n_groups)`` or an argument that is not
+        an int."""
+        group = self._dense_group(group)
+        if isinstance(token, (bool, np.bool_)) or not hasattr(token, "__index__"):
+            raise ValueError(f"`token` must be an int token id, got {token!r}")
+        token = operator.index(token)
         hit = torch.nonzero((self.group == group) & (self.token == token)).flatten()
         if hit.numel() == 0:
             raise KeyError(f"no row for group {group}, token {token}")
@@ -141,10 +205,15 @@ class KeyTokenScores:
     def token_scores(self, responses: Tensor, index: Sequence) -> Tensor:
         """float64 ``[B, L]``: ``score[group, responses[i, t]]`` for rollouts of any batch, the row of
         rollout ``i`` found by its caller label ``index[i]`` (in ``group_labels``) and its token; 0
-        for a (group, token) pair with no row, an unknown label or a negative id."""
+        for a (group, token) pair with no row, an unknown label or a negative id. ``responses``: integer
+        ``[B, L]``, ``index``: ``[B]`` (each a tensor, numpy array or list).
+
+        Raises:
+            ValueError: an argument of the wrong type or shape (the message names it).
+        """
+        ids = _token_ids(responses)
         labels = {label: g for g, label in enumerate(np.asarray(self.group_labels).tolist())}
-        group = torch.tensor([labels.get(label, -1) for label in np.asarray(index).tolist()], dtype=torch.int64)
-        ids = responses.detach().cpu().long()
+        group = torch.tensor([labels.get(label, -1) for label in _labels(index, ids.shape[0])], dtype=torch.int64)
         score = torch.zeros(ids.shape, dtype=torch.float64)
         if len(self) == 0 or ids.numel() == 0:
             return score
@@ -160,24 +229,66 @@ class KeyTokenScores:
         """float32 ``[B, L]`` on ``response_mask``'s device: ``(A_i + weight * token_scores) * mask``,
         summed in float64 and rounded once, as ``ktae_kernels.token_advantage`` gives the rows these
         scores were counted from; for other rows (e.g. earlier turns of an agent session scored by its
-        final outputs) the same formula with their (group, token) lookups. ``rollout_advantage``:
-        ``[B]`` ``A_i``."""
+        final outputs) the same formula with their (group, token) lookups. ``response_mask``: ``[B, L]``
+        bool or 0 / 1; ``rollout_advantage``: ``[B]`` real ``A_i`` (each a tensor, numpy array or list; on
+        the CPU when ``response_mask`` is not a tensor).
+
+        Raises:
+            ValueError: an argument of the wrong type, shape or values (the message names it).
+        """
         score = self.token_scores(responses, index)
-        values = rollout_advantage.detach().cpu().to(torch.float64)[:, None] + weight * score
-        mask = response_mask.detach().cpu() != 0
-        return torch.where(mask, values, 0.0).to(torch.float32).to(response_mask.device)
+        shape = tuple(score.shape)
+        mask = _any_tensor("response_mask", response_mask)
+        if tuple(mask.shape) != shape:
+            raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}")
+        on = mask.cpu()
+        if on.dtype.is_complex or (on.dtype != torch.bool and not bool(((on == 0) | (on == 1)).all())):
+            raise ValueError("`response_mask` must be bool or hold only 0 and 1; build it as `responses != pad_id`")
+        base = _any_tensor("rollout_advantage", rollout_advantage)
+        if base.dtype.is_complex or base.dtype == torch.bool or tuple(base.shape) != shape[:1]:
+            raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{shape[0]}], "
+                             f"got {base.dtype} {tuple(base.shape)}")
+        if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+            raise ValueError(f"`weight` must be a finite number, got {weight!r}")
+        values = base.cpu().to(torch.float64)[:, None] + float(weight) * score
+        return torch.where(on != 0, values, 0.0).to(torch.float32).to(mask.device)
 
     def key_rows(self, group: int, top_k: int | None = None, *, scored_only: bool = False) -> list[int]:
         """Row indices of dense group ``group``, most significant first: by Fisher p-value, then by
         ``|score|`` (descending), then by token id; at most ``top_k``; ``scored_only``: rows with a
-        non-zero score only."""
+        non-zero score only.
+
+        Raises:
+            ValueError: ``group`` is not an int in ``[0, n_groups)``, ``top_k`` not None or an int >= 0, or
+                ``scored_only`` not a bool.
+        """
+        group = self._dense_group(group)
+        if top_k is not None and (isinstance(top_k, (bool, np.bool_)) or not hasattr(top_k, "__index__")
+                                  or operator.index(top_k) < 0):
+            raise ValueError(f"`top_k` must be None or an int >= 0, got {top_k!r}")
+        if not isinstance(scored_only, bool):
+            raise ValueError(f"`scored_only` must be a bool, got {scored_only!r}")
         keep = self.group == group
         if scored_only:
             keep &= self.score != 0
         rows = torch.nonzero(keep).flatten().tolist()
         p, score, token = self.p_value.tolist(), self.score.tolist(), self.token.tolist()
         rows.sort(key=lambda i: (p[i], -abs(score[i]), token[i]))
-        return rows if top_k is None else rows[:top_k]
+        return rows if top_k is None else rows[:operator.index(top_k)]
+
+    def _dense_group(self, group: Any) -> int:
+        """``group`` as a Python int in ``[0, n_groups)``; ValueError naming the valid ids (and the dense id
+        of ``group`` when it is one of the caller's labels) else."""
+        n = len(self.group_labels)
+        if not isinstance(group, (bool, np.bool_)) and hasattr(group, "__index__") and 0 <= operator.index(group) < n:
+            return operator.index(group)
+        label = group.item() if isinstance(group, np.generic) else group
+        labels = np.asarray(self.group_labels).tolist()
+        dense = next((g for g, each in enumerate(labels) if type(each) is type(label) in (int, str) and each == label),
+                     None)
+        hint = "" if dense is None else f"; {group!r} is your label of group {dense}"
+        raise ValueError(f"`group` must be a dense group id, an int in [0, {n}) (group_labels[g] is your label of "
+                         f"group g), got {group!r}{hint}")
 
 
 ROW_FIELDS: tuple[str, ...] = (

@@ -12,13 +12,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import KTAEConfig
+from .config import MAX_TOKEN_ID, KTAEConfig  # the id range, here for the backends that check ids
 from .options import DEFAULT_OPTIONS, ExecutionOptions
-from .types import ArrayLike, Batch, ValueCheck
-
-#: token ids must fit a signed 32-bit int (every vocabulary does; the GPU and CPU kernels rely on it).
-MAX_TOKEN_ID = 2**31 - 1
-
+from .types import ArrayLike, Batch, ValueCheck, host_tensor
 
 _DEFAULT_CONFIG = KTAEConfig()
 
@@ -216,15 +212,7 @@ def _as_tensor(name: str, value: Any, device: torch.device | None = None, read: 
     if isinstance(value, Tensor):
         t = value
     elif isinstance(value, (np.ndarray, list, tuple)):
-        array = np.asarray(value)
-        if array.dtype == object:
-            bad = next((v for v in array.reshape(-1) if not isinstance(v, (int, float, np.number, bool))), None)
-            raise ValueError(f"`{name}` must hold numbers, found {bad!r} ({type(bad).__name__}); "
-                             f"replace missing values before the call")
-        try:
-            t = torch.as_tensor(array)
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"`{name}` must be a tensor or a numeric array: {err}") from None
+        t = host_tensor(name, value)
     else:
         raise ValueError(f"`{name}` must be a torch.Tensor, numpy array or list, got {type(value).__name__}")
     return t if device is None else t.to(device)
@@ -324,23 +312,67 @@ def _check_correct(correct: Tensor, batch_size: int, read: bool = True,
     return _zero_one_flags("correct", correct, "e.g. `correct=task_score > 0`", read, pending)
 
 
-def _index_tensor(index: Tensor) -> Tensor:
-    """The caller's tensor of group ids, checked."""
+def correct_flags(correct: ArrayLike, batch_size: int, device: torch.device) -> Tensor:
+    """The caller's ``correct`` labels as the API checks them: bool ``[B]`` on ``device`` (their values read
+    there); ValueError naming ``correct``."""
+    return _check_correct(_as_tensor("correct", correct, device), batch_size)
+
+
+def _index_tensor(index: Tensor, name: str = "index") -> Tensor:
+    """The caller's tensor of group ids (the argument ``name``), checked."""
     if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-        raise ValueError(f"`index` as a tensor must hold integers, got {index.dtype}; convert with `index.long()`")
+        raise ValueError(f"`{name}` as a tensor must hold integers, got {index.dtype}; convert with `{name}.long()`")
     if index.device.type == "meta":
-        raise ValueError("`index` is a meta tensor with no values; pass real group ids")
+        raise ValueError(f"`{name}` is a meta tensor with no values; pass real group ids")
     return index.detach()
 
 
-def _index_values(index: Any) -> np.ndarray:
-    """The caller's group ids as a numpy array on the host."""
+def _index_values(index: Any, name: str = "index") -> np.ndarray:
+    """The caller's group ids (the argument ``name``) as a numpy array on the host."""
     if isinstance(index, Tensor):
-        index = _index_tensor(index)
+        index = _index_tensor(index, name)
         return index.numpy() if index.device.type == "cpu" else index.cpu().numpy()
-    if isinstance(index, (np.ndarray, list, tuple)):
-        return index if isinstance(index, np.ndarray) else np.asarray(index)
-    raise ValueError(f"`index` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
+    if isinstance(index, np.ndarray):
+        values = index
+    elif isinstance(index, (list, tuple)):
+        try:
+            values = np.asarray(index)
+        except ValueError:
+            raise ValueError(f"{_ONE_KIND.format(name=name)}, got a ragged nested list") from None
+        if values.dtype.kind in "US":  # numpy writes ints as text beside strings: the items say which they were
+            _check_one_kind(index, name)
+    else:
+        raise ValueError(f"`{name}` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
+    if values.size == 0:
+        return values.astype(np.int64)  # numpy makes `[]` a float array: no id to refuse
+    if values.dtype.kind in "fcb":
+        fix = "; convert float ids with `.astype(np.int64)`" if values.dtype.kind == "f" else ""
+        raise ValueError(f"{_ONE_KIND.format(name=name)}, got {values.dtype} values{fix}")
+    return values
+
+
+#: the start of the error for group ids that are not all ints or all strings.
+_ONE_KIND = "`{name}` must hold group ids of one kind, all ints or all strings"
+
+
+def _label_kind(label_type: type) -> str | None:
+    """"int", "str" or "bytes": the kind of group id a label of ``label_type`` is; None: it is none."""
+    if issubclass(label_type, (bool, np.bool_)):
+        return None
+    return next((kind for kind, types in (("int", (int, np.integer)), ("str", str), ("bytes", bytes))
+                 if issubclass(label_type, types)), None)
+
+
+def _check_one_kind(items: Any, name: str) -> set[type]:
+    """The types of the caller's labels ``items``; ValueError naming ``name`` unless they are of one kind
+    (``_label_kind``)."""
+    types = set(map(type, items))
+    kinds = {_label_kind(t) for t in types}
+    if len(kinds) > 1 or None in kinds:
+        mix = " and ".join(sorted(t.__name__ for t in types))
+        raise ValueError(f"{_ONE_KIND.format(name=name)}, got {'a mix of ' if len(types) > 1 else ''}{mix}"
+                         f"{'' if len(types) > 1 else ' values'}")
+    return types
 
 
 @dataclass(frozen=True)
@@ -360,28 +392,22 @@ _SORTABLE = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, 
              torch.uint8: np.uint8}
 
 
-def group_ids(index: Any, batch_size: int, device: torch.device) -> GroupIds:
-    """``GroupIds`` of the caller's ``index`` (ints, uid strings; a tensor, numpy array or list).
+def group_ids(index: Any, batch_size: int, device: torch.device, name: str = "index") -> GroupIds:
+    """``GroupIds`` of the caller's ``index`` (ints, uid strings; a tensor, numpy array or list); errors
+    name the argument ``name``.
 
     A GPU tensor index is made dense where it lives (``tensor_group_ids``); a host index on the host
     (numpy is several times faster there for a trainer's few hundred rollouts), its ids then copied to
     ``device`` without waiting for the device."""
     on_device = isinstance(index, Tensor) and index.device.type not in ("cpu", "meta")
-    if on_device and _index_tensor(index).dtype in _SORTABLE:
+    if on_device and _index_tensor(index, name).dtype in _SORTABLE:
         if index.dim() != 1 or index.shape[0] != batch_size:
-            raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {tuple(index.shape)}")
+            raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {tuple(index.shape)}")
         return tensor_group_ids(index.detach(), device)
-    values = _index_values(index)
+    values = _index_values(index, name)
     if values.ndim != 1 or values.shape[0] != batch_size:
-        raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {values.shape}")
-    if values.dtype.kind == "f":
-        if not np.all(np.isfinite(values)) or not np.all(values == np.round(values)):
-            raise ValueError("`index` must hold integer or string group ids, got non-integer floats")
-        values = values.astype(np.int64)
-    try:
-        labels, inverse = _unique(values)
-    except TypeError as err:
-        raise ValueError(f"`index` group ids must be mutually comparable (all ints or all strings): {err}") from None
+        raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {values.shape}")
+    labels, inverse = _unique(values, name)
     group = inverse.reshape(-1).astype(np.int64, copy=False)
     contiguous = bool((group[1:] >= group[:-1]).all())
     members = np.arange(len(group)) if contiguous else np.argsort(group, kind="stable")  # TRL's layout: no sort
@@ -407,28 +433,31 @@ def tensor_group_ids(index: Tensor, device: torch.device) -> GroupIds:
     return GroupIds(group=group.to(device), labels=labels, members=members.to(device))
 
 
-def dense_group_ids(index: Any, batch_size: int, device: torch.device) -> tuple[Tensor, np.ndarray]:
+def dense_group_ids(index: Any, batch_size: int, device: torch.device,
+                    name: str = "index") -> tuple[Tensor, np.ndarray]:
     """Dense int64 group ids ``[B]`` on ``device`` (sorted label order) and the labels ``[n_groups]``
-    of the caller's ``index`` (``group_ids`` without the members)."""
-    ids = group_ids(index, batch_size, device)
+    of the caller's ``index`` (``group_ids`` without the members; errors name ``name``)."""
+    ids = group_ids(index, batch_size, device, name)
     return ids.group, ids.labels
 
 
-def _unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(values, return_inverse=True)`` of a 1-D array; uid strings through a dict
+def _unique(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of a 1-D array of ints or strings; an object array's
+    labels checked to be of one kind (ValueError naming ``name``), uid strings through a dict
     (``_unique_strings``)."""
-    strings = _unique_strings(values) if values.dtype == object else None
-    return np.unique(values, return_inverse=True) if strings is None else strings
-
-
-def _unique_strings(values: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """``np.unique(values, return_inverse=True)`` of a 1-D object array of ``str`` (verl's uids) through
-    a dict, or None when some value is not a ``str``: numpy sorts an object array one Python comparison
-    at a time, several times slower on a paper-sized verl batch (docs/benchmarks.md). The labels are
-    the same: both order strings by Python's ``<``."""
+    if values.dtype != object:
+        return np.unique(values, return_inverse=True)
     items = values.tolist()
-    if set(map(type, items)) != {str}:
-        return None
+    if _check_one_kind(items, name) == {str}:
+        return _unique_strings(items)
+    return np.unique(values, return_inverse=True)
+
+
+def _unique_strings(items: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of the ``str`` items of a 1-D object array (verl's uids)
+    through a dict: numpy sorts an object array one Python comparison at a time, several times slower on
+    a paper-sized verl batch (docs/benchmarks.md). The labels are the same: both order strings by
+    Python's ``<``."""
     labels = sorted(set(items))
     rank = {label: i for i, label in enumerate(labels)}
     inverse = np.fromiter(map(rank.__getitem__, items), dtype=np.int64, count=len(items))

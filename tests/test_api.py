@@ -56,7 +56,7 @@ def test_token_level_rewards_are_summed_per_row_in_float64_bit_for_bit():
 
 def test_uid_strings_get_the_group_ids_and_labels_of_np_unique():
     """String uids take a dict, not numpy's object sort: the same labels (Python's string order, empty
-    and non-ASCII strings included) and the same dense ids; a mix of types still fails as before."""
+    and non-ASCII strings included) and the same dense ids; a mix of types fails."""
     from ktae_kernels.validation import dense_group_ids
 
     rng = np.random.default_rng(3)
@@ -66,7 +66,7 @@ def test_uid_strings_get_the_group_ids_and_labels_of_np_unique():
     want_labels, want_inverse = np.unique(uids, return_inverse=True)
     assert labels.dtype == object and labels.tolist() == want_labels.tolist()
     assert group.dtype == torch.int64 and group.tolist() == want_inverse.tolist()
-    with pytest.raises(ValueError, match="mutually comparable"):
+    with pytest.raises(ValueError, match="of one kind, all ints or all strings, got a mix of int and str"):
         dense_group_ids(np.array(["a", 1, "b"], dtype=object), 3, torch.device("cpu"))
 
 
@@ -221,6 +221,31 @@ def test_backend_registry_errors(batch):
         token_advantage(*batch, backend="cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a usable CUDA GPU")
+def test_no_backend_is_available_for_cuda_tensors_without_a_gpu():
+    """What ``available_backends`` lists must run: without a CUDA GPU not even torch runs CUDA tensors."""
+    assert available_backends("cuda") == () and available_backends(torch.device("cuda", 0)) == ()
+    with pytest.raises(BackendUnavailableError, match=r"^backend 'torch' is unavailable: .*CUDA"):
+        resolve("torch", "cuda")
+    with pytest.raises(BackendUnavailableError, match=r"^no backend can run on device type 'cuda' here: .*CUDA"):
+        resolve("auto", "cuda")
+
+
+def test_with_a_gpu_reference_and_torch_run_cuda_tensors(monkeypatch):
+    from ktae_kernels.registry import backend_spec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert backend_spec("torch").unavailable("cuda") is None and backend_spec("reference").unavailable("cuda") is None
+
+
+@pytest.mark.parametrize("device", [None, 5, "tpu", "cuda:x"])
+def test_a_bad_device_is_named(device):
+    message = rf"^`device` must be a torch.device or a device string such as 'cpu' or 'cuda:0', got {device!r}$"
+    for call in (available_backends, lambda d: resolve("auto", d)):
+        with pytest.raises(ValueError, match=message):
+            call(device)
+
+
 def test_auto_on_cpu_prefers_the_native_kernel(monkeypatch):
     import ktae_kernels.backends.cpu as cpu
 
@@ -367,3 +392,104 @@ def test_no_negative_zero_scores(backend):
         score = key_token_scores(responses, mask, rewards, index, backend=backend).score
         zero = score == 0
         assert not torch.signbit(score[zero]).any()
+
+
+@pytest.fixture
+def scores(batch):
+    return key_token_scores(*batch, backend="torch")
+
+
+def test_scores_methods_take_lists_and_numpy_as_the_api_does(batch, scores):
+    responses, mask, rewards, index = batch
+    base = torch.linspace(-1.0, 1.0, 8, dtype=torch.float64)
+    want = scores.token_advantage(responses, mask, index, base, 0.5)
+    got = scores.token_advantage(responses.tolist(), mask.numpy(), index.tolist(), base.tolist(), np.float32(0.5))
+    assert torch.equal(got, want) and got.dtype == torch.float32
+    assert torch.equal(scores.token_scores(responses.numpy(), index.numpy()), scores.token_scores(responses, index))
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda s, r, m, i: s.token_scores(r, i[:1]), r"^`index` must be 1-D of length B = 8, got shape \(1,\)$"),
+    (lambda s, r, m, i: s.token_scores(r[0], i), r"^`responses` must be 2-D \[B, L\], got shape \(10,\)$"),
+    (lambda s, r, m, i: s.token_scores(r.float(), i), r"^`responses` must hold integer token ids, got dtype "
+                                                      r"torch.float32; convert with `responses.long\(\)`$"),
+    (lambda s, r, m, i: s.token_scores([[1, 2], [3]], i), r"^`responses` must be a rectangular"),
+    (lambda s, r, m, i: s.token_scores(r, "uid"), r"^`index` must be a tensor, numpy array or list"),
+    (lambda s, r, m, i: s.token_advantage(r, m[:, :5], i, torch.zeros(8)),
+     r"^`response_mask` must have the shape of `responses` \(8, 10\), got \(8, 5\)$"),
+    (lambda s, r, m, i: s.token_advantage(r, m.long() * 2, i, torch.zeros(8)),
+     r"^`response_mask` must be bool or hold only 0 and 1"),
+    (lambda s, r, m, i: s.token_advantage(r, m, i, torch.zeros(1)),
+     r"^`rollout_advantage` must be real with shape \[B\] = \[8\], got torch.float32 \(1,\)$"),
+    (lambda s, r, m, i: s.token_advantage(r, m, i, torch.zeros(8), weight="1"),
+     r"^`weight` must be a finite number, got '1'$"),
+])
+def test_scores_methods_name_the_bad_argument(batch, scores, call, message):
+    responses, mask, rewards, index = batch
+    with pytest.raises(ValueError, match=message):
+        call(scores, responses, mask, index)
+
+
+def test_key_rows_and_lookup_check_the_group_and_top_k(scores):
+    rows = scores.key_rows(1)
+    assert scores.key_rows(1, top_k=2) == rows[:2] and scores.key_rows(1, top_k=0) == []
+    valid = r"a dense group id, an int in \[0, 2\) \(group_labels\[g\] is your label of group g\)"
+    with pytest.raises(ValueError, match=rf"^`top_k` must be None or an int >= 0, got -1$"):
+        scores.key_rows(0, top_k=-1)
+    with pytest.raises(ValueError, match=rf"^`top_k` must be None or an int >= 0, got True$"):
+        scores.key_rows(0, top_k=True)
+    with pytest.raises(ValueError, match=rf"^`group` must be {valid}, got 7$"):
+        scores.key_rows(7)
+    with pytest.raises(ValueError, match=rf"^`group` must be {valid}, got '0'$"):
+        scores.lookup("0", 7)
+    with pytest.raises(ValueError, match=r"^`scored_only` must be a bool, got 1$"):
+        scores.key_rows(0, scored_only=1)
+    with pytest.raises(ValueError, match=r"^`token` must be an int token id, got 7.0$"):
+        scores.lookup(0, 7.0)
+    token = int(scores.token[rows[0]])
+    assert scores.lookup(np.int64(1), token)["token"] == token
+    with pytest.raises(KeyError, match=r"no row for group 1, token 99"):
+        scores.lookup(1, 99)
+
+
+def test_a_label_given_for_a_dense_group_id_is_named():
+    responses = torch.tensor([[5, 7], [5, 8]])
+    scores = key_token_scores(responses, responses != 0, [1.0, 0.0], ["uid-a", "uid-a"])
+    with pytest.raises(ValueError, match=r"got 'uid-a'; 'uid-a' is your label of group 0$"):
+        scores.key_rows("uid-a")
+
+
+@pytest.mark.parametrize("index, got", [
+    ([0.0, 0.0, 1.0, 1.0], "float64 values"),
+    (np.array([0.0, 0.0, 1.0, 1.0]), "float64 values"),
+    (np.array([0.0, 0.0, 1.0, 1.0], dtype=np.float32), "float32 values"),
+    ([True, True, False, False], "bool values"),
+    ([0, "a", 0, "a"], "a mix of int and str"),
+    (np.array([0, "a", 0, "a"], dtype=object), "a mix of int and str"),
+    (np.array(["a", None, "a", None], dtype=object), "a mix of NoneType and str"),
+    (np.array([0.0, 0.0, 1.0, 1.0], dtype=object), "float values"),
+    ([[0], [0], [1], [1, 2]], "a ragged nested list"),
+])
+def test_index_holds_ints_or_strings_in_every_form(index, got):
+    """A float index is refused as a list or numpy array as it is as a tensor, and labels of two kinds (which
+    numpy would turn into strings) are refused rather than grouped by their text."""
+    responses = torch.tensor([[5, 7], [5, 8], [1, 2], [3, 4]])
+    with pytest.raises(ValueError, match=rf"^`index` must hold group ids of one kind, all ints or all strings, "
+                                         rf"got {got}"):
+        token_advantage(responses, responses != 0, [1.0, 0.0, 1.0, 0.0], index)
+
+
+@pytest.mark.parametrize("index", [[], np.array([])])
+def test_an_empty_batch_takes_an_empty_list_index(index):
+    """numpy makes ``[]`` a float64 array; an empty batch has no float id to refuse."""
+    responses = torch.zeros(0, 3, dtype=torch.int64)
+    assert token_advantage(responses, responses != 0, torch.zeros(0), index).shape == (0, 3)
+
+
+@pytest.mark.parametrize("index", [[0, 0, 1, 1], np.array([7, 7, 2, 2], dtype=np.uint8), ["a", "a", "b", "b"],
+                                   np.array(["a", "a", "b", "b"], dtype=object), np.array([0, 0, 1, 1], dtype=object),
+                                   (np.int64(3), np.int64(3), 4, 4)])
+def test_index_forms_that_are_taken(index):
+    responses = torch.tensor([[5, 7], [5, 8], [1, 2], [3, 4]])
+    want = token_advantage(responses, responses != 0, [1.0, 0.0, 1.0, 0.0], torch.tensor([0, 0, 1, 1]))
+    assert torch.equal(token_advantage(responses, responses != 0, [1.0, 0.0, 1.0, 0.0], index), want)

@@ -2,10 +2,13 @@
 an unknown one (with the closest field, or where a former field went)."""
 import dataclasses
 import inspect
+import re
 
+import numpy as np
 import pytest
+import torch
 
-from ktae_kernels import CudaTuning, ExecutionOptions, KernelVariant, KTAEConfig
+from ktae_kernels import CudaTuning, ExecutionOptions, KernelVariant, KTAEConfig, token_advantage
 
 
 def test_defaults_follow_the_method():
@@ -28,11 +31,45 @@ def test_ignore_ids_normalised():
     ("alpha", -1.0), ("beta", float("nan")), ("top", 0.0), ("k1", -2.0), ("b", 1.5), ("b", -0.1),
     ("eps", -1e-6), ("weight", float("inf")), ("correct_threshold", "0"), ("baseline", "rloo"),
     ("fisher", "float32"), ("use_tf", 1), ("ignore_token_ids", [-1]), ("ignore_token_ids", "151643"),
-    ("ignore_token_ids", [1.5]), ("alpha", True),
+    ("ignore_token_ids", [1.5]), ("alpha", True), ("eps", 0.0), ("eps", float("inf")),
+    ("ignore_token_ids", [2**31]), ("top", np.bool_(True)),
 ])
 def test_bad_field_raises_naming_it(field, value):
     with pytest.raises(ValueError, match=field):
         KTAEConfig(**{field: value})
+
+
+def test_eps_must_be_positive_for_groups_of_equal_rewards():
+    """eps = 0 would divide a group of equal rewards (std 0) by 0: NaN advantages on every backend."""
+    with pytest.raises(ValueError, match=r"^KTAEConfig.eps must be > 0, got 0.0$"):
+        KTAEConfig(eps=0.0)
+    responses = torch.tensor([[5, 7, 2], [5, 8, 2]])
+    adv = token_advantage(responses, responses != 0, [1.0, 1.0], [0, 0], config=KTAEConfig(eps=1e-12),
+                          backend="torch")
+    assert adv.tolist() == [[0.0] * 3] * 2
+
+
+@pytest.mark.parametrize("value", [np.float32(0.5), np.float64(0.5), np.int64(2), np.int8(1)])
+def test_numpy_real_scalars_are_taken_as_python_floats(value):
+    config = KTAEConfig(alpha=value, beta=value, top=value, correct_threshold=value, weight=value)
+    assert (config.alpha, config.top, config.weight) == (float(value),) * 3
+    assert type(config.alpha) is float and type(config.correct_threshold) is float
+
+
+def test_ignore_ids_must_fit_the_token_id_range():
+    """Token ids lie in [0, 2**31) (``responses``' range): a larger ignored id can never match a token."""
+    assert KTAEConfig(ignore_token_ids=(2**31 - 1, np.int64(3))).ignore_token_ids == (3, 2**31 - 1)
+    with pytest.raises(ValueError, match=r"^KTAEConfig.ignore_token_ids must be < 2\*\*31 \(token ids' range\), "
+                                         r"got 2147483648$"):
+        KTAEConfig(ignore_token_ids=(5, 2**31))
+
+
+@pytest.mark.parametrize("value", [0, 32, 100, 2000, 1.5, "a", True, None])
+def test_max_threads_has_one_message(value):
+    with pytest.raises(ValueError, match=rf"^CudaTuning.max_threads must be a multiple of 32 in \[64, 1024\], "
+                                         rf"got {re.escape(repr(value))}$"):
+        CudaTuning(max_threads=value)
+    assert CudaTuning(max_threads=64).max_threads == 64
 
 
 def test_alpha_and_beta_not_both_zero():

@@ -134,3 +134,13 @@ def test_triton_interpreter_leaks_no_numpy_warning(device):
         key_token_scores(*batch, backend="triton")
     torch.testing.assert_close(adv, token_advantage(*batch, backend="reference"), rtol=0, atol=1e-6)
     assert np.geterr() == before
+
+
+def test_ragged_responses_are_named_with_the_fix():
+    """Rows of different lengths (a list of per-rollout id lists) must be padded: numpy's own message
+    ("inhomogeneous shape") does not say which argument or what to do."""
+    with pytest.raises(ValueError) as raised:
+        token_advantage([[5, 7], [5]], [[1, 1], [1]], [1.0, 0.0], [0, 0])
+    assert str(raised.value) == ("`responses` must be a rectangular array (every row of one length), got a ragged "
+                                 "nested list; pad the rows to one length (and set `response_mask` to 0 on the "
+                                 "padding)")

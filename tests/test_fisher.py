@@ -75,3 +75,16 @@ def test_upstream_mode_is_float32_without_tolerance():
     exact = scipy_pvalues(tables)
     np.testing.assert_allclose(p32.double().numpy(), exact, atol=0.5)  # close, but not exact
     assert np.sum(exact == 1.0) > np.sum(p32.numpy() == 1.0)
+
+
+@pytest.mark.parametrize("cells, message", [
+    (([1, 2], [1, 2, 3], 1, 1), r"^fisher_exact_pvalue: `a`, `b`, `c`, `d` must broadcast to one shape, got shapes "
+                                r"\(2,\), \(3,\), \(\), \(\)$"),
+    ((None, 1, 1, 1), r"^fisher_exact_pvalue: `a` must be an integer tensor, numpy array, list or int, got NoneType$"),
+    ((1, "3", 1, 1), r"^fisher_exact_pvalue: `b` must be an integer tensor, numpy array, list or int, got str$"),
+    ((1, 1, [[1], [2, 3]], 1), r"^fisher_exact_pvalue: `c` must be a rectangular array"),
+    ((1, 1, 1, [1, None]), r"^fisher_exact_pvalue: `d` must hold numbers, found None"),
+])
+def test_bad_cells_are_named(cells, message):
+    with pytest.raises(ValueError, match=message):
+        fisher_exact_pvalue(*cells)

@@ -67,3 +67,40 @@ def test_empty_and_missing_inputs():
         ktae_metrics()
     with pytest.raises(ValueError, match="needs mask"):
         ktae_metrics(advantages=torch.zeros(2, 2))
+
+
+def _per_token(**changes):
+    """ktae_metrics from the advantages of a 2 x 3 batch, with ``changes`` to its arguments."""
+    responses = torch.tensor([[5, 7, 2], [5, 8, 2]])
+    args = dict(advantages=token_advantage(responses, responses != 0, [1.0, 0.0], [0, 0]), mask=responses != 0,
+                rollout_advantage=torch.tensor([0.7071, -0.7071]), group=[0, 0], correct=torch.tensor([True, False]))
+    args.update(changes)
+    return ktae_metrics(**args)
+
+
+def test_from_advantages_takes_lists():
+    assert _per_token(mask=[[1, 1, 1], [1, 1, 1]], rollout_advantage=[0.7071, -0.7071], correct=[1, 0]) == _per_token()
+    assert _per_token()["ktae/mixed_group_share"] == 1.0
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(mask=torch.ones(2, 2)), r"`mask` must have the shape of `advantages` \(2, 3\), got \(2, 2\)"),
+    (dict(rollout_advantage=torch.zeros(3)), r"`rollout_advantage` must be real with shape \[B\] = \[2\], "
+                                             r"got torch.float32 \(3,\)"),
+    (dict(group=[0]), r"`group` must be 1-D of length B = 2, got shape \(1,\)"),
+    (dict(correct=[1]), r"`correct` must have shape \[B\] = \[2\], got \(1,\)"),
+    (dict(correct=[[1, 0]]), r"`correct` must have shape \[B\] = \[2\], got \(1, 2\)"),
+    (dict(correct=[1, 2]), r"`correct` must be bool or hold only 0 and 1, found 2 at row 1"),
+    (dict(advantages=torch.zeros(2)), r"`advantages` must be a real \[B, L\] tensor, got torch.float32 \(2,\)"),
+    (dict(advantages=[[0.0] * 3] * 2), r"`advantages` must be a real \[B, L\] tensor, got list"),
+    (dict(group=torch.tensor([0.0, 0.0])), r"`group` as a tensor must hold integers, got torch.float32; "
+                                           r"convert with `group.long\(\)`"),
+])
+def test_from_advantages_names_a_bad_argument(changes, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        _per_token(**changes)
+
+
+def test_scores_must_be_key_token_scores():
+    with pytest.raises(ValueError, match=r"^`scores` must be a KeyTokenScores or None, got dict"):
+        ktae_metrics({"score": 1.0})

@@ -62,6 +62,21 @@ def test_plan_checks_index_and_backend_as_token_advantage_does():
         plan_token_advantage([0, 1], (2, 4), backend="cuda")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with a usable CUDA GPU")
+@pytest.mark.parametrize("backend", ["auto", "torch", "reference"])
+def test_a_plan_for_cuda_without_a_gpu_says_why(backend):
+    """As ``token_advantage`` on a device this machine lacks: BackendUnavailableError, never torch's error."""
+    with pytest.raises(BackendUnavailableError, match=r"CPU-only build|no usable CUDA GPU"):
+        plan_token_advantage([0, 1], (2, 4), device="cuda", backend=backend)
+
+
+@pytest.mark.parametrize("device", ["tpu", None, 5])
+def test_a_plan_names_a_bad_device(device):
+    with pytest.raises(ValueError, match=rf"^`device` must be a torch.device or a device string such as 'cpu' or "
+                                         rf"'cuda:0', got {device!r}$"):
+        plan_token_advantage([0, 1], (2, 4), device=device)
+
+
 def test_a_plan_rejects_batches_of_another_shape():
     plan = plan_token_advantage([0, 0, 1, 1], (4, 3))
     responses = torch.ones(4, 5, dtype=torch.int64)

@@ -16,7 +16,7 @@ CASES = random_cases(seed=0, small=True) + adversarial_cases(small=True)
 CONFIGS = {
     "default": KTAEConfig(),
     "upstream": KTAEConfig(fisher="upstream"),
-    "no-tf-ignore": KTAEConfig(use_tf=False, ignore_token_ids=(3, 5, 151643, 2**31 - 1, 2**40)),
+    "no-tf-ignore": KTAEConfig(use_tf=False, ignore_token_ids=(3, 5, 151643, 2**31 - 1)),
     "weights": KTAEConfig(alpha=0.5, beta=2.0, top=0.3, k1=1.2, b=0.75, weight=0.5, baseline="mean",
                           correct_threshold=0.5),
 }
