@@ -127,6 +127,23 @@ def adversarial_cases(small: bool = False):
     return cases
 
 
+def zero_strength_case():
+    """One group of 4 rollouts (2 correct) where token 7 sits in one correct and one wrong rollout: its
+    table has p = 1, so strength 0, and a negative direction (more of it in the wrong rollout), the score
+    ``0 * x < 0``. With ``rollout_advantage`` -0.0 the method gives +0.0 there (``method.squash`` adds
+    0.0). (responses, mask, rewards, index, rollout_advantage) tensors."""
+    responses = torch.tensor([[7, 1, 2, 3], [4, 5, 6, 8], [7, 7, 7, 9], [10, 11, 12, 13]])
+    mask = torch.ones_like(responses, dtype=torch.bool)
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    return responses, mask, rewards, torch.zeros(4, dtype=torch.int64), torch.full((4,), -0.0, dtype=torch.float64)
+
+
+def assert_same_signs(expected: torch.Tensor, actual: torch.Tensor) -> None:
+    """Equal values and equal sign bits (``torch.equal`` holds -0.0 == 0.0)."""
+    assert torch.equal(expected, actual)
+    assert torch.equal(torch.signbit(expected), torch.signbit(actual)), (expected, actual)
+
+
 def distinct_and_repeated_groups():
     """Two groups of 4 rollouts x 40: group 0 holds 160 distinct ids (past any first table slice),
     group 1 only ids 0-2; rewards 1, 0, 1, 0 in each. (responses, mask, rewards, index) tensors."""

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 
 import ktae_kernels.backends.cpu as cpu
-from cases import adversarial_cases, assert_scores_match, make_batch, random_cases
+from cases import adversarial_cases, assert_same_signs, assert_scores_match, make_batch, random_cases, zero_strength_case
 from ktae_kernels import BackendUnavailableError, KTAEConfig, available_backends, key_token_scores, method, token_advantage
 from ktae_kernels.registry import get_backend
 from test_properties import batches, configs
@@ -78,6 +78,14 @@ def test_equals_torch_backend_on_generated_batches(batch, config):
                        token_advantage(*batch, config=config, backend="torch"))
     assert_scores_match(key_token_scores(*batch, config=config, backend="torch"),
                         key_token_scores(*batch, config=config, backend="cpu"), p_rtol=0, atol=0)
+
+
+def test_zero_scores_are_positive_zeros_as_in_torch():
+    """A row of strength 0 and negative direction scores +0.0, as the method's squash (no -0.0 sum with a
+    -0.0 rollout advantage)."""
+    responses, mask, rewards, index, given = zero_strength_case()
+    expected = token_advantage(responses, mask, rewards, index, rollout_advantage=given, backend="torch")
+    assert_same_signs(expected, token_advantage(responses, mask, rewards, index, rollout_advantage=given, backend="cpu"))
 
 
 def test_one_group_of_1024_rollouts(threads):

@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig, KernelVariant, method, reference
+from ktae_kernels import CudaTuning, ExecutionOptions, KTAEConfig, KernelVariant, method, reference, token_advantage
 from ktae_kernels.backends import cuda, device as device_state
 from ktae_kernels.backends.cuda import pipeline
 from ktae_kernels.validation import normalise_batch
-from cases import adversarial_cases, assert_scores_match, distinct_and_repeated_groups, make_batch, random_cases
+from cases import (adversarial_cases, assert_same_signs, assert_scores_match, distinct_and_repeated_groups, make_batch,
+                   random_cases, zero_strength_case)
 from cuda_recorder import Recorder
 
 pytestmark = pytest.mark.slow
@@ -174,6 +175,15 @@ def test_given_rollout_advantage(emulator, fisher):
     batch = normalise_batch(responses, mask, rewards, index)
     given = torch.linspace(-2.0, 3.0, responses.shape[0], dtype=torch.float64)
     check(emulator, name, batch, KTAEConfig(fisher=fisher), given=given)
+
+
+def test_zero_scores_are_positive_zeros_as_in_torch(emulator):
+    """A row of strength 0 and negative direction scores +0.0, as the method's squash."""
+    responses, mask, rewards, index, given = zero_strength_case()
+    batch = normalise_batch(responses, mask, rewards, index)
+    expected = token_advantage(responses, mask, rewards, index, rollout_advantage=given, backend="torch")
+    assert_same_signs(expected, cuda.token_advantage(batch, KTAEConfig(), given, None, ExecutionOptions(),
+                                                     launcher=emulator))
 
 
 def test_launches_reject_bad_arguments_naming_them(emulator, monkeypatch):

@@ -630,7 +630,7 @@ inline double score_of(Strength s, uint64_t f_c, uint64_t f_w, Bm25& tf, const M
     x = x + (tf_c / (tf_w + kTfEps) - tf_w / (tf_c + kTfEps));
   }
   const double key = (s.strength * x) / (m.alpha + m.beta);
-  return std::min(m.bound, std::max(-m.bound, m.top * std::tanh(key / 2.0)));
+  return std::min(m.bound, std::max(-m.bound, m.top * std::tanh(key / 2.0))) + 0.0;  // + 0.0: no -0.0 scores
 }
 
 // The statistics of table (a, b) of group g with totals `tot`: from the grid, or from the caches.

@@ -495,7 +495,7 @@ __device__ double row_score(const KernelArgs& args, uint32_t token, const SlotCo
   }
   const double key = strength * x / (args.alpha + args.beta);
   const double bound = nextafter(args.top, 0.0);
-  return fmin(fmax(args.top * tanh(key / 2.0), -bound), bound);
+  return fmin(fmax(args.top * tanh(key / 2.0), -bound), bound) + 0.0;  // + 0.0: no -0.0 scores
 }
 
 // The score of (group g, token) from the given sorted rows (fisher="upstream", or a grid of tables
