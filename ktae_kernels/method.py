@@ -4,11 +4,12 @@ Every fast backend (torch, cpu, triton, cuda) counts its ``(group, token)`` tabl
 uses this module:
 
 - ``group_counts`` / ``group_stats``: correct flags, ``n_c, n_w`` and ``T_c, T_w`` per group (``[B]``-sized work);
-- ``TableGrid`` / ``table_statistics``: the Fisher p-value, ``F``, ``IG`` and Cohen's ``h`` depend only
-  on the table ``(a, b, n_c, n_w)`` (and, for ``fisher="upstream"``, the group's grid width), and a
+- ``table_statistics`` / ``distinct_tables``: the Fisher p-value, ``F``, ``IG`` and Cohen's ``h`` depend
+  only on the table ``(a, b, n_c, n_w)`` (and, for ``fisher="upstream"``, the group's grid width), and a
   group of ``n_c`` correct and ``n_w`` wrong rollouts has at most ``(n_c + 1)(n_w + 1)`` tables. They
-  are computed once per distinct table into flat arrays that a backend indexes with
-  ``grid.offset[g] + a * grid.stride[g] + b``;
+  are computed once per distinct table a batch's rows use; ``TableGrid`` numbers the tables
+  (``grid.offset[g] + a * grid.stride[g] + b``) for kernels that look them up in flat arrays
+  (``grid_statistics``, ``full_grid_statistics``);
 - ``score_rows``: per ``(group, token)`` row, the BM25 term-frequency ratio, the direction ``x`` and
   the squashed score (the only per-row maths);
 - ``rollout_advantage``: the GRPO / mean / caller-given ``A_i``.
@@ -29,7 +30,7 @@ from torch import Tensor
 from . import caches
 from .config import KTAEConfig
 from .fisher import exact_pvalue_flat, fisher_weight, upstream_fisher_weight, upstream_pvalue
-from .primitives import gather, group_sum, row_counts
+from .primitives import flat_nonzero, gather, group_sum, prefix_sums, row_counts
 from .types import Batch, KeyTokenScores
 
 #: the constant the published code adds to both TF denominators.
@@ -90,22 +91,12 @@ class TableGrid:
 
     The table ``[[a, b], [n_c - a, n_w - b]]`` of group ``g`` is entry ``offset[g] + a * stride[g] + b``
     (``stride = n_w + 1``). Groups with the same ``(n_c, n_w)`` (and, in upstream mode, the same grid
-    width) share one block of ``(n_c + 1) * (n_w + 1)`` entries.
-    offset, stride: int64 ``[n_groups]``; a, b, n_c, n_w, width: int64 ``[size]``, each entry's table
-    (``width`` is 0 in exact mode).
+    width) share one block of ``(n_c + 1) * (n_w + 1)`` entries. offset, stride: int64 ``[n_groups]``.
     """
 
     offset: Tensor
     stride: Tensor
-    a: Tensor
-    b: Tensor
-    n_c: Tensor
-    n_w: Tensor
-    width: Tensor
-
-    @property
-    def size(self) -> int:
-        return int(self.a.shape[0])
+    size: int
 
     def entry(self, group: Tensor, a: Tensor, b: Tensor) -> Tensor:
         """int64 entries of the tables ``(a, b)`` of rows in groups ``group``."""
@@ -114,30 +105,18 @@ class TableGrid:
 
 def table_grid(n_c: Tensor, n_w: Tensor, width: Tensor | None = None) -> TableGrid:
     """The grid of per-group counts ``n_c, n_w`` (int64 ``[n_groups]``); ``width`` (upstream mode only):
-    each group's Fisher grid width (``upstream_width``)."""
-    device = n_c.device
+    each group's Fisher grid width (``upstream_width``). ``[n_groups]``-sized work, whatever the grid's size."""
     keys = torch.stack([n_c, n_w] + ([width] if width is not None else []), dim=1).cpu()
     blocks, inverse = torch.unique(keys, dim=0, return_inverse=True) if keys.shape[0] else (keys, keys[:, 0])
-    block_nc, block_nw = blocks[:, 0], blocks[:, 1]
-    block_size = (block_nc + 1) * (block_nw + 1)
+    block_size = (blocks[:, 0] + 1) * (blocks[:, 1] + 1)
     block_start = torch.cumsum(block_size, 0) - block_size
-    member = torch.repeat_interleave(torch.arange(blocks.shape[0]), block_size)
-    local = torch.arange(int(block_size.sum())) - block_start[member]
-    stride = block_nw[member] + 1
-    grid = TableGrid(
-        offset=block_start[inverse].to(device), stride=(n_w + 1).to(device),
-        a=(local // stride).to(device), b=(local % stride).to(device),
-        n_c=block_nc[member].to(device), n_w=block_nw[member].to(device),
-        width=(blocks[member, 2] if width is not None else torch.zeros_like(member)).to(device),
-    )
-    return grid
+    return TableGrid(offset=block_start[inverse].to(n_c.device), stride=n_w + 1, size=int(block_size.sum()))
 
 
 @dataclass(frozen=True)
 class TableStats:
-    """float64 ``[grid.size]`` per table: ``p_value``, ``F`` and ``IG`` (both 0 where the table is not
-    informative), Cohen's ``h``, and ``strength = alpha F + beta IG``. Entries not computed (outside
-    ``needed``) hold p = 1 and zeros."""
+    """float64 ``[T]`` per table: ``p_value``, ``F`` and ``IG`` (both 0 where the table is not informative),
+    Cohen's ``h``, and ``strength = alpha F + beta IG``."""
 
     p_value: Tensor
     F: Tensor
@@ -145,25 +124,25 @@ class TableStats:
     h: Tensor
     strength: Tensor
 
+    def stacked(self) -> Tensor:
+        """float64 ``[5, T]``: the five in this order."""
+        return torch.stack([self.p_value, self.F, self.IG, self.h, self.strength])
 
-def table_statistics(grid: TableGrid, config: KTAEConfig, needed: Tensor | None = None) -> TableStats:
-    """Statistics of the grid's tables (all, or those where bool ``needed [grid.size]`` is set)."""
-    rows = torch.arange(grid.size, device=grid.a.device) if needed is None else torch.nonzero(needed).squeeze(1)
-    a, b, n_c, n_w = grid.a[rows], grid.b[rows], grid.n_c[rows], grid.n_w[rows]
+
+def table_statistics(a: Tensor, b: Tensor, n_c: Tensor, n_w: Tensor, config: KTAEConfig,
+                     width: Tensor | None = None) -> TableStats:
+    """Statistics of the tables ``[[a, b], [n_c - a, n_w - b]]`` (int64 ``[T]`` each); ``width`` (int64
+    ``[T]``, upstream mode only): each table's Fisher grid width."""
     if config.fisher == "exact":
         p = exact_pvalue_flat(a, b, n_c - a, n_w - b)
         F = fisher_weight(p)
     else:
-        p32 = upstream_pvalue(a, b, n_c - a, n_w - b, grid.width[rows])
+        p32 = upstream_pvalue(a, b, n_c - a, n_w - b, width)
         p, F = p32.double(), upstream_fisher_weight(p32)
     informative = informative_rows(a, b, n_c, n_w)
     F = torch.where(informative, F, 0.0)
     IG = torch.where(informative, information_gain(a, b, n_c, n_w), 0.0)
-    values = (p, F, IG, cohen_h(a, b, n_c, n_w), config.alpha * F + config.beta * IG)
-    full = torch.zeros(5, grid.size, dtype=torch.float64, device=grid.a.device)
-    full[0] = 1.0
-    full[:, rows] = torch.stack(values)
-    return TableStats(*full.unbind(0))
+    return TableStats(p, F, IG, cohen_h(a, b, n_c, n_w), config.alpha * F + config.beta * IG)
 
 
 #: the largest grid (Fisher support points summed over its tables) that ``full_grid_statistics`` fills whole.
@@ -233,9 +212,9 @@ def _size_rows(sizes: tuple[int, ...], config: KTAEConfig) -> tuple[np.ndarray, 
 @functools.lru_cache(maxsize=4096)
 def _block_statistics(n_c: int, n_w: int, config: KTAEConfig) -> Tensor:
     """float64 ``[5, (n_c + 1)(n_w + 1)]``: ``p_value, F, IG, h, strength`` of one block's tables."""
-    grid = table_grid(torch.tensor([n_c]), torch.tensor([n_w]))
-    stats = table_statistics(grid, config)
-    return torch.stack([stats.p_value, stats.F, stats.IG, stats.h, stats.strength])
+    entry = torch.arange((n_c + 1) * (n_w + 1))
+    side = torch.full_like(entry, n_c), torch.full_like(entry, n_w)
+    return table_statistics(entry // (n_w + 1), entry % (n_w + 1), *side, config).stacked()
 
 
 caches.on_clear(_size_rows.cache_clear)
@@ -327,15 +306,54 @@ class Rows:
     f_w: Tensor
 
 
-def row_statistics(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[TableGrid, TableStats, Tensor]:
-    """The grid of the rows' groups, the statistics of exactly the tables the rows use, and each row's
-    grid entry (int64 ``[U]``)."""
+#: a grid of at most this many entries per row (plus ``DENSE_GRID_MIN``) finds the rows' distinct tables
+#: with a bool mask over the grid; a bigger one (groups of thousands of rollouts) by sorting the rows' entries.
+DENSE_GRID_PER_ROW = 8
+DENSE_GRID_MIN = 1 << 20
+
+
+@dataclass(frozen=True)
+class DistinctTables:
+    """The distinct tables that rows use: their ``grid``, its sorted ``entries`` (int64 ``[K]``) and their
+    statistics (``stats``, ``[K]``), and where each row's table is among them (``index``, int64 ``[U]``)."""
+
+    grid: TableGrid
+    entries: Tensor
+    stats: TableStats
+    index: Tensor
+
+
+def distinct_tables(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> DistinctTables:
+    """The statistics of exactly the tables the rows use, each computed once; memory O(rows), never
+    O(grid) for a grid much larger than the rows (one group of 8,000 rollouts has 16 million tables)."""
     width = upstream_width(rows.a, rows.b, n_c, rows.group, n_c.shape[0]) if config.fisher == "upstream" else None
     grid = table_grid(n_c, n_w, width)
     entry = grid.entry(rows.group, rows.a, rows.b)
-    needed = torch.zeros(grid.size, dtype=torch.bool, device=entry.device)
-    needed[entry] = True
-    return grid, table_statistics(grid, config, needed), entry
+    entries, index = _distinct(entry, grid.size)
+    first = torch.empty_like(entries).scatter_(0, index, torch.arange(entry.shape[0], device=entry.device))
+    g = rows.group[first]
+    stats = table_statistics(rows.a[first], rows.b[first], gather(n_c, g), gather(n_w, g), config,
+                             None if width is None else gather(width, g))
+    return DistinctTables(grid, entries, stats, index)
+
+
+def _distinct(entry: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    """The sorted distinct values of int64 ``entry [U]`` (all in ``[0, size)``) and each one's index among them."""
+    if size > DENSE_GRID_PER_ROW * entry.shape[0] + DENSE_GRID_MIN:
+        return torch.unique(entry, return_inverse=True)
+    used = torch.zeros(size, dtype=torch.bool, device=entry.device)
+    used[entry] = True
+    return flat_nonzero(used), gather(prefix_sums(used), entry).long()  # the used entries before each
+
+
+def grid_statistics(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[TableGrid, TableStats]:
+    """The grid of the rows' groups and statistics indexed by its entries (``[grid.size]``: for a kernel
+    that looks a row's table up by entry): the tables the rows use, p = 1 and zeros elsewhere."""
+    tables = distinct_tables(rows, n_c, n_w, config)
+    full = torch.zeros(5, tables.grid.size, dtype=torch.float64, device=tables.entries.device)
+    full[0] = 1.0
+    full[:, tables.entries] = tables.stats.stacked()
+    return tables.grid, TableStats(*full.unbind(0))
 
 
 def score_rows(rows: Rows, n_c: Tensor, n_w: Tensor, T_c: Tensor, T_w: Tensor, config: KTAEConfig,
@@ -345,7 +363,8 @@ def score_rows(rows: Rows, n_c: Tensor, n_w: Tensor, T_c: Tensor, T_w: Tensor, c
     ``n_c, n_w, T_c, T_w``: int64 ``[n_groups]``; ``labels``: the caller's group labels.
     """
     g = rows.group
-    _, stats, entry = row_statistics(rows, n_c, n_w, config)
+    tables = distinct_tables(rows, n_c, n_w, config)
+    stats, entry = tables.stats, tables.index
     x = gather(stats.h, entry)
     if config.use_tf:
         x = x + tf_ratio(rows.f_c, rows.f_w, g, T_c, T_w, config)

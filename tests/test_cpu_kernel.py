@@ -34,10 +34,7 @@ def _native_statistics(kernel, tables: torch.Tensor) -> torch.Tensor:
 
 
 def _method_statistics(tables: torch.Tensor) -> method.TableStats:
-    a, b, n_c, n_w = tables
-    grid = method.TableGrid(offset=torch.zeros(1, dtype=torch.int64), stride=torch.ones(1, dtype=torch.int64),
-                            a=a, b=b, n_c=n_c, n_w=n_w, width=torch.zeros_like(a))
-    return method.table_statistics(grid, KTAEConfig())
+    return method.table_statistics(*tables, KTAEConfig())
 
 
 def _random_tables(rng: np.random.Generator, count: int, max_side: int) -> torch.Tensor:
@@ -76,7 +73,7 @@ def _big_group_batch(seed: int = 11, sizes=(300, 200), length: int = 40, vocab: 
 def test_big_groups_use_native_statistics_and_memoise_them(kernel, monkeypatch):
     """Past ``method.FULL_GRID_WORK`` the kernel computes the tables it meets (no torch pass, no rows
     listed first), once: a second call finds them all cached and returns the same bits."""
-    monkeypatch.setattr(method, "row_statistics", _must_not_run)
+    monkeypatch.setattr(method, "distinct_tables", _must_not_run)
     batch = _big_group_batch()
     kernel.clear_statistics_cache()
     cold = token_advantage(*batch, backend="cpu")

@@ -1,4 +1,8 @@
 """The vectorised torch backend against the scipy reference on random and adversarial batches."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -67,3 +71,41 @@ def test_group_sums_on_the_cpu_match_index_add():
         expected = torch.zeros(7, dtype=dtype).index_add_(0, group, source)
         got = group_sum(group, 7, values)
         assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def _one_big_group(G: int, vocab: int = 50):
+    gen = torch.Generator().manual_seed(G)
+    responses = torch.randint(0, vocab, (G, 8), generator=gen)
+    rewards = (torch.rand(G, generator=gen) > 0.5).double()
+    return responses, torch.ones_like(responses, dtype=torch.bool), rewards, torch.zeros(G, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("fisher", ["exact", "upstream"])
+def test_a_group_of_thousands_of_rollouts_matches_reference_through_the_sorted_tables(fisher, monkeypatch):
+    """Past ``DENSE_GRID_PER_ROW`` grid entries per row, the rows' distinct tables come from a sort: the
+    same scores as the reference, and as the bool-mask path forced on the same batch."""
+    from ktae_kernels import method
+
+    batch, config = _one_big_group(1500), KTAEConfig(fisher=fisher)
+    grid_rows = 751 * 751 / (50 * 8)  # about (G/2 + 1)^2 entries for at most 50 rows
+    assert grid_rows > method.DENSE_GRID_PER_ROW
+    monkeypatch.setattr(method, "DENSE_GRID_MIN", 0)
+    sorted_tables = key_token_scores(*batch, config=config, backend="torch")
+    assert_scores_match(key_token_scores(*batch, config=config, backend="reference"), sorted_tables)
+    monkeypatch.setattr(method, "DENSE_GRID_PER_ROW", 10**9)
+    assert_scores_match(key_token_scores(*batch, config=config, backend="torch"), sorted_tables, p_rtol=0, atol=0)
+
+
+def test_memory_does_not_grow_with_the_tables_a_group_could_have():
+    """One group of 8,000 rollouts could have 16 million tables; a call's peak memory stays with its rows
+    (tens of MB), in a fresh process."""
+    code = ("import resource, torch, test_torch_backend as t; from ktae_kernels import token_advantage\n"
+            "batch = t._one_big_group(8000); token_advantage(*t._one_big_group(16), backend='torch')\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "token_advantage(*batch, backend='torch')\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    grown_mb = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                  env=env).stdout)
+    assert grown_mb < 100, grown_mb

@@ -13,7 +13,7 @@ holds no call back. The result does not depend on the thread count.
 When the full grid of tables is large (big groups), the kernel computes the statistics of each
 distinct table it meets itself (the same float64 formulas) and memoises them across groups and
 calls. With ``fisher="upstream"`` (whose p-value depends on the rows present) and a large grid, a
-first kernel call lists the rows, ``method.row_statistics`` computes exactly the tables they use,
+first kernel call lists the rows, ``method.grid_statistics`` computes exactly the tables they use,
 and the fused call follows. ``key_token_scores`` uses the row listing and ``method.score_rows``.
 Token ids are range-checked inside the kernels (the registry declares ``checks_token_ids``); the
 kernel checks its arrays' dtype, shape, strides and device itself.
@@ -152,7 +152,7 @@ def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig,
     if config.fisher == "exact":
         return None
     rows, _, _ = _list_rows(inputs, threads)
-    grid, stats, _ = method.row_statistics(rows, counts.n_c, counts.n_w, config)
+    grid, stats = method.grid_statistics(rows, counts.n_c, counts.n_w, config)
     return _host(grid.offset), _host(grid.stride), _host(stats.strength), _host(stats.h)
 
 

@@ -796,9 +796,8 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
         run, _, _ = _built(batch, config, tuning, True, grpo)
     else:  # the rows' statistics come from the host (upstream float32 p-values)
         run, rows = _rows(batch, config, tuning, grpo)
-        grid, table, _ = method.row_statistics(rows, run.group_row(_N_C), run.group_row(_N_W), config)
-        values = torch.stack([table.p_value, table.F, table.IG, table.h, table.strength])
-        score(run, config, batch.device, (values, torch.stack([grid.offset, grid.stride])))
+        grid, table = method.grid_statistics(rows, run.group_row(_N_C), run.group_row(_N_W), config)
+        score(run, config, batch.device, (table.stacked(), torch.stack([grid.offset, grid.stride])))
     advantage(run, batch, config, given, out, report=False)
     return out
 
