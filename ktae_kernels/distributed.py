@@ -31,12 +31,11 @@ from . import method
 from .backends import torch as tb
 from .config import KTAEConfig
 from .options import DEFAULT_OPTIONS, ExecutionOptions
+from .registry import DISTRIBUTED_BACKENDS
 from .types import Batch, KeyTokenScores
 
 #: token ids are < 2**31 (checked by the API), so (group, token) packs as ``group << 31 | token``.
 TOKEN_BITS = 31
-#: backends accepted together with a process group: the statistics always run on the torch path.
-BACKENDS = ("auto", "torch")
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,8 @@ def _merge(batch: Batch, config: KTAEConfig, process_group: Any) -> _Merged:
 
 
 def _check(process_group: Any, backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"`backend` must be one of {BACKENDS} with a `process_group` (the torch path "
+    if backend not in DISTRIBUTED_BACKENDS:
+        raise ValueError(f"`backend` must be one of {DISTRIBUTED_BACKENDS} with a `process_group` (the torch path "
                          f"computes data-parallel statistics), got {backend!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("`process_group` needs an initialised torch.distributed (call init_process_group first)")

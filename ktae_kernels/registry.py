@@ -13,7 +13,7 @@ import os
 import sys
 import threading
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +29,12 @@ def register_backend(spec: BackendSpec) -> BackendSpec | None:
     replaced = _REGISTRY.get(spec.name)
     _REGISTRY[spec.name] = spec
     return replaced
+
+
+#: the backend a ``process_group=`` call runs (the torch stages, merged over the ranks), and the
+#: ``backend=`` names such a call accepts.
+DISTRIBUTED_BACKEND = "torch"
+DISTRIBUTED_BACKENDS = ("auto", DISTRIBUTED_BACKEND)
 
 
 def backend_spec(name: str) -> BackendSpec:
@@ -93,6 +99,14 @@ def device_problem(device: torch.device | str) -> str | None:
     return None if kind == "cpu" else _no_cuda_gpu() if kind == "cuda" else f"no backend runs on {kind} tensors"
 
 
+def check_backend_name(name: Any, where: str = "`backend`") -> str:
+    """``name`` when it is "auto" or a registered backend's name (whether that backend can run here is
+    known only for the tensors' device); else ValueError naming ``where`` and the accepted names."""
+    if not isinstance(name, str) or (name != "auto" and name not in _REGISTRY):
+        raise ValueError(f"{where} must be 'auto' or one of {backend_names()}, got {name!r}")
+    return name
+
+
 def resolve(name: str, device: torch.device | str) -> BackendSpec:
     """The spec of ``name`` on ``device``; "auto" picks the first usable one in the auto order.
 
@@ -115,9 +129,7 @@ def resolve(name: str, device: torch.device | str) -> BackendSpec:
         raise BackendUnavailableError(f"no backend can run on device type {kind!r} here"
                                       f"{'' if problem is None else ': ' + problem}; use CPU tensors (`.cpu()`, or "
                                       f"device='cpu' for a plan)")
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"`backend` must be 'auto' or one of {backend_names()}, got {name!r}")
-    spec = _REGISTRY[name]
+    spec = _REGISTRY[check_backend_name(name)]
     if kind not in spec.devices:
         where = " or ".join(repr(d) for d in spec.devices)
         problem = spec.unavailable(spec.devices[0])

@@ -46,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
     "backends.triton": BACKEND_IMPORTS | {"backends.triton.pipeline"},
     "backends.triton.": BACKEND_IMPORTS | {"backends.triton.hashing", "backends.triton.statistics"},
     "registry": {"backends.base", "backends.cpu", "backends.cuda", "caches"},  # availability probes
-    "distributed": LOWER | {"backends.torch"},  # the torch stages over a process group
+    "distributed": LOWER | {"backends.torch", "registry"},  # the torch stages over a process group
     "api": LOWER | {"backends.base", "registry", "distributed"},
     "plan": LOWER | {"backends.base", "backends.device", "registry"},
     "metrics": LOWER,

@@ -413,7 +413,7 @@ def test_settings_travel_as_json_with_ignore_token_ids():
     with pytest.raises(ValueError, match="KTAE_OPENRLHF must hold a JSON object"):
         ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: "{"})
     for bad in ('"gpu"', "null"):  # fails in the launcher and the trainer actor at start-up, not at the first batch
-        with pytest.raises(ValueError, match=r"KTAE_OPENRLHF.backend must be one of \('auto', 'reference'"):
+        with pytest.raises(ValueError, match=r"KTAE_OPENRLHF.backend must be 'auto' or one of \('reference'"):
             ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: f'{{"backend": {bad}}}'})
 
 

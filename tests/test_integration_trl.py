@@ -122,7 +122,7 @@ def test_metrics_off_logs_nothing(tmp_path):
 def test_a_bad_backend_name_fails_when_the_trainer_is_built(tmp_path):
     """``ktae_backend`` is checked at construction (not at the first step's kernel call)."""
     for bad in ("gpu", None):
-        with pytest.raises(ValueError, match=r"`ktae_backend` must be one of \('auto', 'reference'.*got "
+        with pytest.raises(ValueError, match=r"`ktae_backend` must be 'auto' or one of \('reference'.*got "
                                              + repr(bad)):
             KTAEGRPOTrainer(_model(), reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
                             processing_class=_tokenizer(), ktae_backend=bad)

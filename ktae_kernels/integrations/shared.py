@@ -21,7 +21,7 @@ from .. import method
 from ..config import KTAEConfig
 from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
-from ..registry import backend_names, resolve
+from ..registry import DISTRIBUTED_BACKEND, check_backend_name, resolve
 from ..types import KeyTokenScores
 from ..validation import dense_group_ids
 
@@ -53,19 +53,10 @@ class AdapterSettings:
             raise ValueError(f"`config` must be a KTAEConfig, got {type(self.config).__name__}")
         if not isinstance(self.options, ExecutionOptions):
             raise ValueError(f"`options` must be an ExecutionOptions, got {type(self.options).__name__}")
-        check_backend(self.backend)
+        check_backend_name(self.backend)
         check_metrics_mode(self.metrics)
         if self.correct_key is not None and not (isinstance(self.correct_key, str) and self.correct_key):
             raise ValueError(f"`correct_key` must be a non-empty string or None, got {self.correct_key!r}")
-
-
-def check_backend(name: Any, where: str = "`backend`") -> str:
-    """``name`` when it is "auto" or a registered backend name (whether or not it can run here: that is
-    known only for the tensors' device); else ValueError naming ``where`` and the accepted names."""
-    accepted = ("auto", *backend_names())
-    if not isinstance(name, str) or name not in accepted:
-        raise ValueError(f"{where} must be one of {accepted}, got {name!r}")
-    return name
 
 
 def check_metrics_mode(mode: Any, where: str = "metrics") -> str:
@@ -92,7 +83,7 @@ def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
     if unknown:
         raise ValueError(f"{where} has unknown keys {unknown}{_did_you_mean(unknown, known | set(EXTRA_KEYS))}; "
                          f"expected KTAEConfig fields {sorted(known)} or one of {list(EXTRA_KEYS)}")
-    backend = check_backend(values.pop("backend", "auto"), f"{where}.backend")
+    backend = check_backend_name(values.pop("backend", "auto"), f"{where}.backend")
     metrics = check_metrics_mode(values.pop("metrics", "advantages"), f"{where}.metrics")
     correct_key = values.pop("correct_key", "acc")
     threads = values.pop("threads", None)
@@ -229,10 +220,6 @@ def column_values(columns: Mapping[str, Any] | None, key: str | None) -> Any:
 # ----------------------------------------------------------------------------------------- metrics
 #: the native CPU kernel's backend name: the one backend ``ktae/threads`` describes.
 NATIVE_BACKEND = "cpu"
-#: the backend ``process_group=`` calls run (the torch stages, merged over the ranks).
-DISTRIBUTED_BACKEND = "torch"
-#: the ``backend=`` names a ``process_group=`` call accepts.
-DISTRIBUTED_BACKENDS = ("auto", DISTRIBUTED_BACKEND)
 
 
 def backend_that_runs(name: str, device: torch.device | str, *, distributed: bool = False) -> str:

@@ -26,10 +26,10 @@ from ..api import key_token_scores
 from ..config import KTAEConfig
 from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
+from ..registry import DISTRIBUTED_BACKENDS, check_backend_name
 from .gathered import grpo_groups, grpo_token_advantages
-from .shared import (DISTRIBUTED_BACKENDS, AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs,
-                     check_backend, check_metrics_mode, check_version, correct_labels, missing_target, rollout_baseline,
-                     step_metrics)
+from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_metrics_mode,
+                     check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
 
 __all__ = ["RELIED_ON", "SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order",
            "check_subclass_overrides", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
@@ -151,7 +151,7 @@ class KTAEGRPOMixin:
             raise ValueError(f"`ktae_use_trl_advantage` must be True or False, got {ktae_use_trl_advantage!r}")
         if isinstance(ktae_correct_reward_funcs, str):
             ktae_correct_reward_funcs = [ktae_correct_reward_funcs]
-        check_backend(ktae_backend, "`ktae_backend`")
+        check_backend_name(ktae_backend, "`ktae_backend`")
         check_metrics_mode(ktae_metrics, "`ktae_metrics`")
         self.ktae_settings = AdapterSettings(KTAEConfig() if ktae_config is None else ktae_config, ktae_backend,
                                              ktae_metrics, options=ExecutionOptions() if ktae_options is None else ktae_options)

@@ -401,7 +401,7 @@ def _cached_inputs(plan: StaticPlan, config: KTAEConfig, device: torch.device) -
     log_factorial = None
     if plan.bound is None or plan.largest > plan.bound:
         log_factorial = state.log_factorials(plan.largest)
-    ignore = state.constant(tuple(i for i in config.ignore_token_ids if i <= MAX_TOKEN_ID), torch.int64)
+    ignore = state.constant(config.ignore_token_ids, torch.int64)
     return values, log_factorial, ignore
 
 

@@ -650,9 +650,9 @@ class Run:
 
 def constants(config: KTAEConfig, device: torch.device) -> Tensor:
     """float64 ``[10 + k]``: ``alpha, beta, top``, the largest float below ``top``, ``k1, b``, the TF
-    epsilon, ``weight``, ``correct_threshold``, ``eps``, then the k ignored ids that can occur; uploaded
+    epsilon, ``weight``, ``correct_threshold``, ``eps``, then the k ignored ids; uploaded
     once per (config, device)."""
-    ignore = [float(t) for t in config.ignore_token_ids if t <= MAX_TOKEN_ID]
+    ignore = [float(t) for t in config.ignore_token_ids]
     values = (config.alpha, config.beta, config.top, math.nextafter(config.top, 0.0), config.k1, config.b, TF_EPS,
               config.weight, config.correct_threshold, config.eps, *ignore)
     return device_state.state(device).constant(values, torch.float64)
