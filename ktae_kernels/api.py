@@ -51,7 +51,8 @@ def token_advantage(
             Collective: every rank of the group must call. Runs the torch path (``backend`` "auto"
             or "torch"); see ``ktae_kernels.distributed``. None (default): this batch alone.
         out: optional preallocated contiguous float32 ``[B, L]`` tensor on the device of
-            ``responses``, overwritten with the result (a trainer can reuse it every step). After a
+            ``responses``, overwritten with the result (a trainer can reuse it every step); its memory
+            must not overlap any input tensor's or array's (refused before anything is written). After a
             ValueError for an out-of-range token id its contents are unspecified on the cpu
             backend, which checks ids while it counts and raises after; the cuda and triton backends
             check every id on the device before they write and leave ``out`` untouched (cuda checks
@@ -83,7 +84,9 @@ def token_advantage(
     batch = normalise_batch(responses, response_mask, rewards, index, correct=correct,
                             check_ids=not checks_ids, defer_values=checks_values)
     base = check_rollout_advantage(rollout_advantage, batch, defer_values=checks_values)
-    return impl.token_advantage(batch, config, base, check_out(out, batch), options)
+    out = check_out(out, batch, dict(responses=responses, response_mask=response_mask, rewards=rewards,
+                                     rollout_advantage=rollout_advantage, correct=correct))
+    return impl.token_advantage(batch, config, base, out, options)
 
 
 def key_token_scores(responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, index: Any, *,

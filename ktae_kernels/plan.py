@@ -95,7 +95,8 @@ class TokenAdvantagePlan:
         if tuple(batch.responses.shape) != self.shape:
             raise ValueError(f"`responses` must have the planned shape {self.shape}, got {tuple(batch.responses.shape)}")
         base = check_rollout_advantage(rollout_advantage, batch, read, defer_values=self.spec.checks_values)
-        out = check_out(out, batch)
+        out = check_out(out, batch, dict(responses=responses, response_mask=response_mask, rewards=rewards,
+                                         rollout_advantage=rollout_advantage, correct=correct))
         if read:
             return self.spec.load().token_advantage(batch, self.config, base, out, self.options)
         with self._lock:

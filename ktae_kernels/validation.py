@@ -6,7 +6,7 @@ error, naming the argument and the fix). Imports nothing of the package but ``co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -128,8 +128,10 @@ def check_id_range(low: int, high: int) -> None:
         raise ValueError(f"`responses` token ids must be < 2**31, found {high}")
 
 
-def check_out(out: Tensor | None, batch: Batch) -> Tensor | None:
-    """The caller's output tensor, checked: contiguous float32 ``[B, L]`` on the batch's device."""
+def check_out(out: Tensor | None, batch: Batch, inputs: Mapping[str, Any]) -> Tensor | None:
+    """The caller's output tensor, checked: contiguous float32 ``[B, L]`` on the batch's device, sharing no
+    memory with ``inputs`` (the caller's arguments by name, as given: the result would overwrite them while
+    they are read). Pointer arithmetic only: nothing is read, so a CUDA graph may capture the check."""
     if out is None:
         return None
     shape = tuple(batch.responses.shape)
@@ -143,7 +145,31 @@ def check_out(out: Tensor | None, batch: Batch) -> Tensor | None:
         raise ValueError("`out` must be contiguous; pass a fresh torch.empty(...) buffer")
     if out.requires_grad:
         raise ValueError("`out` must not require grad")
+    span = _memory_span(out)
+    for name, value in inputs.items():
+        other = _memory_span(value)
+        if span and other and span[0] == other[0] and span[1] < other[2] and other[1] < span[2]:
+            raise ValueError(f"`out` must not overlap `{name}` in memory (the result would overwrite it while it "
+                             f"is read); pass a separate buffer, e.g. torch.empty(responses.shape, "
+                             f"dtype=torch.float32, device=responses.device)")
     return out
+
+
+def _memory_span(value: Any) -> tuple[torch.device, int, int] | None:
+    """(device, first byte, one past the last byte) of the elements of a tensor or numpy array, from its
+    pointer, shape and strides (nothing read); None for another value or no element."""
+    if isinstance(value, Tensor) and value.numel() and value.device.type != "meta":
+        size = value.element_size()
+        start, device, strides = value.data_ptr(), value.device, [stride * size for stride in value.stride()]
+    elif isinstance(value, np.ndarray) and value.size:
+        size, start, device, strides = value.itemsize, value.__array_interface__["data"][0], _HOST, value.strides
+    else:
+        return None
+    steps = [(n - 1) * stride for n, stride in zip(value.shape, strides)]  # bytes; numpy's may be negative
+    return device, start + sum(min(step, 0) for step in steps), start + sum(max(step, 0) for step in steps) + size
+
+
+_HOST = torch.device("cpu")
 
 
 def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = True,

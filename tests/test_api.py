@@ -306,6 +306,62 @@ def test_bad_out_is_rejected_by_name(batch, bad):
         token_advantage(*batch, out=bad)
 
 
+OUT_BACKENDS = BACKENDS_HERE + (["triton"] if "triton" in available_backends("cpu") else [])  # triton: interpreted
+
+
+def _inputs_inside_out(batch, name):
+    """``out`` ([8, 10] float32, filled with 7.0 but for the bytes of ``name``) and the call's inputs by name,
+    ``name`` holding its values in a view of ``out``'s memory."""
+    responses, mask, rewards, index = batch
+    out = torch.full((8, 10), 7.0)
+    inside = {"responses": out.view(torch.int32), "response_mask": out.view(torch.bool)[:, :10],
+              "rewards": out[:, 0], "rollout_advantage": out[0, :8], "correct": out.view(torch.bool)[0, :8]}[name]
+    values = dict(responses=responses, response_mask=mask, rewards=rewards, rollout_advantage=torch.ones(8),
+                  correct=rewards > 0)
+    inside.copy_(values[name])
+    return out, {**values, name: inside}, index
+
+
+@pytest.mark.parametrize("backend", OUT_BACKENDS)
+@pytest.mark.parametrize("name", ["responses", "response_mask", "rewards", "rollout_advantage", "correct"])
+def test_out_overlapping_an_input_is_refused_before_it_is_written(batch, backend, name):
+    """An ``out`` sharing memory with an input would overwrite the input while it is read (the cpu backend
+    returned wrong values, torch raised numpy's error): refused by name, ``out`` untouched."""
+    out, inputs, index = _inputs_inside_out(batch, name)
+    before = out.clone()
+    with pytest.raises(ValueError) as raised:
+        token_advantage(inputs.pop("responses"), inputs.pop("response_mask"), inputs.pop("rewards"), index,
+                        backend=backend, out=out, **inputs)
+    assert str(raised.value) == (f"`out` must not overlap `{name}` in memory (the result would overwrite it while "
+                                 f"it is read); pass a separate buffer, e.g. torch.empty(responses.shape, "
+                                 f"dtype=torch.float32, device=responses.device)")
+    assert torch.equal(out.view(torch.int32), before.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_out_beside_inputs_in_one_buffer_is_taken_and_overlapping_is_not(batch, backend):
+    """Inputs and ``out`` as views of one float32 buffer (and a numpy array sharing ``out``'s memory): a
+    byte of overlap is refused, ``out`` right after the last input is taken."""
+    responses, mask, rewards, index = batch
+    want = token_advantage(responses, mask, rewards, index, rollout_advantage=torch.ones(8), backend=backend)
+    buffer = torch.zeros(80 + 8 + 8 + 80)
+    buffer[:80].view(8, 10).copy_(mask)
+    buffer[80:88].copy_(rewards)
+    buffer[88:96].fill_(1.0)
+    inputs = dict(response_mask=buffer[:80].view(8, 10), rewards=buffer[80:88], rollout_advantage=buffer[88:96])
+    for start, name in ((79, "response_mask"), (81, "rewards"), (95, "rollout_advantage")):
+        with pytest.raises(ValueError, match=rf"^`out` must not overlap `{name}` in memory"):
+            token_advantage(responses, index=index, backend=backend, out=buffer[start:start + 80].view(8, 10),
+                            **inputs)
+    out = buffer[96:].view(8, 10)
+    assert token_advantage(responses, index=index, backend=backend, out=out, **inputs) is out
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    host = np.zeros((8, 10), dtype=np.float32)
+    host[:, 0] = rewards.numpy()
+    with pytest.raises(ValueError, match=r"^`out` must not overlap `rewards` in memory"):
+        token_advantage(responses, mask, host[:, 0], index, backend=backend, out=torch.from_numpy(host))
+
+
 def test_out_device_is_checked(batch):
     with pytest.raises(ValueError, match="`out`"):
         token_advantage(*batch, out=torch.zeros(8, 10, device="meta"))

@@ -174,6 +174,19 @@ def test_while_capturing_unreadable_inputs_are_refused(monkeypatch):
         plan(responses, responses > 0, torch.ones(4), rollout_advantage=np.zeros(4))
 
 
+def test_while_capturing_an_out_overlapping_an_input_is_refused_with_no_read(monkeypatch):
+    """The overlap check is pointer arithmetic: a capture refuses an ``out`` sharing an input's memory
+    before the backend is handed anything, reading no value back."""
+    plan, recorder = _capturing_plan(monkeypatch)
+    out = torch.zeros(4, 3)
+    responses, mask = torch.ones(4, 3, dtype=torch.int64), torch.ones(4, 3, dtype=torch.bool)
+    with _no_host_reads(monkeypatch), pytest.raises(ValueError, match=r"^`out` must not overlap `rewards` in memory"):
+        plan(responses, mask, out[:, 0], out=out)
+    with _no_host_reads(monkeypatch), pytest.raises(ValueError, match=r"^`out` must not overlap `correct` in memory"):
+        plan(responses, mask, torch.ones(4), correct=out.view(torch.bool)[3, :4], out=out)
+    assert recorder.calls == []
+
+
 def test_capturing_needs_a_capturable_backend_and_exact_fisher(monkeypatch):
     responses = torch.ones(4, 3, dtype=torch.int64)
     plan, _ = _capturing_plan(monkeypatch, capturable=False)
