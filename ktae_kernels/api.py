@@ -62,7 +62,11 @@ def token_advantage(
 
     Returns:
         float32 ``[B, L]`` on the device of ``responses`` (``out`` when given):
-        ``(A_i + weight * score[group(i), responses[i, t]]) * response_mask[i, t]``.
+        ``(A_i + weight * score[group(i), responses[i, t]]) * response_mask[i, t]``. Finite inputs can
+        still overflow, with no error: rewards past about 1e154 in magnitude (their squares overflow the
+        "grpo" std in float64: ``A_i`` 0) or past about 1e308 (their group sum: inf), and advantages past
+        float32's 3.4e38 (e.g. ``KTAEConfig(weight=1e300)``) give 0, inf or NaN; checking the result would
+        cost a pass over ``[B, L]`` and, on a GPU, a wait for the device.
 
     Raises:
         ValueError: an argument has the wrong type, shape, dtype or values; the message names it

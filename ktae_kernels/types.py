@@ -17,8 +17,10 @@ ArrayLike = Union[Tensor, np.ndarray, Sequence]
 
 
 def host_tensor(name: str, value: np.ndarray | Sequence) -> Tensor:
-    """A CPU tensor of the caller's numpy array or (nested) list ``name``; ValueError naming it for a ragged
-    nested list, a value that is not a number, or an array torch cannot hold."""
+    """A CPU tensor of the caller's numpy array or (nested) list ``name`` (a numpy array copied to native byte
+    order and positive strides where torch cannot take it as it is; a list of no number int64, not numpy's
+    float64); ValueError naming it for a ragged nested list, a value that is not a number, or an array torch
+    cannot hold."""
     try:
         array = np.asarray(value)
     except ValueError:
@@ -28,6 +30,10 @@ def host_tensor(name: str, value: np.ndarray | Sequence) -> Tensor:
         bad = next((v for v in array.reshape(-1) if not isinstance(v, (int, float, np.number, bool))), None)
         raise ValueError(f"`{name}` must hold numbers, found {bad!r} ({type(bad).__name__}); "
                          f"replace missing values before the call")
+    if array.size == 0 and not isinstance(value, np.ndarray) and array.dtype == np.float64:
+        array = array.astype(np.int64)  # e.g. responses [[], []]: B rows of no token, no float among them
+    if array.dtype.kind in "biufc" and (not array.dtype.isnative or min(array.strides, default=0) < 0):
+        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
     try:
         return torch.as_tensor(array)
     except (TypeError, ValueError) as err:

@@ -90,7 +90,10 @@ def _checked_tensors(responses: ArrayLike, response_mask: ArrayLike, rewards: Ar
     device = responses.device
     shape = tuple(responses.shape)
     mask = _check_mask(_as_tensor("response_mask", response_mask, device, read), shape, read, pending)
+    unsigned = responses.dtype == torch.uint64
     responses = responses.to(torch.int64)
+    if unsigned and read:
+        _check_wrapped_ids(responses, mask)
     if check_ids:
         check_token_ids(responses, mask)
     reward = _check_rewards(_as_tensor("rewards", rewards, device, read), shape, read, pending)
@@ -126,6 +129,14 @@ def check_id_range(low: int, high: int) -> None:
                          f"set `response_mask` to 0 on padding")
     if high > MAX_TOKEN_ID:
         raise ValueError(f"`responses` token ids must be < 2**31, found {high}")
+
+
+def _check_wrapped_ids(responses: Tensor, mask: Tensor) -> None:
+    """The API's id error for uint64 ids from 2**63 on under the mask, with their true value: ``responses``
+    (int64, cast from uint64) holds them wrapped to negative ids (one read, for this dtype only)."""
+    wrapped = responses[mask & (responses < 0)]
+    if wrapped.numel():
+        check_id_range(0, int(wrapped.max()) + 2**64)
 
 
 def check_out(out: Tensor | None, batch: Batch, inputs: Mapping[str, Any]) -> Tensor | None:
@@ -179,7 +190,7 @@ def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = 
     if value is None:
         return None
     t = _as_tensor("rollout_advantage", value, batch.device, read)
-    if t.dtype.is_complex or tuple(t.shape) != (batch.responses.shape[0],):
+    if t.dtype.is_complex or t.dtype == torch.bool or tuple(t.shape) != (batch.responses.shape[0],):
         raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], "
                          f"got {t.dtype} {tuple(t.shape)}")
     return _finite_float64("rollout_advantage", t, read and not defer_values)

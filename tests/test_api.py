@@ -341,7 +341,7 @@ def test_out_overlapping_an_input_is_refused_before_it_is_written(batch, backend
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
 def test_out_beside_inputs_in_one_buffer_is_taken_and_overlapping_is_not(batch, backend):
     """Inputs and ``out`` as views of one float32 buffer (and a numpy array sharing ``out``'s memory): a
-    byte of overlap is refused, ``out`` right after the last input is taken."""
+    byte of overlap is refused (a reversed numpy view too), ``out`` right after the last input is taken."""
     responses, mask, rewards, index = batch
     want = token_advantage(responses, mask, rewards, index, rollout_advantage=torch.ones(8), backend=backend)
     buffer = torch.zeros(80 + 8 + 8 + 80)
@@ -359,7 +359,7 @@ def test_out_beside_inputs_in_one_buffer_is_taken_and_overlapping_is_not(batch, 
     host = np.zeros((8, 10), dtype=np.float32)
     host[:, 0] = rewards.numpy()
     with pytest.raises(ValueError, match=r"^`out` must not overlap `rewards` in memory"):
-        token_advantage(responses, mask, host[:, 0], index, backend=backend, out=torch.from_numpy(host))
+        token_advantage(responses, mask, host[::-1, 0], index, backend=backend, out=torch.from_numpy(host))
 
 
 def test_out_device_is_checked(batch):
@@ -405,6 +405,59 @@ def test_mistakes_raise_errors_that_name_the_argument_and_the_fix(mistake, error
     backend = args.pop("backend", "auto")
     with pytest.raises(error, match=message):
         token_advantage(args["responses"], args["response_mask"], args["rewards"], args["index"], backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+@pytest.mark.parametrize("layout", ["reversed", "big-endian"])
+def test_numpy_arrays_of_any_layout_are_taken(batch, backend, layout):
+    """numpy arrays torch cannot wrap as they are (negative strides: ``a[::-1]``; big-endian dtypes, e.g.
+    read from a file) are copied: the result is that of native contiguous arrays (torch's own error before)."""
+    responses, mask, rewards, index = (t.numpy() for t in batch)
+    given, correct = np.linspace(-1.0, 1.0, 8), rewards > 0
+    want = token_advantage(responses, mask, rewards, index, rollout_advantage=given, correct=correct, backend=backend)
+
+    def arranged(array):
+        if layout == "reversed":  # the same values, each axis stored backwards
+            return np.flip(np.ascontiguousarray(np.flip(array)))
+        return array.astype(array.dtype.newbyteorder(">"))
+
+    arrays = [arranged(a) for a in (responses, mask.astype(np.float32), rewards, given, correct.astype(np.int64))]
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, (responses, mask, rewards, given, correct)))
+    got = token_advantage(*arrays[:3], index, rollout_advantage=arrays[3], correct=arrays[4], backend=backend)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_lists_of_empty_rows_are_a_batch_of_no_token(backend):
+    """``responses=[[], [], []]``: three rollouts of no token (numpy makes the empty list float64; there is
+    no float id in it), as an int64 ``[3, 0]`` tensor would be."""
+    got = token_advantage([[], [], []], [[], [], []], [1.0, 0.0, 1.0], [0, 0, 1], backend=backend)
+    assert got.shape == (3, 0) and got.dtype == torch.float32
+    scores = key_token_scores([[], [], []], [[], [], []], [1.0, 0.0, 1.0], [0, 0, 1], backend=backend)
+    assert len(scores) == 0 and scores.n_c.tolist() == [1, 1] and scores.n_w.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS_HERE)
+def test_uint64_ids_from_2_63_on_are_reported_with_their_value(backend):
+    """A uint64 id of 2**63 was cast to int64 and reported as the negative id -2**63; padding under mask 0
+    may hold anything."""
+    responses = np.array([[5, 7], [5, 2**63 + 4]], dtype=np.uint64)
+    mask = np.ones((2, 2), dtype=bool)
+    for ids in (responses, torch.from_numpy(responses)):
+        with pytest.raises(ValueError, match=r"^`responses` token ids must be < 2\*\*31, found 9223372036854775812$"):
+            token_advantage(ids, mask, [1.0, 0.0], [0, 0], backend=backend)
+    mask[1, 1] = False
+    want = token_advantage(np.array([[5, 7], [5, 0]]), mask, [1.0, 0.0], [0, 0], backend=backend)
+    assert torch.equal(token_advantage(responses, mask, [1.0, 0.0], [0, 0], backend=backend), want)
+
+
+@pytest.mark.parametrize("given", [[True, False], torch.tensor([True, False]), np.array([True, False])])
+def test_a_bool_rollout_advantage_is_refused(given):
+    """``A_i`` is a real number: bool flags (perhaps meant as ``correct``) were taken as 1.0 / 0.0."""
+    responses = torch.tensor([[5, 7], [5, 8]])
+    with pytest.raises(ValueError, match=r"^`rollout_advantage` must be real with shape \[B\] = \[2\], got "
+                                         r"torch.bool \(2,\)$"):
+        token_advantage(responses, responses != 0, [1.0, 0.0], [0, 0], rollout_advantage=given)
 
 
 def test_public_examples_run():
