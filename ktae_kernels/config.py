@@ -1,14 +1,11 @@
 """KTAEConfig: the method's hyper-parameters, frozen and validated on construction."""
 from __future__ import annotations
 
-import math
-import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-
+from .checks import finite_real, plain_int
 from .options import named_fields
 
 Baseline = Literal["grpo", "mean", "none"]
@@ -25,7 +22,7 @@ REAL_FIELDS: tuple[str, ...] = ("alpha", "beta", "top", "k1", "b", "correct_thre
 def _check_real(name: str, value: object, *, minimum: float | None = None, positive: bool = False) -> None:
     """ValueError naming ``KTAEConfig.name`` unless ``value`` is a finite real number (a Python or numpy
     int or float, not a bool) in range."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    if not finite_real(value):
         raise ValueError(f"KTAEConfig.{name} must be a finite number, got {value!r}")
     if positive and not value > 0:
         raise ValueError(f"KTAEConfig.{name} must be > 0, got {value!r}")
@@ -113,7 +110,7 @@ def _normalise_ids(ids: object) -> tuple[int, ...]:
         raise ValueError(f"KTAEConfig.ignore_token_ids must be an iterable of ints, got {ids!r}")
     out = set()
     for v in ids:  # type: ignore[union-attr]
-        if isinstance(v, bool) or not hasattr(v, "__index__"):
+        if not plain_int(v):
             raise ValueError(f"KTAEConfig.ignore_token_ids must hold ints, got {v!r}")
         v = int(v)
         if v < 0:

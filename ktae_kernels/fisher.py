@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .types import ArrayLike, host_tensor
+from .checks import host_tensor
+from .types import ArrayLike
 
 #: scipy's relative tolerance for "no more probable than the observed table".
 SCIPY_RTOL = 1e-14

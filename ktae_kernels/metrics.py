@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .types import ArrayLike, KeyTokenScores, host_tensor
+from .checks import host_tensor
+from .types import ArrayLike, KeyTokenScores
 from .validation import correct_flags, dense_group_ids
 
 __all__ = ["METRIC_NAMES", "ktae_metrics"]

@@ -1,9 +1,8 @@
 """The two data types every backend shares: a validated batch and the per-(group, token) result; and
-``ArrayLike``, what the public functions take for a tensor, with its one conversion (``host_tensor``)."""
+``ArrayLike``, what the public functions take for a tensor (converted by ``checks.as_tensor``).
+``KeyTokenScores``' methods check their arguments with ``checks``, as ``validation`` checks the API's."""
 from __future__ import annotations
 
-import math
-import numbers
 import operator
 from dataclasses import dataclass, fields
 from typing import Any, Sequence, Union
@@ -12,67 +11,28 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import (as_tensor, check_mask_shape, check_one_kind, check_real_rows, check_token_tensor, finite_real,
+                     index_values, plain_int, zero_one_flags)
+
 #: what the public functions accept for a tensor argument: a tensor, a numpy array or a (nested) list.
 ArrayLike = Union[Tensor, np.ndarray, Sequence]
 
 
-def host_tensor(name: str, value: np.ndarray | Sequence) -> Tensor:
-    """A CPU tensor of the caller's numpy array or (nested) list ``name`` (a numpy array copied to native byte
-    order and positive strides where torch cannot take it as it is; a list of no number int64, not numpy's
-    float64); ValueError naming it for a ragged nested list, a value that is not a number, or an array torch
-    cannot hold."""
-    try:
-        array = np.asarray(value)
-    except ValueError:
-        raise ValueError(f"`{name}` must be a rectangular array (every row of one length), got a ragged nested "
-                         f"list; pad the rows to one length (and set `response_mask` to 0 on the padding)") from None
-    if array.dtype == object:
-        bad = next((v for v in array.reshape(-1) if not isinstance(v, (int, float, np.number, bool))), None)
-        raise ValueError(f"`{name}` must hold numbers, found {bad!r} ({type(bad).__name__}); "
-                         f"replace missing values before the call")
-    if array.size == 0 and not isinstance(value, np.ndarray) and array.dtype == np.float64:
-        array = array.astype(np.int64)  # e.g. responses [[], []]: B rows of no token, no float among them
-    if array.dtype.kind in "biufc" and (not array.dtype.isnative or min(array.strides, default=0) < 0):
-        array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
-    try:
-        return torch.as_tensor(array)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"`{name}` must be a tensor or a numeric array: {err}") from None
-
-
-def _any_tensor(name: str, value: Any) -> Tensor:
-    """``value`` as a tensor where it is (a tensor) or on the CPU (a numpy array or list)."""
-    if isinstance(value, Tensor):
-        return value.detach()
-    if isinstance(value, (np.ndarray, list, tuple)):
-        return host_tensor(name, value)
-    raise ValueError(f"`{name}` must be a torch.Tensor, numpy array or list, got {type(value).__name__}")
-
-
 def _token_ids(responses: Any) -> Tensor:
     """int64 ``[B, L]`` on the CPU of the caller's ``responses`` (any ids, negative ones too)."""
-    ids = _any_tensor("responses", responses)
-    if ids.dim() != 2:
-        raise ValueError(f"`responses` must be 2-D [B, L], got shape {tuple(ids.shape)}")
-    if ids.dtype == torch.bool or ids.dtype.is_floating_point or ids.dtype.is_complex:
-        raise ValueError(f"`responses` must hold integer token ids, got dtype {ids.dtype}; "
-                         f"convert with `responses.long()`")
+    ids = as_tensor("responses", responses).detach()
+    check_token_tensor(ids)
     return ids.cpu().long()
 
 
 def _labels(index: Any, batch_size: int) -> list:
-    """The caller's ``index`` (``[B]`` group labels) as a list of Python values."""
-    if isinstance(index, Tensor):
-        values = index.detach().cpu().numpy()
-    elif isinstance(index, (np.ndarray, list, tuple)):
-        values = np.asarray(index, dtype=object) if isinstance(index, (list, tuple)) else index
-    else:
-        raise ValueError(f"`index` must be a tensor, numpy array or list of group labels, got {type(index).__name__}")
+    """The caller's ``index`` (``[B]`` group labels, all ints or all strings) as a list of Python values."""
+    values = index_values(index)
+    if values.ndim != 1 or values.shape[0] != batch_size:
+        raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {values.shape}")
     labels = values.tolist()
-    nested = values.ndim == 1 and any(isinstance(v, (list, tuple)) for v in labels)
-    if values.ndim != 1 or values.shape[0] != batch_size or nested:
-        got = "a nested list" if nested else f"shape {values.shape}"
-        raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got {got}")
+    if values.dtype == object:
+        check_one_kind(labels, "index")
     return labels
 
 
@@ -199,7 +159,7 @@ class KeyTokenScores:
         no row of ``token``, ValueError for a group id outside ``[0, n_groups)`` or an argument that is not
         an int."""
         group = self._dense_group(group)
-        if isinstance(token, (bool, np.bool_)) or not hasattr(token, "__index__"):
+        if not plain_int(token):
             raise ValueError(f"`token` must be an int token id, got {token!r}")
         token = operator.index(token)
         hit = torch.nonzero((self.group == group) & (self.token == token)).flatten()
@@ -244,20 +204,15 @@ class KeyTokenScores:
         """
         score = self.token_scores(responses, index)
         shape = tuple(score.shape)
-        mask = _any_tensor("response_mask", response_mask)
-        if tuple(mask.shape) != shape:
-            raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}")
-        on = mask.cpu()
-        if on.dtype.is_complex or (on.dtype != torch.bool and not bool(((on == 0) | (on == 1)).all())):
-            raise ValueError("`response_mask` must be bool or hold only 0 and 1; build it as `responses != pad_id`")
-        base = _any_tensor("rollout_advantage", rollout_advantage)
-        if base.dtype.is_complex or base.dtype == torch.bool or tuple(base.shape) != shape[:1]:
-            raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{shape[0]}], "
-                             f"got {base.dtype} {tuple(base.shape)}")
-        if isinstance(weight, (bool, np.bool_)) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+        mask = as_tensor("response_mask", response_mask).detach()
+        check_mask_shape(mask, shape)
+        on = zero_one_flags("response_mask", mask.cpu(), "build it as `responses != pad_id`")
+        base = as_tensor("rollout_advantage", rollout_advantage).detach()
+        check_real_rows("rollout_advantage", base, shape[0])
+        if not finite_real(weight):
             raise ValueError(f"`weight` must be a finite number, got {weight!r}")
         values = base.cpu().to(torch.float64)[:, None] + float(weight) * score
-        return torch.where(on != 0, values, 0.0).to(torch.float32).to(mask.device)
+        return torch.where(on, values, 0.0).to(torch.float32).to(mask.device)
 
     def key_rows(self, group: int, top_k: int | None = None, *, scored_only: bool = False) -> list[int]:
         """Row indices of dense group ``group``, most significant first: by Fisher p-value, then by
@@ -269,8 +224,7 @@ class KeyTokenScores:
                 ``scored_only`` not a bool.
         """
         group = self._dense_group(group)
-        if top_k is not None and (isinstance(top_k, (bool, np.bool_)) or not hasattr(top_k, "__index__")
-                                  or operator.index(top_k) < 0):
+        if top_k is not None and (not plain_int(top_k) or operator.index(top_k) < 0):
             raise ValueError(f"`top_k` must be None or an int >= 0, got {top_k!r}")
         if not isinstance(scored_only, bool):
             raise ValueError(f"`scored_only` must be a bool, got {scored_only!r}")
@@ -286,7 +240,7 @@ class KeyTokenScores:
         """``group`` as a Python int in ``[0, n_groups)``; ValueError naming the valid ids (and the dense id
         of ``group`` when it is one of the caller's labels) else."""
         n = len(self.group_labels)
-        if not isinstance(group, (bool, np.bool_)) and hasattr(group, "__index__") and 0 <= operator.index(group) < n:
+        if plain_int(group) and 0 <= operator.index(group) < n:
             return operator.index(group)
         label = group.item() if isinstance(group, np.generic) else group
         labels = np.asarray(self.group_labels).tolist()

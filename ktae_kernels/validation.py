@@ -1,7 +1,8 @@
 """Input validation: the caller's tensors, arrays or lists checked and brought to a ``Batch``.
 
 Used by the public API and by every backend that checks token ids itself (one wording of every
-error, naming the argument and the fix). Imports nothing of the package but ``config`` and ``types``.
+error, naming the argument and the fix: the conversions and checks ``KeyTokenScores`` makes too live in
+``checks``). Imports nothing of the package but ``checks``, ``config``, ``options`` and ``types``.
 """
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from torch import Tensor
 
 from .config import MAX_TOKEN_ID, KTAEConfig  # the id range, here for the backends that check ids
 from .options import DEFAULT_OPTIONS, ExecutionOptions
-from .types import ArrayLike, Batch, ValueCheck, host_tensor
+from .checks import (as_tensor, check_flag_dtype, check_mask_shape, check_one_kind, check_real_rows,
+                     check_token_tensor, index_tensor, index_values, zero_one_flags)
+from .types import ArrayLike, Batch, ValueCheck
 
 _DEFAULT_CONFIG = KTAEConfig()
 
@@ -82,11 +85,7 @@ def _checked_tensors(responses: ArrayLike, response_mask: ArrayLike, rewards: Ar
     """int64 responses ``[B, L]``, bool mask ``[B, L]`` and float64 rewards ``[B]``, checked (values
     too when ``read``, or listed in ``pending`` for the device) in the order the errors are reported."""
     responses = _as_tensor("responses", responses, read=read)
-    if responses.dim() != 2:
-        raise ValueError(f"`responses` must be 2-D [B, L], got shape {tuple(responses.shape)}")
-    if responses.dtype == torch.bool or responses.dtype.is_floating_point or responses.dtype.is_complex:
-        raise ValueError(f"`responses` must hold integer token ids, got dtype {responses.dtype}; "
-                         f"convert with `responses.long()`")
+    check_token_tensor(responses)
     device = responses.device
     shape = tuple(responses.shape)
     mask = _check_mask(_as_tensor("response_mask", response_mask, device, read), shape, read, pending)
@@ -190,9 +189,7 @@ def check_rollout_advantage(value: ArrayLike | None, batch: Batch, read: bool = 
     if value is None:
         return None
     t = _as_tensor("rollout_advantage", value, batch.device, read)
-    if t.dtype.is_complex or t.dtype == torch.bool or tuple(t.shape) != (batch.responses.shape[0],):
-        raise ValueError(f"`rollout_advantage` must be real with shape [B] = [{batch.responses.shape[0]}], "
-                         f"got {t.dtype} {tuple(t.shape)}")
+    check_real_rows("rollout_advantage", t, batch.responses.shape[0])
     return _finite_float64("rollout_advantage", t, read and not defer_values)
 
 
@@ -246,21 +243,13 @@ def _as_tensor(name: str, value: Any, device: torch.device | None = None, read: 
         got = f"a tensor on {value.device}" if isinstance(value, Tensor) else type(value).__name__
         raise ValueError(f"`{name}` must be a tensor{where} while a CUDA graph captures (nothing may be "
                          f"copied from the host then), got {got}")
-    if isinstance(value, Tensor):
-        t = value
-    elif isinstance(value, (np.ndarray, list, tuple)):
-        t = host_tensor(name, value)
-    else:
-        raise ValueError(f"`{name}` must be a torch.Tensor, numpy array or list, got {type(value).__name__}")
+    t = as_tensor(name, value)
     return t if device is None else t.to(device)
 
 
 def _check_mask(mask: Tensor, shape: tuple[int, ...], read: bool = True,
                 pending: list[ValueCheck] | None = None) -> Tensor:
-    if tuple(mask.shape) != shape:
-        transposed = "; one of the two is transposed: both are [B, L]" if tuple(mask.shape) == shape[::-1] else ""
-        raise ValueError(f"`response_mask` must have the shape of `responses` {shape}, got {tuple(mask.shape)}"
-                         f"{transposed}")
+    check_mask_shape(mask, shape)
     return _zero_one_flags("response_mask", mask, "build it as `responses != pad_id`", read, pending)
 
 
@@ -273,35 +262,11 @@ def _zero_one_flags(name: str, t: Tensor, fix: str, read: bool = True,
     if not read:
         raise ValueError(f"`{name}` must be bool while a CUDA graph captures (its values cannot be checked "
                          f"then), got {t.dtype}; {fix}")
-    if t.dtype.is_complex:
-        raise ValueError(f"`{name}` must be bool or hold only 0 and 1, got {t.dtype}; {fix}")
-    if pending is not None:
-        pending.append(ValueCheck(name, t, "zero_one", fix))
-    elif not _zeros_and_ones(t):
-        raise ValueError(f"`{name}` must be bool or hold only 0 and 1, {_first_other_value(t)}; {fix}")
+    if pending is None:
+        return zero_one_flags(name, t, fix)
+    check_flag_dtype(name, t, fix)
+    pending.append(ValueCheck(name, t, "zero_one", fix))
     return t != 0
-
-
-def _first_other_value(t: Tensor) -> str:
-    """Where a 1-D or 2-D real tensor first holds a value other than 0 and 1, e.g. "found 2 at row 3,
-    column 7 (5 values are neither 0 nor 1)"."""
-    bad = torch.nonzero((t != 0) & (t != 1))
-    first = bad[0].tolist()
-    value = t[tuple(first)].item()
-    where = ", ".join(f"{axis} {i}" for axis, i in zip(("row", "column"), first))
-    more = f" ({bad.shape[0]} values are neither 0 nor 1)" if bad.shape[0] > 1 else ""
-    return f"found {value!r} at {where}{more}"
-
-
-def _zeros_and_ones(t: Tensor) -> bool:
-    """Whether a non-bool real tensor holds only 0 and 1: for integers one min / max pass (verl's int64
-    response mask: 3 passes and two [B, L] temporaries before), for floats an exact test."""
-    if t.numel() == 0:
-        return True
-    if t.dtype.is_floating_point:
-        return bool(((t == 0) | (t == 1)).all())
-    low, high = torch.aminmax(t)
-    return int(low) >= 0 and int(high) <= 1
 
 
 def _check_rewards(rewards: Tensor, shape: tuple[int, ...], read: bool = True,
@@ -355,63 +320,6 @@ def correct_flags(correct: ArrayLike, batch_size: int, device: torch.device) -> 
     return _check_correct(_as_tensor("correct", correct, device), batch_size)
 
 
-def _index_tensor(index: Tensor, name: str = "index") -> Tensor:
-    """The caller's tensor of group ids (the argument ``name``), checked."""
-    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
-        raise ValueError(f"`{name}` as a tensor must hold integers, got {index.dtype}; convert with `{name}.long()`")
-    if index.device.type == "meta":
-        raise ValueError(f"`{name}` is a meta tensor with no values; pass real group ids")
-    return index.detach()
-
-
-def _index_values(index: Any, name: str = "index") -> np.ndarray:
-    """The caller's group ids (the argument ``name``) as a numpy array on the host."""
-    if isinstance(index, Tensor):
-        index = _index_tensor(index, name)
-        return index.numpy() if index.device.type == "cpu" else index.cpu().numpy()
-    if isinstance(index, np.ndarray):
-        values = index
-    elif isinstance(index, (list, tuple)):
-        try:
-            values = np.asarray(index)
-        except ValueError:
-            raise ValueError(f"{_ONE_KIND.format(name=name)}, got a ragged nested list") from None
-        if values.dtype.kind in "US":  # numpy writes ints as text beside strings: the items say which they were
-            _check_one_kind(index, name)
-    else:
-        raise ValueError(f"`{name}` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
-    if values.size == 0:
-        return values.astype(np.int64)  # numpy makes `[]` a float array: no id to refuse
-    if values.dtype.kind in "fcb":
-        fix = "; convert float ids with `.astype(np.int64)`" if values.dtype.kind == "f" else ""
-        raise ValueError(f"{_ONE_KIND.format(name=name)}, got {values.dtype} values{fix}")
-    return values
-
-
-#: the start of the error for group ids that are not all ints or all strings.
-_ONE_KIND = "`{name}` must hold group ids of one kind, all ints or all strings"
-
-
-def _label_kind(label_type: type) -> str | None:
-    """"int", "str" or "bytes": the kind of group id a label of ``label_type`` is; None: it is none."""
-    if issubclass(label_type, (bool, np.bool_)):
-        return None
-    return next((kind for kind, types in (("int", (int, np.integer)), ("str", str), ("bytes", bytes))
-                 if issubclass(label_type, types)), None)
-
-
-def _check_one_kind(items: Any, name: str) -> set[type]:
-    """The types of the caller's labels ``items``; ValueError naming ``name`` unless they are of one kind
-    (``_label_kind``)."""
-    types = set(map(type, items))
-    kinds = {_label_kind(t) for t in types}
-    if len(kinds) > 1 or None in kinds:
-        mix = " and ".join(sorted(t.__name__ for t in types))
-        raise ValueError(f"{_ONE_KIND.format(name=name)}, got {'a mix of ' if len(types) > 1 else ''}{mix}"
-                         f"{'' if len(types) > 1 else ' values'}")
-    return types
-
-
 @dataclass(frozen=True)
 class GroupIds:
     """The caller's ``index`` made dense: ``group`` int64 ``[B]`` (``0 .. n_groups - 1`` in sorted order of
@@ -437,11 +345,11 @@ def group_ids(index: Any, batch_size: int, device: torch.device, name: str = "in
     (numpy is several times faster there for a trainer's few hundred rollouts), its ids then copied to
     ``device`` without waiting for the device."""
     on_device = isinstance(index, Tensor) and index.device.type not in ("cpu", "meta")
-    if on_device and _index_tensor(index, name).dtype in _SORTABLE:
+    if on_device and index_tensor(index, name).dtype in _SORTABLE:
         if index.dim() != 1 or index.shape[0] != batch_size:
             raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {tuple(index.shape)}")
         return tensor_group_ids(index.detach(), device)
-    values = _index_values(index, name)
+    values = index_values(index, name)
     if values.ndim != 1 or values.shape[0] != batch_size:
         raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {values.shape}")
     labels, inverse = _unique(values, name)
@@ -485,7 +393,7 @@ def _unique(values: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
     if values.dtype != object:
         return np.unique(values, return_inverse=True)
     items = values.tolist()
-    if _check_one_kind(items, name) == {str}:
+    if check_one_kind(items, name) == {str}:
         return _unique_strings(items)
     return np.unique(values, return_inverse=True)
 

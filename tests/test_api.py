@@ -539,6 +539,22 @@ def test_scores_methods_name_the_bad_argument(batch, scores, call, message):
         call(scores, responses, mask, index)
 
 
+@pytest.mark.parametrize("index, got", [
+    ([0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0], "float64 values"),
+    (np.array([np.nan] * 8, dtype=object), "float values"),
+    ([True] * 8, "bool values"),
+])
+def test_scores_methods_take_the_index_the_api_takes(batch, scores, index, got):
+    """``token_scores`` looks rows up by the labels ``token_advantage`` groups by (one check of both):
+    float labels (an integral 1.0 found group 1, NaN nothing) are refused as the API refuses them."""
+    responses, mask, _, _ = batch
+    message = rf"^`index` must hold group ids of one kind, all ints or all strings, got {got}"
+    with pytest.raises(ValueError, match=message):
+        scores.token_scores(responses, index)
+    with pytest.raises(ValueError, match=message):
+        scores.token_advantage(responses, mask, index, torch.zeros(8))
+
+
 def test_key_rows_and_lookup_check_the_group_and_top_k(scores):
     rows = scores.key_rows(1)
     assert scores.key_rows(1, top_k=2) == rows[:2] and scores.key_rows(1, top_k=0) == []

@@ -24,7 +24,7 @@ PACKAGE = ROOT / "ktae_kernels"
 BACKENDS = ("torch", "cpu", "cuda", "triton")
 
 #: the shared lower modules: formulas, inputs, options, the backend contract
-LOWER = {"caches", "types", "config", "options", "primitives", "fisher", "method", "validation"}
+LOWER = {"caches", "checks", "types", "config", "options", "primitives", "fisher", "method", "validation"}
 #: what a backend may import besides its own submodules
 BACKEND_IMPORTS = LOWER | {"backends.base", "backends.device"}
 #: the public API's modules, which adapters, viz and the demo call
@@ -32,10 +32,10 @@ PUBLIC = {"ktae_kernels", "api", "plan", "registry", "metrics"}
 #: module (without "ktae_kernels.") -> the package modules it may import; prefixes ending in "." give a
 #: rule to every module under them.
 ALLOWED: dict[str, set[str]] = {
-    "caches": set(), "types": set(), "config": {"options"}, "options": set(), "primitives": set(),
-    "fisher": {"types"},
+    "caches": set(), "checks": set(), "types": {"checks"}, "config": {"checks", "options"}, "options": set(),
+    "primitives": set(), "fisher": {"checks", "types"},
     "method": {"caches", "config", "fisher", "primitives", "types"},
-    "validation": {"config", "options", "types"},
+    "validation": {"checks", "config", "options", "types"},
     "reference": LOWER,
     "backends": set(),
     "backends.base": {"caches", "config", "options", "types"},
