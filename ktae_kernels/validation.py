@@ -167,8 +167,8 @@ def check_out(out: Tensor | None, batch: Batch, inputs: Mapping[str, Any]) -> Te
 
 def _memory_span(value: Any) -> tuple[torch.device, int, int] | None:
     """(device, first byte, one past the last byte) of the elements of a tensor or numpy array, from its
-    pointer, shape and strides (nothing read); None for another value or no element."""
-    if isinstance(value, Tensor) and value.numel() and value.device.type != "meta":
+    pointer, shape and strides (nothing read); None for another value (a sparse tensor) or no element."""
+    if isinstance(value, Tensor) and value.numel() and value.layout == torch.strided and value.device.type != "meta":
         size = value.element_size()
         start, device, strides = value.data_ptr(), value.device, [stride * size for stride in value.stride()]
     elif isinstance(value, np.ndarray) and value.size:
