@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .checks import host_tensor
+from .checks import as_tensor
 from .types import ArrayLike, KeyTokenScores
 from .validation import correct_flags, dense_group_ids
 
@@ -125,7 +125,7 @@ def _from_advantages(advantages: Tensor, mask: ArrayLike | None, rollout_advanta
 
 def _on(device: torch.device, name: str, value: ArrayLike) -> Tensor:
     """The caller's ``name`` (a tensor, numpy array or list) as a tensor on ``device``."""
-    return (value.detach() if isinstance(value, Tensor) else host_tensor(name, value)).to(device)
+    return as_tensor(name, value).detach().to(device)
 
 
 #: rows of ``[B, L]`` the metrics take at a time on the CPU, so that their temporaries stay in cache: on
