@@ -183,11 +183,12 @@ class KeyTokenScores:
         score = torch.zeros(ids.shape, dtype=torch.float64)
         if len(self) == 0 or ids.numel() == 0:
             return score
-        width = max(int(self.token.max()), int(ids.max())) + 1
+        width = int(self.token.max()) + 1  # an id past every row's token has no row (and no int64 overflow)
         keys = self.group.cpu() * width + self.token.cpu()  # sorted: rows are in (group, token) order
-        queries = group[:, None] * width + ids.clamp(min=0)
+        known = (group[:, None] >= 0) & (ids >= 0) & (ids < width)
+        queries = group[:, None] * width + torch.where(known, ids, 0)
         pos = torch.searchsorted(keys, queries).clamp(max=len(self) - 1)
-        found = (keys[pos] == queries) & (group[:, None] >= 0) & (ids >= 0)
+        found = (keys[pos] == queries) & known
         return torch.where(found, self.score.cpu()[pos], 0.0)
 
     def token_advantage(self, responses: Tensor, response_mask: Tensor, index: Sequence,

@@ -491,6 +491,17 @@ def test_scores_give_the_advantages_bitwise(config):
         assert not unknown.any()
 
 
+def test_scores_lookup_takes_any_int64_id():
+    """Ids past every row's token (up to int64's largest) score 0, with no overflow of the (group, token) key."""
+    responses = torch.tensor([[1, 2], [3, 4], [1, 5], [6, 7]])
+    kts = key_token_scores(responses, torch.ones_like(responses, dtype=torch.bool), [1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1],
+                           backend="torch")
+    big = 2**63 - 1
+    got = kts.token_scores(torch.tensor([[1, big], [big, 7]]), [0, 1])
+    want = kts.token_scores(torch.tensor([[1, 0], [0, 7]]), [0, 1])
+    assert torch.equal(got, want) and got[0, 0] != 0 and got[1, 1] != 0 and got[0, 1] == got[1, 0] == 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
 def test_no_negative_zero_scores(backend):
     """A scorable table with zero strength and a negative direction gives +0.0, never -0.0 (which
