@@ -169,8 +169,10 @@ def _memory_span(value: Any) -> tuple[torch.device, int, int] | None:
     """(device, first byte, one past the last byte) of the elements of a tensor or numpy array, from its
     pointer, shape and strides (nothing read); None for another value (a sparse tensor) or no element."""
     if isinstance(value, Tensor) and value.numel() and value.layout == torch.strided and value.device.type != "meta":
-        size = value.element_size()
-        start, device, strides = value.data_ptr(), value.device, [stride * size for stride in value.stride()]
+        size, start, device = value.element_size(), value.data_ptr(), value.device
+        if value.is_contiguous():  # the common case, in a few attribute reads (a call on the cuda path)
+            return device, start, start + value.numel() * size
+        strides = [stride * size for stride in value.stride()]
     elif isinstance(value, np.ndarray) and value.size:
         size, start, device, strides = value.itemsize, value.__array_interface__["data"][0], _HOST, value.strides
     else:
