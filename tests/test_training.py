@@ -24,7 +24,7 @@ from training.loss import aggregate, grpo_advantage, overlong_penalty, policy_lo
 from training.model import load_policy  # noqa: E402
 from training.rollout import HFRollout, trim_at_eos  # noqa: E402
 from training.tasks import AdditionTask  # noqa: E402
-from training.train import Scored, build_parser, compute_advantages, evaluate, train  # noqa: E402
+from training.train import Scored, build_parser, compute_advantages, evaluate, summarise, train  # noqa: E402
 from training.warmup import sft_warmup  # noqa: E402
 
 WARMUP_STEPS = 300  # supervised steps: greedy accuracy about 0.5, so RL groups are mixed
@@ -184,3 +184,20 @@ def test_warm_up_reports_each_step_as_it_goes():
     losses = sft_warmup(policy, tokenizer, AdditionTask(digits=2, eval_size=0), steps=2, lr=3e-3, batch=4,
                         rng=random.Random(0), on_step=seen.append)
     assert seen == losses and len(seen) == 2
+
+
+def test_summary_timings_are_medians_over_the_steps_that_trained():
+    """The first token_advantage call pays one-off set-up (0.2 s here against 1 ms), and a DAPO step whose
+    groups were all dropped runs neither KTAE nor an update: neither may move the reported step timings."""
+    def step(n, ktae_s, trained=True):
+        row = dict(step=n, reward=0.5, gen_s=0.05, ktae_s=ktae_s, update_s=0.04 if trained else 0.0)
+        row.update(step_s=row["gen_s"] + ktae_s + row["update_s"], **({"loss": 0.1} if trained else {}))
+        return dict(row, ktae_share=ktae_s / row["step_s"])
+
+    history = [{"step": 0, "eval_acc": 0.5}, step(1, 0.2), step(2, 1e-3), step(3, 0.0, trained=False),
+               step(4, 1e-3), dict(step(5, 1e-3), eval_acc=0.6)]
+    summary = summarise(TrainConfig().resolved(), history, [])
+    assert summary["ktae_s"] == pytest.approx(1e-3)
+    assert summary["step_s"] == pytest.approx(0.091) and summary["update_s"] == pytest.approx(0.04)
+    assert summary["ktae_share"] == pytest.approx(1e-3 / 0.091)
+    assert (summary["eval_acc_start"], summary["eval_acc_end"]) == (0.5, 0.6)

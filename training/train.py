@@ -257,17 +257,23 @@ def make_engine(cfg: TrainConfig, policy: PreTrainedModel,
 
 
 def summarise(cfg: TrainConfig, history: list[dict], warmup_losses: list[float]) -> dict:
-    """The run's config, the eval accuracy before / after RL and the mean step timings."""
+    """The run's config, the eval accuracy before / after RL and the median step timings.
+
+    Timings are medians over the steps that trained (all steps when none did): a step whose dynamic
+    sampling kept no group runs no KTAE and no update, and the first ``token_advantage`` call pays
+    one-off set-up (loading the backend) that a mean would spread over a short run.
+    """
     steps = [r for r in history if r["step"] > 0]
+    timed = [r for r in steps if "loss" in r] or steps
     evals = [r for r in history if "eval_acc" in r]
-    mean = lambda key: statistics.fmean(r[key] for r in steps)  # noqa: E731
+    median = lambda key: statistics.median(r[key] for r in timed)  # noqa: E731
     return dict(
         config=dataclasses.asdict(cfg), warmup_final_loss=warmup_losses[-1] if warmup_losses else None,
         eval_acc_start=evals[0]["eval_acc"], eval_acc_end=evals[-1]["eval_acc"],
         reward_first20=statistics.fmean(r["reward"] for r in steps[:20]),
         reward_last20=statistics.fmean(r["reward"] for r in steps[-20:]),
-        step_s=mean("step_s"), gen_s=mean("gen_s"), update_s=mean("update_s"), ktae_s=mean("ktae_s"),
-        ktae_share=mean("ktae_share"),
+        step_s=median("step_s"), gen_s=median("gen_s"), update_s=median("update_s"), ktae_s=median("ktae_s"),
+        ktae_share=median("ktae_share"),
     )
 
 
@@ -356,7 +362,7 @@ def main(argv: list[str] | None = None) -> RunResult:
     summary = summarise(result.config, result.history, result.warmup_losses)
     print(f"{result.config.name}: eval accuracy {summary['eval_acc_start']:.3f} -> {summary['eval_acc_end']:.3f}, "
           f"reward first/last 20 steps {summary['reward_first20']:.3f} -> {summary['reward_last20']:.3f}, "
-          f"step {summary['step_s']:.3f} s, KTAE {1e3 * summary['ktae_s']:.2f} ms ({100 * summary['ktae_share']:.2f}%); "
+          f"median step {summary['step_s']:.3f} s, KTAE {1e3 * summary['ktae_s']:.2f} ms ({100 * summary['ktae_share']:.2f}%); "
           f"logs in {result.out_dir}")
     return result
 
