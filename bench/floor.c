@@ -10,3 +10,13 @@ void ktae_floor(const int64_t* ids, int64_t ids_stride, const uint8_t* mask, int
     for (int64_t t = 0; t < L; ++t)
       out[i * L + t] = mask[i * mask_stride + t] ? (float)ids[i * ids_stride + t] : 0.0f;
 }
+
+/* 1 when built with OpenMP: without it the pass runs on one thread whatever `threads` says, which is no floor
+ * for backends on several threads (bench/floor.py then measures none). */
+int ktae_floor_openmp(void) {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}

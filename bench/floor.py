@@ -3,8 +3,9 @@
 Floor: one pass that reads the int64 ids and the bool mask once and writes float32 ``[B, L]`` once,
 the least any KTAE implementation must do. On the CPU it is ``bench/floor.c``, compiled here at first
 use with the system C compiler (``cc -O3 -fopenmp``) into a cache folder and loaded with ctypes, run on
-``torch.get_num_threads()`` threads (the same threads the backends get); elsewhere, or without a C
-compiler, it is not measured (the reason is printed once).
+``torch.get_num_threads()`` threads (the same threads the backends get); elsewhere, without a C
+compiler, or on several threads where the compiler has no OpenMP (one thread is no floor for several),
+it is not measured (the reason is printed once).
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def floor_library() -> ctypes.CDLL | str:
     lib.ktae_floor.restype = None
     lib.ktae_floor.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.ktae_floor_openmp.restype = ctypes.c_int
+    lib.ktae_floor_openmp.argtypes = []
     return lib
 
 
@@ -66,6 +69,11 @@ def memory_floor_s(batch: BenchBatch, device: torch.device, repeats: int = 5) ->
     lib = floor_library()
     if isinstance(lib, str):
         _warn_once(f"bench: the memory floor is not measured: {lib}")
+        return None
+    if torch.get_num_threads() > 1 and not lib.ktae_floor_openmp():
+        _warn_once(f"bench: the memory floor is not measured: bench/floor.c was built without OpenMP, and one "
+                   f"thread is no floor for backends on {torch.get_num_threads()} (use --threads 1, or a compiler "
+                   "with -fopenmp)")
         return None
     ids, mask = batch.responses.contiguous(), batch.mask.contiguous()
     out = torch.empty(ids.shape, dtype=torch.float32)

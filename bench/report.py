@@ -104,7 +104,8 @@ LEGEND = {
     "floor_extrapolated": ("x floor -", "an extrapolated time is not compared with the floor of the "
                                         "whole batch"),
     "floor_none": ("x floor -", "no floor in this run: it is measured on the CPU only, where the native "
-                                "floor pass builds, on a batch every backend ran"),
+                                "floor pass builds (with OpenMP for several threads), on a batch every "
+                                "backend ran"),
     "floor_error": ("x floor error", "measured faster than the memory floor of the same batch, which no "
                                      "code can be: other processes disturbed the timings. Rerun on a "
                                      "quieter machine."),

@@ -40,3 +40,28 @@ def test_floor_pass_reads_ids_and_mask_and_writes_float32():
                    out.data_ptr(), 2)
     assert torch.equal(out, torch.where(mask, ids.float(), 0.0))
     assert memory_floor_s(batch, torch.device("cpu"), repeats=1) > 0
+
+
+def test_a_floor_built_without_openmp_is_no_floor_for_several_threads(monkeypatch):
+    """The build falls back to no -fopenmp where the compiler lacks it (Apple clang): that pass runs on one
+    thread, and timing it as the floor of backends on two would understate every ``x floor``."""
+    from bench import floor
+
+    calls = []
+
+    class OneThreadBuild:
+        def ktae_floor_openmp(self):
+            return 0
+
+        def ktae_floor(self, *args):
+            calls.append(args[-1])
+
+    monkeypatch.setattr(floor, "floor_library", lambda: OneThreadBuild())
+    batch, before = make_batch(Shape(4, 2, 30), seed=1), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert floor.memory_floor_s(batch, torch.device("cpu"), repeats=1) is None and calls == []
+        torch.set_num_threads(1)
+        assert floor.memory_floor_s(batch, torch.device("cpu"), repeats=1) > 0 and calls == [1, 1]
+    finally:
+        torch.set_num_threads(before)
