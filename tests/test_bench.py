@@ -359,3 +359,13 @@ def test_contend_table_prints_ratios_and_never_a_ratio_under_the_floor():
     assert "0.5x" in rows["16 x 64 x 3072"] and "1.15x" in rows["16 x 64 x 3072"] and "4x" in rows["16 x 64 x 3072"]
     assert "error" in rows["16 x 8 x 3072"] and "0.5x" in rows["16 x 8 x 3072"]
     assert "0.4-0.6" in table and "2-thread matrix products" in table
+
+
+def test_the_docs_count_the_gpu_variants_the_script_runs():
+    """docs/benchmarks.md said 22 launch variants while bench/gpu_variants.py runs 26."""
+    from pathlib import Path
+
+    from bench.gpu_variants import paper_variants
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md").read_text()
+    assert f"the cuda backend's {len(paper_variants())} launch variants" in text
