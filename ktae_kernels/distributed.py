@@ -4,7 +4,10 @@ Each rank passes only its own rows. Every rank gets, for its rows, exactly what 
 on the concatenation of all ranks' rows (rank 0's first): the same dense group ids, statistics,
 scores and advantages. What travels, per call:
 
-- the group labels present on each rank (``all_gather_object``, so string uids work);
+- the group labels present on each rank and what the call was given (``all_gather_object``, so string
+  uids work): the entry point, the config and whether ``rollout_advantage`` / ``correct`` were passed.
+  Every rank checks these agree before any collective depends on them, so a mismatch is a ValueError
+  on every rank, not a hang;
 - per-group ``size, n_c, T_c, T_w`` (one ``all_reduce`` of an int64 ``[4, n_groups]`` tensor);
 - the ``(group, token, a, b, f_c, f_w)`` rows of the groups that are split across ranks only
   (``all_gather``; a group held by one rank never leaves it). Rollouts are never split, so the
@@ -14,7 +17,7 @@ scores and advantages. What travels, per call:
 
 Tables and statistics use the torch backend's stages on the batch's device (CPU with gloo, CUDA
 with NCCL); the GPU backends are not used in this mode. Every rank must pass the same config, and
-either every rank or none a ``rollout_advantage`` (the collectives must match).
+either every rank or none a ``rollout_advantage`` (and a ``correct``).
 """
 from __future__ import annotations
 
@@ -39,6 +42,16 @@ TOKEN_BITS = 31
 
 
 @dataclass(frozen=True)
+class _Call:
+    """What every rank must pass alike: the collectives after the first one depend on it."""
+
+    entry: str
+    config: KTAEConfig
+    rollout_advantage: bool
+    correct: bool
+
+
+@dataclass(frozen=True)
 class _Merged:
     """This rank's rows relabelled with global group ids, the global group counts, and the merged
     (group, token) tables of every group present on this rank."""
@@ -60,7 +73,8 @@ class DataParallel:
     def token_advantage(self, batch: Batch, config: KTAEConfig, given: Tensor | None,
                         out: Tensor | None = None, options: ExecutionOptions = DEFAULT_OPTIONS) -> Tensor:
         """float32 ``[B, L]`` advantages of this rank's rows (see ``api.token_advantage``), in ``out`` when given."""
-        merged = _merge(batch, config, self.process_group)
+        call = _Call("token_advantage", config, given is not None, batch.correct is not None)
+        merged = _merge(batch, call, self.process_group)
         scores = tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
         base = given if given is not None else _rollout_advantage(merged, config, self.process_group)
         return tb.combine(merged.batch, base, scores.score, merged.tables, config.weight, out)
@@ -69,13 +83,14 @@ class DataParallel:
                          options: ExecutionOptions = DEFAULT_OPTIONS) -> KeyTokenScores:
         """Rows of every group with at least one rollout on this rank, group ids dense over the union
         of all ranks' labels; group tensors ``n_c, n_w, T_c, T_w`` and ``group_labels`` cover all groups."""
-        merged = _merge(batch, config, self.process_group)
+        call = _Call("key_token_scores", config, False, batch.correct is not None)
+        merged = _merge(batch, call, self.process_group)
         return tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
 
 
-def _merge(batch: Batch, config: KTAEConfig, process_group: Any) -> _Merged:
-    batch = _relabel(batch, process_group)
-    local = method.group_stats(batch, config)
+def _merge(batch: Batch, call: _Call, process_group: Any) -> _Merged:
+    batch = _relabel(batch, call, process_group)
+    local = method.group_stats(batch, call.config)
     counts = torch.stack([local.size, local.n_c, local.T_c, local.T_w])
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=process_group)
     size, n_c, T_c, T_w = counts.unbind(0)
@@ -95,14 +110,34 @@ def _check(process_group: Any, backend: str) -> None:
         raise ValueError("`process_group` does not contain this process")
 
 
-def _relabel(batch: Batch, process_group: Any) -> Batch:
-    """The batch with dense group ids over the sorted union of every rank's labels."""
+def _relabel(batch: Batch, call: _Call, process_group: Any) -> Batch:
+    """The batch with dense group ids over the sorted union of every rank's labels, once every rank
+    is known to have made the same ``call`` (ValueError on every rank else)."""
     gathered: list[Any] = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(gathered, batch.group_labels, group=process_group)
-    labels = _union(gathered)
+    dist.all_gather_object(gathered, (batch.group_labels, call), group=process_group)
+    _check_same_call([c for _, c in gathered])
+    labels = _union([g for g, _ in gathered])
     position = np.searchsorted(labels, batch.group_labels) if len(batch.group_labels) else np.zeros(0, np.int64)
     remap = torch.as_tensor(np.asarray(position, dtype=np.int64), device=batch.device)
     return dataclasses.replace(batch, group=remap[batch.group], group_labels=labels, members=None)
+
+
+def _check_same_call(calls: list[_Call]) -> None:
+    """ValueError naming what differs unless every rank's ``_Call`` is the same (ranks in group order)."""
+    first = calls[0]
+    if any(c.entry != first.entry for c in calls):
+        raise ValueError(f"every rank of `process_group` must call the same function, got {_by_rank(calls, 'entry')}")
+    if any(c.config != first.config for c in calls):
+        raise ValueError(f"`config` must be the same on every rank of `process_group`, got {_by_rank(calls, 'config')}")
+    for name in ("rollout_advantage", "correct"):
+        if any(getattr(c, name) != getattr(first, name) for c in calls):
+            given = [k for k, c in enumerate(calls) if getattr(c, name)]
+            raise ValueError(f"`{name}` must be given on every rank of `process_group` or on none, got it on "
+                             f"ranks {given} of {len(calls)}")
+
+
+def _by_rank(calls: list[_Call], name: str) -> str:
+    return ", ".join(f"{getattr(c, name)!r} on rank {k}" for k, c in enumerate(calls))
 
 
 def _union(arrays: list[np.ndarray]) -> np.ndarray:

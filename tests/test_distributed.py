@@ -4,7 +4,9 @@ in TRL's gathered layout (``ktae_kernels.integrations.gathered``)."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
+import re
 
 import numpy as np
 import pytest
@@ -157,6 +159,72 @@ def test_trl_layout_groups_split_across_processes(rank_results):
         assert torch.equal(got, expected), name
         assert torch.all(expected[7] == 0)  # the unscorable rollout
     assert not torch.equal(one["trl"], one["ktae"])
+
+
+#: calls whose ranks disagree on what the collectives depend on: (name, call of rank k, expected message).
+#: Each is refused on every rank after the first collective; before, the ranks ran different collectives
+#: (a hang until the timeout) or silently mixed two configs.
+MISMATCHES = {
+    "rollout-advantage-on-rank-0": (
+        lambda k, r, m, w, i: token_advantage(r, m, w, i, rollout_advantage=_given(w) if k == 0 else None,
+                                              process_group=dist.group.WORLD),
+        r"`rollout_advantage` must be given on every rank of `process_group` or on none, got it on ranks \[0\] of 2"),
+    "correct-on-rank-1": (
+        lambda k, r, m, w, i: token_advantage(r, m, w, i, correct=w > 0 if k == 1 else None, process_group=dist.group.WORLD),
+        r"`correct` must be given on every rank of `process_group` or on none, got it on ranks \[1\] of 2"),
+    "baseline-differs": (
+        lambda k, r, m, w, i: token_advantage(r, m, w, i, config=KTAEConfig(baseline=("grpo", "none")[k]),
+                                              process_group=dist.group.WORLD),
+        r"`config` must be the same on every rank of `process_group`, got KTAEConfig\(.*baseline='grpo'.*\) on rank 0, "
+        r"KTAEConfig\(.*baseline='none'.*\) on rank 1"),
+    "weight-differs": (
+        lambda k, r, m, w, i: key_token_scores(r, m, w, i, config=KTAEConfig(weight=1.0 + k), process_group=dist.group.WORLD),
+        r"`config` must be the same on every rank of `process_group`, got .*weight=1.0.* on rank 0, .*weight=2.0.* on rank 1"),
+    "different-functions": (
+        lambda k, r, m, w, i: (key_token_scores, token_advantage)[k](r, m, w, i, process_group=dist.group.WORLD),
+        r"every rank of `process_group` must call the same function, got 'key_token_scores' on rank 0, "
+        r"'token_advantage' on rank 1"),
+}
+
+
+def _mismatch_worker(rank: int, store: str, out_dir: str) -> None:
+    """Every ``MISMATCHES`` call on the rows of ``SHARDS[0]`` (its message, or None when it returned), then
+    an agreed call: the ranks must still be in step. A short timeout makes a hang an error."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=30))
+    torch.set_num_threads(1)
+    r, m, w, uid = SHARDS[0][1 + rank]
+    results = {}
+    for name, (call, _) in MISMATCHES.items():
+        try:
+            call(rank, r, m, w, uid)
+            results[name] = None
+        except ValueError as err:
+            results[name] = str(err)
+    results["after"] = token_advantage(r, m, w, uid, process_group=dist.group.WORLD)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def mismatch_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("mismatch")
+    mp.spawn(_mismatch_worker, args=(str(out / "store"), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{k}.pt", weights_only=False) for k in range(WORLD)]
+
+
+@pytest.mark.parametrize("name", MISMATCHES)
+def test_ranks_that_disagree_are_refused_on_every_rank(mismatch_results, name):
+    for rank in range(WORLD):
+        assert mismatch_results[rank][name] is not None, (name, rank)
+        assert re.fullmatch(MISMATCHES[name][1], mismatch_results[rank][name]), (rank, mismatch_results[rank][name])
+
+
+def test_ranks_stay_in_step_after_a_refused_call(mismatch_results):
+    _, shard0, shard1 = SHARDS[0]
+    expected = token_advantage(*_concat(shard0, shard1))
+    got = torch.cat([mismatch_results[k]["after"] for k in range(WORLD)])
+    assert torch.equal(got, expected[:, :got.shape[1]])
 
 
 def test_process_group_refuses_other_backends():
