@@ -117,7 +117,8 @@ def _relabel(batch: Batch, call: _Call, process_group: Any) -> Batch:
     dist.all_gather_object(gathered, (batch.group_labels, call), group=process_group)
     _check_same_call([c for _, c in gathered])
     labels = _union([g for g, _ in gathered])
-    position = np.searchsorted(labels, batch.group_labels) if len(batch.group_labels) else np.zeros(0, np.int64)
+    own = batch.group_labels  # in the union's dtype: numpy would search int64 and uint64 ids as float64
+    position = np.searchsorted(labels, own.astype(labels.dtype)) if len(own) else np.zeros(0, np.int64)
     remap = torch.as_tensor(np.asarray(position, dtype=np.int64), device=batch.device)
     return dataclasses.replace(batch, group=remap[batch.group], group_labels=labels, members=None)
 
@@ -145,14 +146,30 @@ def _union(arrays: list[np.ndarray]) -> np.ndarray:
     arrays = [a for a in arrays if len(a)]
     if not arrays:
         return np.zeros(0, dtype=np.int64)
-    numeric = [a.dtype.kind in "iub" for a in arrays]
+    numeric = [_holds_ints(a) for a in arrays]
     if any(numeric) and not all(numeric):
         raise ValueError("`index` group ids must be of one kind on every rank (all ints or all strings), "
                          f"got dtypes {[str(a.dtype) for a in arrays]}")
+    if all(numeric) and np.result_type(*arrays).kind == "f":  # uint64 beside signed ids: numpy's common type is float64
+        arrays = [_as_int64(a) for a in arrays]
     try:
         return np.unique(np.concatenate(arrays))
     except TypeError as err:
         raise ValueError(f"`index` group ids must be mutually comparable across ranks: {err}") from None
+
+
+def _holds_ints(labels: np.ndarray) -> bool:
+    """Whether a rank's (non-empty, one-kind) labels are ints: an int dtype, or Python ints in an object array."""
+    return labels.dtype.kind in "iu" or (labels.dtype == object and isinstance(labels[0], (int, np.integer)))
+
+
+def _as_int64(labels: np.ndarray) -> np.ndarray:
+    """A rank's int labels as int64; ValueError for uint64 ids from 2**63 on (no int dtype holds them
+    beside negative ids, and float64 would merge distinct ids)."""
+    if labels.dtype.kind == "u" and labels.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"`index` group ids must fit one integer dtype on every rank, got uint64 ids up to "
+                         f"{labels.max()} (past int64) beside signed ids; pass the same dtype on every rank")
+    return labels.astype(np.int64)
 
 
 def _merge_tables(local: tb.Tables, split: Tensor, process_group: Any) -> tb.Tables:

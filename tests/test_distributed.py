@@ -1,6 +1,8 @@
 """Data-parallel KTAE: 2 CPU ranks over gloo give, for each rank's rows, exactly the one-process result
-on the concatenated batch (groups split unevenly across ranks, string uids, different lengths), also
-in TRL's gathered layout (``ktae_kernels.integrations.gathered``)."""
+on the concatenated batch (groups split unevenly across ranks, string uids, different lengths, int ids
+of different dtypes per rank), also in TRL's gathered layout (``ktae_kernels.integrations.gathered``).
+Ranks that disagree on the call (entry point, config, ``rollout_advantage`` / ``correct`` given) are
+refused on every rank and stay in step."""
 from __future__ import annotations
 
 import dataclasses
@@ -187,9 +189,29 @@ MISMATCHES = {
 }
 
 
+#: int group ids of a different dtype on each rank: (name, rank k's index for ``_group_ids`` g, message of the
+#: refusal or None). Before, uint64 beside int64 ids met as float64 (ids past 2**53 merged into one group)
+#: and an object array of ints beside an int array was refused as "not of one kind".
+BIG = 2**60
+INDEX_KINDS = {
+    "uint64-beside-int64": (lambda k, g: (BIG + g).astype((np.int64, np.uint64)[k]), None),
+    "object-ints-beside-int64": (lambda k, g: np.array(g.tolist(), dtype=object) if k == 0 else torch.as_tensor(g), None),
+    "uint64-past-2**63-beside-int64": (
+        lambda k, g: g if k == 0 else g.astype(np.uint64) + np.uint64(2**63),
+        r"`index` group ids must fit one integer dtype on every rank, got uint64 ids up to 9223372036854775811 "
+        r"\(past int64\) beside signed ids; pass the same dtype on every rank"),
+}
+
+
+def _group_ids(uid: np.ndarray) -> np.ndarray:
+    """int64 ``[B]``: the group number in each of ``_uids``' uid strings."""
+    return np.array([int(u.rsplit("-", 1)[1]) for u in uid], dtype=np.int64)
+
+
 def _mismatch_worker(rank: int, store: str, out_dir: str) -> None:
     """Every ``MISMATCHES`` call on the rows of ``SHARDS[0]`` (its message, or None when it returned), then
-    an agreed call: the ranks must still be in step. A short timeout makes a hang an error."""
+    an agreed call: the ranks must still be in step. A short timeout makes a hang an error. Then
+    ``token_advantage`` and the group labels with each ``INDEX_KINDS`` index (or the message)."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=30))
     torch.set_num_threads(1)
@@ -202,6 +224,13 @@ def _mismatch_worker(rank: int, store: str, out_dir: str) -> None:
         except ValueError as err:
             results[name] = str(err)
     results["after"] = token_advantage(r, m, w, uid, process_group=dist.group.WORLD)
+    for name, (index, _) in INDEX_KINDS.items():
+        ids = index(rank, _group_ids(uid))
+        try:
+            results[name] = (token_advantage(r, m, w, ids, process_group=dist.group.WORLD),
+                             key_token_scores(r, m, w, ids, process_group=dist.group.WORLD).group_labels.tolist())
+        except ValueError as err:
+            results[name] = str(err)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -225,6 +254,24 @@ def test_ranks_stay_in_step_after_a_refused_call(mismatch_results):
     expected = token_advantage(*_concat(shard0, shard1))
     got = torch.cat([mismatch_results[k]["after"] for k in range(WORLD)])
     assert torch.equal(got, expected[:, :got.shape[1]])
+
+
+@pytest.mark.parametrize("name", INDEX_KINDS)
+def test_int_ids_of_different_dtypes_per_rank(mismatch_results, name):
+    _, shard0, shard1 = SHARDS[0]
+    r, m, w, uid = _concat(shard0, shard1)
+    index, refused = INDEX_KINDS[name]
+    if refused:
+        for rank in range(WORLD):
+            assert re.fullmatch(refused, mismatch_results[rank][name]), (rank, mismatch_results[rank][name])
+        return
+    one = np.concatenate([np.asarray(index(k, _group_ids(s[3])), dtype=object) for k, s in enumerate((shard0, shard1))])
+    labels = sorted(set(one.tolist()))
+    expected = token_advantage(r, m, w, torch.as_tensor(one.astype(np.int64)))
+    got = torch.cat([mismatch_results[k][name][0] for k in range(WORLD)])
+    assert torch.equal(got, expected[:, :got.shape[1]])
+    for rank in range(WORLD):
+        assert mismatch_results[rank][name][1] == labels
 
 
 def test_process_group_refuses_other_backends():
