@@ -106,7 +106,12 @@ def _check(process_group: Any, backend: str) -> None:
                          f"computes data-parallel statistics), got {backend!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("`process_group` needs an initialised torch.distributed (call init_process_group first)")
-    if dist.get_rank(process_group) < 0:
+    try:
+        rank = dist.get_rank(process_group)
+    except (ValueError, RuntimeError):  # torch: "Group ... is not registered"
+        raise ValueError(f"`process_group` must be a torch.distributed group (dist.group.WORLD or one made by "
+                         f"dist.new_group), got {process_group!r}") from None
+    if rank < 0:
         raise ValueError("`process_group` does not contain this process")
 
 

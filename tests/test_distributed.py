@@ -223,6 +223,10 @@ def _mismatch_worker(rank: int, store: str, out_dir: str) -> None:
             results[name] = None
         except ValueError as err:
             results[name] = str(err)
+    try:
+        token_advantage(r, m, w, uid, process_group="WORLD")
+    except ValueError as err:
+        results["not-a-group"] = str(err)
     results["after"] = token_advantage(r, m, w, uid, process_group=dist.group.WORLD)
     for name, (index, _) in INDEX_KINDS.items():
         ids = index(rank, _group_ids(uid))
@@ -272,6 +276,12 @@ def test_int_ids_of_different_dtypes_per_rank(mismatch_results, name):
     assert torch.equal(got, expected[:, :got.shape[1]])
     for rank in range(WORLD):
         assert mismatch_results[rank][name][1] == labels
+
+
+def test_process_group_that_is_no_group_is_named(mismatch_results):
+    for rank in range(WORLD):
+        assert mismatch_results[rank].get("not-a-group") == ("`process_group` must be a torch.distributed group "
+                                                             "(dist.group.WORLD or one made by dist.new_group), got 'WORLD'")
 
 
 def test_process_group_refuses_other_backends():
