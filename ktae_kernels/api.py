@@ -2,6 +2,7 @@
 data-parallel path for a ``process_group``) and call it through the backend contract."""
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -83,13 +84,14 @@ def token_advantage(
         >>> adv.shape, adv.dtype
         (torch.Size([2, 3]), torch.float32)
     """
-    config, options = check_config(config), check_options(options)
-    impl, checks_ids, checks_values = _backend(backend, responses, process_group)
-    batch = normalise_batch(responses, response_mask, rewards, index, correct=correct,
-                            check_ids=not checks_ids, defer_values=checks_values)
-    base = check_rollout_advantage(rollout_advantage, batch, defer_values=checks_values)
-    out = check_out(out, batch, dict(responses=responses, response_mask=response_mask, rewards=rewards,
-                                     rollout_advantage=rollout_advantage, correct=correct))
+    with _checks(process_group):
+        config, options = check_config(config), check_options(options)
+        impl, checks_ids, checks_values = _backend(backend, responses, process_group)
+        batch = normalise_batch(responses, response_mask, rewards, index, correct=correct,
+                                check_ids=not checks_ids, defer_values=checks_values)
+        base = check_rollout_advantage(rollout_advantage, batch, defer_values=checks_values)
+        out = check_out(out, batch, dict(responses=responses, response_mask=response_mask, rewards=rewards,
+                                         rollout_advantage=rollout_advantage, correct=correct))
     return impl.token_advantage(batch, config, base, out, options)
 
 
@@ -114,11 +116,22 @@ def key_token_scores(responses: ArrayLike, response_mask: ArrayLike, rewards: Ar
         >>> res.token.tolist(), res.a.tolist(), res.b.tolist()
         ([2, 5, 7, 8], [1, 1, 1, 0], [1, 1, 0, 1])
     """
-    config, options = check_config(config), check_options(options)
-    impl, checks_ids, checks_values = _backend(backend, responses, process_group)
-    batch = normalise_batch(responses, response_mask, rewards, index, correct=correct,
-                            check_ids=not checks_ids, defer_values=checks_values)
+    with _checks(process_group):
+        config, options = check_config(config), check_options(options)
+        impl, checks_ids, checks_values = _backend(backend, responses, process_group)
+        batch = normalise_batch(responses, response_mask, rewards, index, correct=correct,
+                                check_ids=not checks_ids, defer_values=checks_values)
     return impl.key_token_scores(batch, config, options)
+
+
+def _checks(process_group: Any) -> AbstractContextManager:
+    """Where the arguments are checked: with a ``process_group``, a rank whose check raises tells the
+    other ranks (``distributed.refusing``) so that they raise too instead of waiting for it."""
+    if process_group is None:
+        return nullcontext()
+    from .distributed import refusing
+
+    return refusing(process_group)
 
 
 def _backend(name: str, responses: Any, process_group: Any) -> tuple[Backend, bool, bool]:

@@ -22,6 +22,8 @@ either every rank or none a ``rollout_advantage`` (and a ``correct``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +51,13 @@ class _Call:
     config: KTAEConfig
     rollout_advantage: bool
     correct: bool
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """In place of a ``_Call``: this rank's arguments were refused with ``message``."""
+
+    message: str
 
 
 @dataclass(frozen=True)
@@ -86,6 +95,28 @@ class DataParallel:
         call = _Call("key_token_scores", config, False, batch.correct is not None)
         merged = _merge(batch, call, self.process_group)
         return tb.score_tables(merged.tables, merged.stats, config, merged.batch.group_labels)
+
+
+@contextmanager
+def refusing(process_group: Any) -> Iterator[None]:
+    """Context for the API's argument checks: when one raises, this rank joins the other ranks' first
+    collective (``_relabel``) with the error, so that they raise a ValueError naming it instead of
+    waiting for this rank, then the error is raised here. Nothing travels when the checks pass."""
+    try:
+        yield
+    except Exception as err:
+        if _joinable(process_group):
+            gathered: list[Any] = [None] * dist.get_world_size(process_group)
+            dist.all_gather_object(gathered, (None, _Refused(f"{type(err).__name__}: {err}")), group=process_group)
+        raise
+
+
+def _joinable(process_group: Any) -> bool:
+    """Whether this process can take part in a collective of ``process_group``."""
+    try:
+        return dist.is_available() and dist.is_initialized() and dist.get_rank(process_group) >= 0
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return False
 
 
 def _merge(batch: Batch, call: _Call, process_group: Any) -> _Merged:
@@ -128,8 +159,12 @@ def _relabel(batch: Batch, call: _Call, process_group: Any) -> Batch:
     return dataclasses.replace(batch, group=remap[batch.group], group_labels=labels, members=None)
 
 
-def _check_same_call(calls: list[_Call]) -> None:
-    """ValueError naming what differs unless every rank's ``_Call`` is the same (ranks in group order)."""
+def _check_same_call(calls: list[_Call | _Refused]) -> None:
+    """ValueError naming what differs unless every rank's ``_Call`` is the same (ranks in group order),
+    or naming the error of the ranks that refused their arguments (``refusing``)."""
+    refused = [f"rank {k}: {c.message}" for k, c in enumerate(calls) if isinstance(c, _Refused)]
+    if refused:
+        raise ValueError(f"another rank of `process_group` refused its arguments, so every rank stops: {'; '.join(refused)}")
     first = calls[0]
     if any(c.entry != first.entry for c in calls):
         raise ValueError(f"every rank of `process_group` must call the same function, got {_by_rank(calls, 'entry')}")

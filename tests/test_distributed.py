@@ -203,6 +203,16 @@ INDEX_KINDS = {
 }
 
 
+#: a bad argument on rank 1 only: (name, call of rank k, message on rank 1). Rank 0 must raise too, naming
+#: it, not wait for rank 1 in the first collective (a hang until the timeout before).
+REFUSED_ON_RANK_1 = {
+    "float-ids": (lambda k, r, m, w, i: token_advantage(r.double() if k else r, m, w, i, process_group=dist.group.WORLD),
+                  re.escape("`responses` must hold integer token ids, got dtype torch.float64; convert with `responses.long()`")),
+    "backend": (lambda k, r, m, w, i: key_token_scores(r, m, w, i, backend=("auto", "cuda")[k], process_group=dist.group.WORLD),
+                r"`backend` must be one of \('auto', 'torch'\) with a `process_group` .*got 'cuda'"),
+}
+
+
 def _group_ids(uid: np.ndarray) -> np.ndarray:
     """int64 ``[B]``: the group number in each of ``_uids``' uid strings."""
     return np.array([int(u.rsplit("-", 1)[1]) for u in uid], dtype=np.int64)
@@ -227,6 +237,12 @@ def _mismatch_worker(rank: int, store: str, out_dir: str) -> None:
         token_advantage(r, m, w, uid, process_group="WORLD")
     except ValueError as err:
         results["not-a-group"] = str(err)
+    for name, (call, _) in REFUSED_ON_RANK_1.items():
+        try:
+            call(rank, r, m, w, uid)
+            results[name] = None
+        except ValueError as err:
+            results[name] = str(err)
     results["after"] = token_advantage(r, m, w, uid, process_group=dist.group.WORLD)
     for name, (index, _) in INDEX_KINDS.items():
         ids = index(rank, _group_ids(uid))
@@ -251,6 +267,14 @@ def test_ranks_that_disagree_are_refused_on_every_rank(mismatch_results, name):
     for rank in range(WORLD):
         assert mismatch_results[rank][name] is not None, (name, rank)
         assert re.fullmatch(MISMATCHES[name][1], mismatch_results[rank][name]), (rank, mismatch_results[rank][name])
+
+
+@pytest.mark.parametrize("name", REFUSED_ON_RANK_1)
+def test_an_argument_refused_on_one_rank_is_raised_on_every_rank(mismatch_results, name):
+    message = REFUSED_ON_RANK_1[name][1]
+    assert re.fullmatch(message, mismatch_results[1][name]), mismatch_results[1][name]
+    assert re.fullmatch("another rank of `process_group` refused its arguments, so every rank stops: rank 1: ValueError: "
+                        + message, mismatch_results[0][name]), mismatch_results[0][name]
 
 
 def test_ranks_stay_in_step_after_a_refused_call(mismatch_results):
