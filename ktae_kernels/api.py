@@ -49,7 +49,9 @@ def token_advantage(
         process_group: a ``torch.distributed`` group whose ranks each hold part of the batch (a
             group's rollouts may be spread over ranks): every rank passes its own rows and gets, for
             them, exactly the one-process result on all ranks' rows concatenated in rank order.
-            Collective: every rank of the group must call. Runs the torch path (``backend`` "auto"
+            Collective: every rank of the group must call, with the same config, and every rank or
+            none a ``rollout_advantage`` / ``correct`` (else ValueError on every rank; so too when one
+            rank's arguments are refused). Runs the torch path (``backend`` "auto"
             or "torch"); see ``ktae_kernels.distributed``. None (default): this batch alone.
         out: optional preallocated contiguous float32 ``[B, L]`` tensor on the device of
             ``responses``, overwritten with the result (a trainer can reuse it every step); its memory
