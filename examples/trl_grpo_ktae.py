@@ -7,7 +7,7 @@ middling level so groups mix correct and wrong rollouts, which is where KTAE's t
 non-zero. Then ``KTAEGRPOTrainer`` (a drop-in ``GRPOTrainer``) trains with per-token advantages and
 logs its ``ktae/*`` metrics through TRL's own metrics, printed here at every logging step.
 
-    python examples/trl_grpo_ktae.py                 # under a minute on 2 CPU cores
+    python examples/trl_grpo_ktae.py                 # about two minutes on 2 CPU cores
     python examples/trl_grpo_ktae.py --max-steps 3   # a smoke run
 
 For a real model, replace ``build_model`` with ``AutoModelForCausalLM.from_pretrained(...)`` and the
@@ -82,7 +82,7 @@ def build_model(tokenizer, seed: int):
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-steps", type=int, default=300, help="GRPO steps (default 300: under a minute with the warm-up)")
+    parser.add_argument("--max-steps", type=int, default=300, help="GRPO steps (default 300: about two minutes with the warm-up)")
     parser.add_argument("--warmup-steps", type=int, default=600, help="supervised warm-up steps before RL")
     parser.add_argument("--num-generations", type=int, default=8, help="rollouts per prompt (G)")
     parser.add_argument("--prompts-per-step", type=int, default=8)
