@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 import ktae_kernels
+from bench import timing
 from bench.contenders import BENCH_CONFIG
 from bench.data import BenchBatch, Shape, make_batch
 from bench.floor import memory_floor_s
@@ -34,7 +35,7 @@ from bench.floor_stats import floor_ratio, floor_samples, floor_seconds, is_meas
 from bench.grid import PAPER_SHAPE
 from bench.machine import load_average
 from bench.report import format_ratio, format_time, shape_title
-from bench.timing import WARM_UP_S, timed, warm_up
+from bench.timing import timed, warm_up
 from ktae_kernels import ExecutionOptions
 
 #: the batches of ``--contend`` without ``--shape``: a trainer's micro-batch and two bigger steps at G = 16,
@@ -160,7 +161,7 @@ def run_contention(shapes: tuple[Shape, ...], competitor_threads: int, seed: int
 
 def _floor(batch: BenchBatch) -> list[float]:
     return floor_samples(lambda: memory_floor_s(batch, torch.device("cpu"), repeats=1), batch.responses.numel(),
-                         warm_up_s=WARM_UP_S)
+                         warm_up_s=timing.WARM_UP_S)
 
 
 def _floor_cell(ratio: float | None) -> str:

@@ -15,12 +15,13 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from bench import timing
 from bench.contenders import Contender, make_contender, unavailable_reason
 from bench.data import BenchBatch, Shape, batch_tokens, make_batch
 from bench.floor import memory_floor_s, peak_extra_bytes
 from bench.floor_stats import floor_ratio, floor_samples, floor_seconds, is_measuring_error
 from bench.grid import Budget
-from bench.timing import MIN_GROUPS, WARM_UP_S, Timing, measure_per_group, measure_vectorised
+from bench.timing import MIN_GROUPS, Timing, measure_per_group, measure_vectorised
 
 #: the batch each contender runs once, untimed, before the grid.
 WARMUP_SHAPE = Shape(4, 2, 64)
@@ -129,7 +130,7 @@ def _floor_samples(batch: BenchBatch, device: torch.device) -> list[float]:
     """Samples of the memory floor pass over ``batch``, one pass each, after the contenders' warm-up
     (none for a small batch)."""
     return floor_samples(lambda: memory_floor_s(batch, device, repeats=1), batch.responses.numel(),
-                         warm_up_s=WARM_UP_S)
+                         warm_up_s=timing.WARM_UP_S)
 
 
 def _cached(loops: dict, name: str, shape: Shape) -> Timing | None:

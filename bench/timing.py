@@ -26,9 +26,9 @@ MIN_SAMPLES = 3
 #: per-group contenders always run on at least this many groups (when the batch has them).
 MIN_GROUPS = 4
 #: seconds of untimed runs before a vectorised contender's samples (and the floor's, ``bench.runner``): after
-#: an idle spell a sub-millisecond call runs several times slower for some milliseconds of calls, so one
-#: warm-up run of a small batch would time a cold core.
-WARM_UP_S = 0.02
+#: an idle spell a call runs slower until the core's clock, caches and the allocator have settled, so one
+#: warm-up run would time a cold core; a second covers that on a shared VM.
+WARM_UP_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -65,13 +65,14 @@ def _samples(fn: Callable[[], Tensor], device: torch.device, repeats: int, budge
     return samples, out
 
 
-def warm_up(fn: Callable[[], Tensor], device: torch.device, seconds: float = WARM_UP_S) -> None:
+def warm_up(fn: Callable[[], Tensor], device: torch.device, seconds: float | None = None) -> None:
     """Untimed calls of ``fn``: two, then more until these further calls have taken ``seconds``. Each is made
     while the previous call's output is still held, as in the timed runs: a backend that recycles freed
     outputs (the native CPU kernel's pool) then maps its second output here, not in a timed run, where
     mapping costs many times a warm call. The first two calls, which may map memory, do not count toward
     ``seconds``: a first call that maps its output and workspaces can take longer than the whole
-    warm-up, which would then end before the core is warm."""
+    warm-up, which would then end before the core is warm. ``seconds``: ``WARM_UP_S`` when None."""
+    seconds = WARM_UP_S if seconds is None else seconds
     _, out = timed(fn, device)
     _, out = timed(fn, device)
     spent = 0.0

@@ -15,6 +15,12 @@ from bench.report import format_table, result_json
 from bench.runner import Result
 
 
+@pytest.fixture(autouse=True)
+def short_warm_up(monkeypatch):
+    """The real runs in these tests check what is printed and saved, not times: a 20 ms warm-up, not 1 s."""
+    monkeypatch.setattr(timing, "WARM_UP_S", 0.02)
+
+
 def fake_measure(times: list[float]):
     """A floor pass that takes ``times`` in turn."""
     it = iter(times)
