@@ -67,8 +67,8 @@ def memory_floor_s(batch: BenchBatch, device: torch.device, repeats: int = 5) ->
 
     Each sample is the faster of the pass on ``torch.get_num_threads()`` threads and on one thread: an
     OpenMP team waits at its barrier for a thread the scheduler took away, so beside a busy process the
-    two-thread pass took 8-10 ms where one thread took 0.47 ms (16 x 64 x 512, load 3.7), a floor that
-    would hide any backend's cost. One thread is a pass the backends' threads can run too.
+    two-thread pass can take many times the one-thread pass (docs/benchmarks.md), a floor that would hide
+    any backend's cost. One thread is a pass the backends' threads can run too.
     """
     if device.type != "cpu":
         return None

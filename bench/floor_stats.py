@@ -10,6 +10,7 @@ reported as a measuring error, never as a result.
 """
 from __future__ import annotations
 
+from time import perf_counter
 from typing import Callable
 
 #: batches with fewer ``B * L`` positions get no floor: their pass takes a few microseconds.
@@ -20,17 +21,15 @@ FLOOR_ROUNDS = 7
 
 def floor_samples(measure: Callable[[], float | None], positions: int, rounds: int = FLOOR_ROUNDS,
                   warm_up_s: float = 0.0) -> list[float]:
-    """``rounds`` samples of ``measure()`` (one floor pass's seconds), after untimed passes that take
-    ``warm_up_s`` in all; none for a batch under ``MIN_FLOOR_POSITIONS`` positions or where ``measure``
-    returns None (no floor on this device)."""
+    """``rounds`` samples of ``measure()`` (one floor pass's seconds), after untimed calls of it for
+    ``warm_up_s`` of wall time (a call may run more passes than the one it reports); none for a batch
+    under ``MIN_FLOOR_POSITIONS`` positions or where ``measure`` returns None (no floor on this device)."""
     if positions < MIN_FLOOR_POSITIONS:
         return []
-    spent = 0.0
-    while spent < warm_up_s:
-        seconds = measure()
-        if seconds is None:
+    start = perf_counter()
+    while perf_counter() - start < warm_up_s:
+        if measure() is None:
             return []
-        spent += seconds
     samples = []
     for _ in range(rounds):
         seconds = measure()

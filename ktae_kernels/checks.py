@@ -1,7 +1,8 @@
-"""The conversions and checks of the caller's arguments that ``validation`` (the public functions) and
-``types`` (``KeyTokenScores``' methods) share, so that each error has one wording: a tensor of an
-``ArrayLike``, the token-id tensor, the mask's shape and 0 / 1 values, a real ``[B]`` vector, group ids,
-and the scalar tests (a finite real, an int that is not a bool). Imports nothing of the package."""
+"""The conversions and checks of the caller's arguments that ``validation`` (the public functions),
+``types`` (``KeyTokenScores``' methods), ``config``, ``fisher`` and ``metrics`` share, so that each error
+has one wording: a tensor of an ``ArrayLike``, the token-id tensor, the mask's shape and 0 / 1 values, a
+real ``[B]`` vector, group ids, and the scalar tests (a finite real, an int that is not a bool). Imports
+nothing of the package."""
 from __future__ import annotations
 
 import math
@@ -15,7 +16,7 @@ from torch import Tensor
 
 def host_tensor(name: str, value: np.ndarray | Sequence) -> Tensor:
     """A CPU tensor of the caller's numpy array or (nested) list ``name`` (a numpy array copied to native byte
-    order and positive strides where torch cannot take it as it is; a list of no number int64, not numpy's
+    order and plain strides where torch cannot take it as it is: a reversed view, a field of a record array; a list of no number int64, not numpy's
     float64); ValueError naming it for a ragged nested list, a value that is not a number, or an array torch
     cannot hold."""
     try:
@@ -29,7 +30,8 @@ def host_tensor(name: str, value: np.ndarray | Sequence) -> Tensor:
                          f"replace missing values before the call")
     if array.size == 0 and not isinstance(value, np.ndarray) and array.dtype == np.float64:
         array = array.astype(np.int64)  # e.g. responses [[], []]: B rows of no token, no float among them
-    if array.dtype.kind in "biufc" and (not array.dtype.isnative or min(array.strides, default=0) < 0):
+    plain = all(stride >= 0 and stride % array.itemsize == 0 for stride in array.strides)
+    if array.dtype.kind in "biufc" and not (array.dtype.isnative and plain):
         array = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("="))
     try:
         return torch.as_tensor(array)
@@ -95,7 +97,7 @@ def first_other_value(t: Tensor) -> str:
 
 def zeros_and_ones(t: Tensor) -> bool:
     """Whether a non-bool real tensor holds only 0 and 1: for integers one min / max pass (verl's int64
-    response mask: 3 passes and two [B, L] temporaries before), for floats an exact test."""
+    response mask: no [B, L] temporary), for floats an exact test."""
     if t.numel() == 0:
         return True
     if t.dtype.is_floating_point:

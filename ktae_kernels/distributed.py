@@ -101,14 +101,20 @@ class DataParallel:
 def refusing(process_group: Any) -> Iterator[None]:
     """Context for the API's argument checks: when one raises, this rank joins the other ranks' first
     collective (``_relabel``) with the error, so that they raise a ValueError naming it instead of
-    waiting for this rank, then the error is raised here. Nothing travels when the checks pass."""
+    waiting for this rank, then the error is raised here (also when that collective fails: a peer gone).
+    Nothing travels when the checks pass. A rank whose ``process_group`` is no group cannot tell the
+    others: they wait for it as for any rank that does not call."""
     try:
         yield
     except Exception as err:
         if _joinable(process_group):
             gathered: list[Any] = [None] * dist.get_world_size(process_group)
-            dist.all_gather_object(gathered, (None, _Refused(f"{type(err).__name__}: {err}")), group=process_group)
-        raise
+            try:
+                dist.all_gather_object(gathered, (None, _Refused(f"{type(err).__name__}: {err}")),
+                                       group=process_group)
+            except Exception:  # noqa: BLE001 - the caller's error is the one to report
+                pass
+        raise err
 
 
 def _joinable(process_group: Any) -> bool:
@@ -120,6 +126,8 @@ def _joinable(process_group: Any) -> bool:
 
 
 def _merge(batch: Batch, call: _Call, process_group: Any) -> _Merged:
+    """This rank's batch relabelled over every rank's groups (after every rank's ``call`` is checked to be
+    the same), the global group statistics and the merged tables."""
     batch = _relabel(batch, call, process_group)
     local = method.group_stats(batch, call.config)
     counts = torch.stack([local.size, local.n_c, local.T_c, local.T_w])
@@ -178,6 +186,7 @@ def _check_same_call(calls: list[_Call | _Refused]) -> None:
 
 
 def _by_rank(calls: list[_Call], name: str) -> str:
+    """The field ``name`` of each rank's call, for an error: "'a' on rank 0, 'b' on rank 1"."""
     return ", ".join(f"{getattr(c, name)!r} on rank {k}" for k, c in enumerate(calls))
 
 

@@ -339,7 +339,7 @@ def distinct_tables(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) ->
 
 def _distinct(entry: Tensor, size: int) -> tuple[Tensor, Tensor]:
     """The sorted distinct values of int64 ``entry [U]`` (all in ``[0, size)``) and each one's index among them."""
-    if size > DENSE_GRID_PER_ROW * entry.shape[0] + DENSE_GRID_MIN:
+    if size > DENSE_GRID_PER_ROW * entry.shape[0] + DENSE_GRID_MIN or size >= 2**31:  # prefix_sums: int32
         return torch.unique(entry, return_inverse=True)
     used = torch.zeros(size, dtype=torch.bool, device=entry.device)
     used[entry] = True

@@ -167,9 +167,15 @@ def check_out(out: Tensor | None, batch: Batch, inputs: Mapping[str, Any]) -> Te
 
 def _memory_span(value: Any) -> tuple[torch.device, int, int] | None:
     """(device, first byte, one past the last byte) of the elements of a tensor or numpy array, from its
-    pointer, shape and strides (nothing read); None for another value (a sparse tensor) or no element."""
+    pointer, shape and strides (nothing read); None for another value (a sparse tensor, one with no
+    storage) or no element. A strided view's range can enclose bytes it does not use: an ``out`` there
+    is refused too, the safe side."""
     if isinstance(value, Tensor) and value.numel() and value.layout == torch.strided and value.device.type != "meta":
-        size, start, device = value.element_size(), value.data_ptr(), value.device
+        try:
+            start = value.data_ptr()
+        except RuntimeError:  # a tensor with no storage of its own (a fake or functional wrapper)
+            return None
+        size, device = value.element_size(), value.device
         if value.is_contiguous():  # the common case, in a few attribute reads (a call on the cuda path)
             return device, start, start + value.numel() * size
         strides = [stride * size for stride in value.stride()]

@@ -408,10 +408,11 @@ def test_mistakes_raise_errors_that_name_the_argument_and_the_fix(mistake, error
 
 
 @pytest.mark.parametrize("backend", BACKENDS_HERE)
-@pytest.mark.parametrize("layout", ["reversed", "big-endian"])
+@pytest.mark.parametrize("layout", ["reversed", "big-endian", "record-field"])
 def test_numpy_arrays_of_any_layout_are_taken(batch, backend, layout):
     """numpy arrays torch cannot wrap as they are (negative strides: ``a[::-1]``; big-endian dtypes, e.g.
-    read from a file) are copied: the result is that of native contiguous arrays (torch's own error before)."""
+    read from a file; a field of a record array, whose strides are no multiple of its item size) are
+    copied: the result is that of native contiguous arrays."""
     responses, mask, rewards, index = (t.numpy() for t in batch)
     given, correct = np.linspace(-1.0, 1.0, 8), rewards > 0
     want = token_advantage(responses, mask, rewards, index, rollout_advantage=given, correct=correct, backend=backend)
@@ -419,6 +420,10 @@ def test_numpy_arrays_of_any_layout_are_taken(batch, backend, layout):
     def arranged(array):
         if layout == "reversed":  # the same values, each axis stored backwards
             return np.flip(np.ascontiguousarray(np.flip(array)))
+        if layout == "record-field":  # beside a one-byte field: strides of itemsize + 1 bytes
+            records = np.zeros(array.shape, dtype=[("value", array.dtype), ("flag", np.uint8)])
+            records["value"] = array
+            return records["value"]
         return array.astype(array.dtype.newbyteorder(">"))
 
     arrays = [arranged(a) for a in (responses, mask.astype(np.float32), rewards, given, correct.astype(np.int64))]
@@ -537,8 +542,10 @@ def test_scores_methods_take_lists_and_numpy_as_the_api_does(batch, scores):
     (lambda s, r, m, i: s.token_scores(r, "uid"), r"^`index` must be a tensor, numpy array or list"),
     (lambda s, r, m, i: s.token_advantage(r, m[:, :5], i, torch.zeros(8)),
      r"^`response_mask` must have the shape of `responses` \(8, 10\), got \(8, 5\)$"),
+    (lambda s, r, m, i: s.token_advantage(r, m.T, i, torch.zeros(8)),
+     r"^`response_mask` must have the shape of `responses` \(8, 10\), got \(10, 8\); one of the two is transposed"),
     (lambda s, r, m, i: s.token_advantage(r, m.long() * 2, i, torch.zeros(8)),
-     r"^`response_mask` must be bool or hold only 0 and 1"),
+     r"^`response_mask` must be bool or hold only 0 and 1, found 2 at row 0, column 0 \(\d+ values are neither"),
     (lambda s, r, m, i: s.token_advantage(r, m, i, torch.zeros(1)),
      r"^`rollout_advantage` must be real with shape \[B\] = \[8\], got torch.float32 \(1,\)$"),
     (lambda s, r, m, i: s.token_advantage(r, m, i, torch.zeros(8), weight="1"),

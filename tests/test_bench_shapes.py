@@ -68,9 +68,9 @@ def test_a_floor_built_without_openmp_is_no_floor_for_several_threads(monkeypatc
 
 
 def test_each_floor_sample_is_the_faster_of_the_backends_threads_and_one(monkeypatch):
-    """Beside a busy process an OpenMP team waits at its barrier for a descheduled thread (8-10 ms a pass
-    where one thread took 0.47 ms): a floor timed on the team alone hid the backends' cost (``x floor``
-    1.6x, or ``error``). Fake passes on a fake clock: the team's pass is the slow one here."""
+    """Beside a busy process an OpenMP team waits at its barrier for a descheduled thread, many times a
+    one-thread pass: a floor timed on the team alone would hide the backends' cost. Fake passes on a fake
+    clock: the team's pass is the slow one here."""
     from types import SimpleNamespace
 
     from bench import floor
