@@ -27,14 +27,13 @@ import torch
 from torch import Tensor
 
 import ktae_kernels
-from bench import timing
 from bench.contenders import BENCH_CONFIG
 from bench.data import BenchBatch, Shape, make_batch
-from bench.floor import memory_floor_s
-from bench.floor_stats import floor_ratio, floor_samples, floor_seconds, is_measuring_error
+from bench.floor_stats import floor_ratio, floor_seconds, is_measuring_error
 from bench.grid import PAPER_SHAPE
 from bench.machine import load_average
 from bench.report import format_ratio, format_time, shape_title
+from bench.runner import batch_floor_samples
 from bench.timing import timed, warm_up
 from ktae_kernels import ExecutionOptions
 
@@ -149,19 +148,14 @@ def run_contention(shapes: tuple[Shape, ...], competitor_threads: int, seed: int
     results = [ContentionResult(shape, torch.get_num_threads()) for shape in shapes]
     for result, batch in zip(results, batches):
         on_progress(f"quiet: {shape_title(result.shape)}")
-        floor = _floor(batch)
+        floor = batch_floor_samples(batch, torch.device("cpu"))
         result.quiet = _phase(batch, budget_s)
-        result.floor_s = floor_seconds(floor + _floor(batch))
+        result.floor_s = floor_seconds(floor + batch_floor_samples(batch, torch.device("cpu")))
     with competing_process(competitor_threads):
         for result, batch in zip(results, batches):
             on_progress(f"contended: {shape_title(result.shape)}")
             result.contended = _phase(batch, budget_s)
     return results
-
-
-def _floor(batch: BenchBatch) -> list[float]:
-    return floor_samples(lambda: memory_floor_s(batch, torch.device("cpu"), repeats=1), batch.responses.numel(),
-                         warm_up_s=timing.WARM_UP_S)
 
 
 def _floor_cell(ratio: float | None) -> str:

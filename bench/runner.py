@@ -81,7 +81,7 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
         batch = _batch_for(shape, [n for n, skip, hit in plan if skip is None and hit is None], seed, device)
         tokens = batch_tokens(shape, seed)
         full = batch is not None and batch.responses.shape[0] == shape.B
-        floor = _floor_samples(batch, device) if full else []  # again after the contenders: bench.floor_stats
+        floor = batch_floor_samples(batch, device) if full else []  # again after the contenders: bench.floor_stats
         shape_results: list[Result] = []
         peaks: list[tuple[Result, Contender]] = []  # measured after every timing of the shape (see below)
         reference: tuple[int, Tensor] | None = None
@@ -93,24 +93,24 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
                 continue
             contender = make_contender(name)
             if hit is not None:
-                timing = hit
+                measured = hit
             else:
-                timing = _measure(contender, batch, shape, device, budget, repeats)
-                if isinstance(timing, Timing) and contender.per_group:
-                    loops[(name, shape.family)] = timing
-            result = _result(shape, name, timing, tokens)
+                measured = _measure(contender, batch, shape, device, budget, repeats)
+                if isinstance(measured, Timing) and contender.per_group:
+                    loops[(name, shape.family)] = measured
+            result = _result(shape, name, measured, tokens)
             if result.status == "ok" and not contender.per_group and hit is None:
                 peaks.append((result, contender))
-            output = timing.output if isinstance(timing, Timing) else None
+            output = measured.output if isinstance(measured, Timing) else None
             if name == "reference" and output is not None:
                 reference = (result.groups, output.cpu())
             elif reference is not None and output is not None:
                 result.max_abs_diff_vs_reference = _max_diff(reference, output, result.groups, shape.G)
             shape_results.append(result)
-            del output, timing
+            del output, measured
             _free(device)
             bar.update()
-        floor += _floor_samples(batch, device) if full else []
+        floor += batch_floor_samples(batch, device) if full else []
         for result in shape_results:
             result.floor_s, result.floor_samples_s = floor_seconds(floor), floor
         # Last: a peak measurement trims the heap and empties the output pool, so the calls after it map
@@ -126,9 +126,9 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
     return results
 
 
-def _floor_samples(batch: BenchBatch, device: torch.device) -> list[float]:
-    """Samples of the memory floor pass over ``batch``, one pass each, after the contenders' warm-up
-    (none for a small batch)."""
+def batch_floor_samples(batch: BenchBatch, device: torch.device) -> list[float]:
+    """Samples of the memory floor pass over ``batch`` (``floor_samples``: one pass each, after
+    ``timing.WARM_UP_S`` of untimed calls; none for a small batch), for the grid and for ``--contend``."""
     return floor_samples(lambda: memory_floor_s(batch, device, repeats=1), batch.responses.numel(),
                          warm_up_s=timing.WARM_UP_S)
 
@@ -184,15 +184,15 @@ def _measure(contender: Contender, batch: BenchBatch, shape: Shape, device: torc
         return f"failed: {kind}: {str(err)[:200]}"
 
 
-def _result(shape: Shape, name: str, timing: Timing | str, tokens: int) -> Result:
+def _result(shape: Shape, name: str, measured: Timing | str, tokens: int) -> Result:
     """The cell of a timing, scaled to the shape's ``prompts`` groups (a failure note as is)."""
-    if isinstance(timing, str):
-        return Result(shape, name, "failed", timing, tokens=tokens)
-    extrapolated = timing.groups < shape.prompts
-    note = f"extrapolated from {timing.groups} of {shape.prompts} groups" if extrapolated else ""
-    seconds = statistics.median(timing.samples_s) * shape.prompts / timing.groups
-    return Result(shape, name, "ok", note, tokens=tokens, seconds=seconds, samples_s=timing.samples_s,
-                  groups=timing.groups, extrapolated=extrapolated)
+    if isinstance(measured, str):
+        return Result(shape, name, "failed", measured, tokens=tokens)
+    extrapolated = measured.groups < shape.prompts
+    note = f"extrapolated from {measured.groups} of {shape.prompts} groups" if extrapolated else ""
+    seconds = statistics.median(measured.samples_s) * shape.prompts / measured.groups
+    return Result(shape, name, "ok", note, tokens=tokens, seconds=seconds, samples_s=measured.samples_s,
+                  groups=measured.groups, extrapolated=extrapolated)
 
 
 def _max_diff(reference: tuple[int, Tensor], output: Tensor, groups: int, G: int) -> float:
