@@ -118,11 +118,12 @@ def refusing(process_group: Any) -> Iterator[None]:
 
 
 def _joinable(process_group: Any) -> bool:
-    """Whether this process can take part in a collective of ``process_group``."""
+    """Whether this process can take part in a collective of ``process_group`` (``_check_group``)."""
     try:
-        return dist.is_available() and dist.is_initialized() and dist.get_rank(process_group) >= 0
-    except (RuntimeError, ValueError, AttributeError, TypeError):
+        _check_group(process_group)
+    except ValueError:
         return False
+    return True
 
 
 def _merge(batch: Batch, call: _Call, process_group: Any) -> _Merged:
@@ -140,14 +141,21 @@ def _merge(batch: Batch, call: _Call, process_group: Any) -> _Merged:
 
 
 def _check(process_group: Any, backend: str) -> None:
+    """ValueError unless ``backend`` is one a ``process_group`` call accepts and ``process_group`` a group of
+    an initialised torch.distributed that holds this process."""
     if backend not in DISTRIBUTED_BACKENDS:
         raise ValueError(f"`backend` must be one of {DISTRIBUTED_BACKENDS} with a `process_group` (the torch path "
                          f"computes data-parallel statistics), got {backend!r}")
+    _check_group(process_group)
+
+
+def _check_group(process_group: Any) -> None:
+    """ValueError naming ``process_group`` unless this process can take part in its collectives."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("`process_group` needs an initialised torch.distributed (call init_process_group first)")
     try:
         rank = dist.get_rank(process_group)
-    except (ValueError, RuntimeError):  # torch: "Group ... is not registered"
+    except (ValueError, RuntimeError, AttributeError, TypeError):  # torch: "Group ... is not registered"
         raise ValueError(f"`process_group` must be a torch.distributed group (dist.group.WORLD or one made by "
                          f"dist.new_group), got {process_group!r}") from None
     if rank < 0:
