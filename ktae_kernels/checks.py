@@ -131,6 +131,12 @@ def index_tensor(index: Tensor, name: str = "index") -> Tensor:
     return index.detach()
 
 
+def check_index_shape(shape: tuple[int, ...], batch_size: int, name: str = "index") -> None:
+    """ValueError naming ``name`` unless group ids of ``shape`` are 1-D of length ``batch_size``."""
+    if len(shape) != 1 or shape[0] != batch_size:
+        raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {tuple(shape)}")
+
+
 def index_values(index: Any, name: str = "index") -> np.ndarray:
     """The caller's group ids (the argument ``name``) as a numpy array on the host, all ints or all strings
     (ValueError naming ``name`` else); the shape is the caller's."""

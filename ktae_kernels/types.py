@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import (as_tensor, check_mask_shape, check_one_kind, check_real_rows, check_token_tensor, finite_real,
-                     index_values, plain_int, zero_one_flags)
+from .checks import (as_tensor, check_index_shape, check_mask_shape, check_one_kind, check_real_rows, check_token_tensor,
+                     finite_real, index_values, plain_int, zero_one_flags)
 
 #: what the public functions accept for a tensor argument: a tensor, a numpy array or a (nested) list.
 ArrayLike = Union[Tensor, np.ndarray, Sequence]
@@ -28,8 +28,7 @@ def _token_ids(responses: Any) -> Tensor:
 def _labels(index: Any, batch_size: int) -> list:
     """The caller's ``index`` (``[B]`` group labels, all ints or all strings) as a list of Python values."""
     values = index_values(index)
-    if values.ndim != 1 or values.shape[0] != batch_size:
-        raise ValueError(f"`index` must be 1-D of length B = {batch_size}, got shape {values.shape}")
+    check_index_shape(values.shape, batch_size)
     labels = values.tolist()
     if values.dtype == object:
         check_one_kind(labels, "index")

@@ -13,10 +13,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .checks import (as_tensor, check_flag_dtype, check_index_shape, check_mask_shape, check_one_kind,
+                     check_real_rows, check_token_tensor, index_tensor, index_values, zero_one_flags)
 from .config import MAX_TOKEN_ID, KTAEConfig  # the id range, here for the backends that check ids
 from .options import DEFAULT_OPTIONS, ExecutionOptions
-from .checks import (as_tensor, check_flag_dtype, check_mask_shape, check_one_kind, check_real_rows,
-                     check_token_tensor, index_tensor, index_values, zero_one_flags)
 from .types import ArrayLike, Batch, ValueCheck
 
 _DEFAULT_CONFIG = KTAEConfig()
@@ -354,12 +354,10 @@ def group_ids(index: Any, batch_size: int, device: torch.device, name: str = "in
     ``device`` without waiting for the device."""
     on_device = isinstance(index, Tensor) and index.device.type not in ("cpu", "meta")
     if on_device and index_tensor(index, name).dtype in _SORTABLE:
-        if index.dim() != 1 or index.shape[0] != batch_size:
-            raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {tuple(index.shape)}")
+        check_index_shape(tuple(index.shape), batch_size, name)
         return tensor_group_ids(index.detach(), device)
     values = index_values(index, name)
-    if values.ndim != 1 or values.shape[0] != batch_size:
-        raise ValueError(f"`{name}` must be 1-D of length B = {batch_size}, got shape {values.shape}")
+    check_index_shape(values.shape, batch_size, name)
     labels, inverse = _unique(values, name)
     group = inverse.reshape(-1).astype(np.int64, copy=False)
     contiguous = bool((group[1:] >= group[:-1]).all())
