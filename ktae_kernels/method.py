@@ -10,8 +10,9 @@ uses this module:
   are computed once per distinct table a batch's rows use; ``TableGrid`` numbers the tables
   (``grid.offset[g] + a * grid.stride[g] + b``) for kernels that look them up in flat arrays
   (``grid_statistics``, ``full_grid_statistics``);
-- ``score_rows``: per ``(group, token)`` row, the BM25 term-frequency ratio, the direction ``x`` and
-  the squashed score (the only per-row maths);
+- ``score_rows``: per ``(group, token)`` row, its table's statistics (``row_tables``: from the cached full
+  grid for small groups on the CPU), the BM25 term-frequency ratio, the direction ``x`` and the squashed
+  score (the only per-row maths);
 - ``rollout_advantage``: the GRPO / mean / caller-given ``A_i``.
 
 The reference backend (``reference.py``) writes the same formulas out again, per group in plain
@@ -151,15 +152,23 @@ FULL_GRID_WORK = 1 << 20
 
 @dataclass(frozen=True)
 class FullGrid:
-    """The kernel-ready statistics of every table a batch's groups can have (numpy, for the CPU kernel):
-    per group its grid ``offset`` and ``stride`` (int64 ``[n_groups]``; table ``(a, b)`` of group ``g`` is
-    entry ``offset[g] + a * stride[g] + b``), and per entry ``strength = alpha F + beta IG`` and Cohen's
-    ``h`` (float64 ``[size]``)."""
+    """The statistics of every table a batch's groups can have: per group its grid ``offset`` and
+    ``stride`` (int64 numpy ``[n_groups]``; table ``(a, b)`` of group ``g`` is entry
+    ``offset[g] + a * stride[g] + b``) and per entry the tables' ``stats`` (float64 ``[size]`` each)."""
 
     offset: np.ndarray
     stride: np.ndarray
-    strength: np.ndarray
-    h: np.ndarray
+    stats: TableStats
+
+    @property
+    def strength(self) -> np.ndarray:
+        """``alpha F + beta IG`` per entry, as the CPU kernel takes it."""
+        return self.stats.strength.numpy()
+
+    @property
+    def h(self) -> np.ndarray:
+        """Cohen's ``h`` per entry, as the CPU kernel takes it."""
+        return self.stats.h.numpy()
 
 
 def full_grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> FullGrid | None:
@@ -170,19 +179,19 @@ def full_grid_statistics(n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> FullGr
     ``c = 0..n`` (a run sees the same sizes at every step, whatever the splits): it is computed once
     per (sizes, config) and cached with where each block starts (its size's first block plus
     ``block_offset(n, c)``), so a call costs a few ``[n_groups]`` numpy ops. None with
-    ``fisher="upstream"`` (its p-value depends on the rows present) or a grid of more than
+    ``fisher="upstream"`` (its p-value depends on the rows present), no groups, or a grid of more than
     ``FULL_GRID_WORK``.
     """
-    if config.fisher != "exact":
+    if config.fisher != "exact" or n_c.shape[0] == 0:
         return None
     c, w = n_c.numpy(), n_w.numpy()
     n = c + w
-    sizes = (int(n[0]),) if n.size and (n == n[0]).all() else tuple(int(v) for v in np.unique(n))
+    sizes = (int(n[0]),) if (n == n[0]).all() else tuple(int(v) for v in np.unique(n))
     grid = _size_rows(sizes, config)
     if grid is None:
         return None
-    block_start, strength, h = grid
-    return FullGrid(block_start[n, c], w + 1, strength, h)
+    block_start, stats = grid
+    return FullGrid(block_start[n, c], w + 1, stats)
 
 
 def block_offset(n: np.ndarray | Tensor, c: np.ndarray | Tensor) -> np.ndarray | Tensor:
@@ -192,10 +201,10 @@ def block_offset(n: np.ndarray | Tensor, c: np.ndarray | Tensor) -> np.ndarray |
 
 
 @functools.lru_cache(maxsize=64)
-def _size_rows(sizes: tuple[int, ...], config: KTAEConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+def _size_rows(sizes: tuple[int, ...], config: KTAEConfig) -> tuple[np.ndarray, TableStats] | None:
     """The blocks of every split of each group size in ``sizes``, one size after the other: where
     block ``(c, n - c)`` starts (int64 ``[max(sizes) + 1, max(sizes) + 1]``, at ``[n, c]``) and their
-    tables' ``strength`` and ``h`` (float64); None past ``FULL_GRID_WORK``."""
+    tables' statistics; None past ``FULL_GRID_WORK``."""
     blocks = [(c, n - c) for n in sizes for c in range(n + 1)]
     if sum((bc + 1) * (bw + 1) * (min(bc, bw) + 1) for bc, bw in blocks) > FULL_GRID_WORK:
         return None
@@ -205,8 +214,7 @@ def _size_rows(sizes: tuple[int, ...], config: KTAEConfig) -> tuple[np.ndarray, 
         block_start[n, :n + 1] = start + block_offset(n, splits[:n + 1])
         start += (n + 1) * (n + 2) * (n + 3) // 6  # sum over c of (c + 1)(n - c + 1)
     values = torch.cat([_block_statistics(bc, bw, config) for bc, bw in blocks], dim=1)
-    stats = TableStats(*values.unbind(0))
-    return block_start, stats.strength.contiguous().numpy(), stats.h.contiguous().numpy()
+    return block_start, TableStats(*values.unbind(0))  # rows of a contiguous [5, size]: each contiguous
 
 
 @functools.lru_cache(maxsize=4096)
@@ -356,6 +364,18 @@ def grid_statistics(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) ->
     return tables.grid, TableStats(*full.unbind(0))
 
 
+def row_tables(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[TableStats, Tensor]:
+    """Statistics of the rows' tables and where each row's table is among them (int64 ``[U]``): for
+    CPU rows whose groups' full grid is small, that grid (cached per group shape and config: nothing is
+    computed per call); else the rows' distinct tables (``distinct_tables``)."""
+    full = full_grid_statistics(n_c, n_w, config) if rows.group.device.type == "cpu" else None
+    if full is not None:
+        grid = TableGrid(torch.from_numpy(full.offset), torch.from_numpy(full.stride), full.stats.p_value.shape[0])
+        return full.stats, grid.entry(rows.group, rows.a, rows.b)
+    tables = distinct_tables(rows, n_c, n_w, config)
+    return tables.stats, tables.index
+
+
 def score_rows(rows: Rows, n_c: Tensor, n_w: Tensor, T_c: Tensor, T_w: Tensor, config: KTAEConfig,
                labels) -> KeyTokenScores:
     """Every row's statistics, direction and score from its table's statistics and its counts.
@@ -363,8 +383,7 @@ def score_rows(rows: Rows, n_c: Tensor, n_w: Tensor, T_c: Tensor, T_w: Tensor, c
     ``n_c, n_w, T_c, T_w``: int64 ``[n_groups]``; ``labels``: the caller's group labels.
     """
     g = rows.group
-    tables = distinct_tables(rows, n_c, n_w, config)
-    stats, entry = tables.stats, tables.index
+    stats, entry = row_tables(rows, n_c, n_w, config)
     x = gather(stats.h, entry)
     if config.use_tf:
         x = x + tf_ratio(rows.f_c, rows.f_w, g, T_c, T_w, config)

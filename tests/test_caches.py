@@ -42,10 +42,10 @@ def test_clear_caches_forgets_the_device_state():
 def test_clear_caches_forgets_the_methods_memos():
     n_c, n_w = torch.tensor([3, 2]), torch.tensor([1, 2])
     first = method.full_grid_statistics(n_c, n_w, KTAEConfig())
-    assert method.full_grid_statistics(n_c, n_w, KTAEConfig()).strength is first.strength  # memoised
+    assert method.full_grid_statistics(n_c, n_w, KTAEConfig()).stats is first.stats  # memoised
     clear_caches()
     again = method.full_grid_statistics(n_c, n_w, KTAEConfig())
-    assert again.strength is not first.strength and np.array_equal(again.strength, first.strength)
+    assert again.stats is not first.stats and np.array_equal(again.strength, first.strength)
 
 
 def test_clear_caches_forgets_which_fallbacks_were_warned_about():

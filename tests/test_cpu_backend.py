@@ -152,6 +152,31 @@ def test_empty_batches():
         assert out.shape == (B, L) and out.dtype == torch.float32
 
 
+def test_empty_batches_score_no_rows():
+    for B, L in ((0, 5), (4, 0)):
+        scores = key_token_scores(torch.zeros(B, L, dtype=torch.int64), torch.ones(B, L, dtype=torch.bool),
+                                  torch.zeros(B), torch.zeros(B, dtype=torch.int64), backend="cpu")
+        assert scores.score.shape == (0,) and scores.n_c.shape == (min(B, 1),)
+
+
+@pytest.mark.parametrize("config", [KTAEConfig(), KTAEConfig(alpha=0.5, beta=2.0, use_tf=False)])
+def test_small_groups_score_from_the_cached_grid(config, monkeypatch):
+    """Small groups' key-token scores look their tables up in the cached full grid (no per-call table
+    statistics), with the same bits as the rows' distinct tables; groups of several sizes in one batch."""
+    batch = make_batch(np.random.default_rng(5), [16, 12, 9, 16, 1, 2], 60, 300, zipf=True)
+    monkeypatch.setattr(method, "distinct_tables", _must_not_run)
+    cached = key_token_scores(*batch, config=config, backend="cpu")
+    monkeypatch.undo()
+    monkeypatch.setattr(method, "full_grid_statistics", lambda *args: None)
+    distinct = key_token_scores(*batch, config=config, backend="cpu")
+    for name in ("group", "token", "a", "b", "p_value", "F", "IG", "x", "score"):
+        assert torch.equal(getattr(cached, name), getattr(distinct, name)), name
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("small groups must take their tables' statistics from the cached full grid")
+
+
 def test_not_built_is_reported_with_how_to_build(monkeypatch):
     import importlib
 
