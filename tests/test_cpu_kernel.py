@@ -552,6 +552,42 @@ def test_binding_checks_a_grid_like_the_other_arrays(kernel):
         _advantage(kernel, args, grid=tuple(grid))
 
 
+def _listed_grid(entries: list[int], strength: list[float]) -> tuple[torch.Tensor, ...]:
+    """A grid of 3 groups of 2 rollouts sharing one block (offset 0, stride 2) whose strength and h hold
+    only the listed ``entries`` (h = 1 each)."""
+    return (torch.zeros(3, dtype=torch.int64), torch.full((3,), 2), torch.tensor(strength, dtype=torch.float64),
+            torch.ones(len(entries), dtype=torch.float64), torch.tensor(entries, dtype=torch.int64))
+
+
+def test_binding_finds_a_listed_grid_entry_by_search(kernel):
+    """With listed ``entries`` the kernel finds a row's table among them, as the full grid finds it at its
+    entry; a table missing from the list raises instead of reading past the arrays."""
+    args = _kernel_arguments()
+    args["mask"][1::2] = False  # the wrong rollouts are empty: table (a, b) = (1, 0), entry 0 + 1 * 2 + 0
+    assert _advantage(kernel, args, grid=_listed_grid([0, 2, 3], [0.0, 0.5, 0.0]))
+    listed = args["out"].clone()
+    full = (torch.zeros(3, dtype=torch.int64), torch.full((3,), 2), torch.tensor([0.0, 0.0, 0.5, 0.0]).double(),
+            torch.ones(4, dtype=torch.float64))
+    assert _advantage(kernel, args, grid=full) and torch.equal(args["out"], listed)
+    assert (listed[::2] > 0).all()
+    with pytest.raises(RuntimeError, match="not among the grid's `entries`"):
+        _advantage(kernel, args, grid=_listed_grid([0, 1, 3], [0.5, 0.5, 0.5]))
+    # the flag does not outlive the call: the same workspace serves the next one
+    assert _advantage(kernel, args, grid=_listed_grid([2], [0.5])) and torch.equal(args["out"], listed)
+
+
+@pytest.mark.parametrize("entries, message", [
+    (torch.tensor([0, 2], dtype=torch.int32), "`entries` must be a int64 CPU array of shape \\[2\\]"),
+    (torch.tensor([0, 2, 3]), "`entries` must be a int64 CPU array of shape \\[2\\]"),
+    (torch.tensor([2, 2]), "`entries` must be strictly increasing"),
+    (torch.tensor([3, 2]), "`entries` must be strictly increasing"),
+])
+def test_binding_checks_listed_entries(kernel, entries, message):
+    grid = _listed_grid([0, 2], [0.0, 0.5])[:4] + (entries,)
+    with pytest.raises(ValueError, match=message):
+        _advantage(kernel, _kernel_arguments(), grid=grid)
+
+
 def test_binding_rejects_a_partial_grid(kernel):
     with pytest.raises(TypeError):
         _advantage(kernel, _kernel_arguments(), grid=(torch.zeros(3, dtype=torch.int64),))

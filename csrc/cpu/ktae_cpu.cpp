@@ -8,9 +8,12 @@
 // each is computed by one thread in a fixed order, so the output is bitwise identical for any number
 // of threads.
 //
-// The statistics come either from a grid that ktae_kernels/method.py computed (looked up at
-// offset[g] + a * stride[g] + b; small groups) or from statistics.h (big groups: each distinct table
-// computed here once, memoised across groups and calls).
+// The statistics come from ktae_kernels/method.py or from statistics.h. method.py passes a grid that
+// numbers a group's tables offset[g] + a * stride[g] + b: holding every table of every group (small
+// groups, exact mode: looked up at that entry), or only the tables the rows use, listed by their sorted
+// entries (fisher="upstream": found by binary search, so memory follows the rows, not the grid).
+// Without a grid (big groups, exact mode) each distinct table is computed here once, memoised across
+// groups and calls.
 //
 // Arguments are nanobind ndarrays (DLPack: torch, numpy, ...), checked here for dtype, shape, stride
 // and device; the GIL is released while the kernel runs.
@@ -20,18 +23,23 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #ifdef __SSE2__
@@ -93,13 +101,16 @@ struct Method {
   bool use_tf;
 };
 
-// Where a table's statistics come from: a grid that method.py computed (group g's table (a, b) at
-// offset[g] + a * stride[g] + b), or statistics.h where offset is nullptr.
+// Where a table's statistics come from: a grid that method.py computed (group g's table (a, b) is grid
+// entry offset[g] + a * stride[g] + b), or statistics.h where offset is nullptr. strength and h are
+// indexed by entry, or, where `entries` lists the entries they hold (sorted), by position in that list.
 struct Grid {
-  const int64_t* offset = nullptr;  // [n_groups]
-  const int64_t* stride = nullptr;  // [n_groups] (n_w + 1)
+  const int64_t* offset = nullptr;   // [n_groups]
+  const int64_t* stride = nullptr;   // [n_groups] (n_w + 1)
   const double* strength = nullptr;  // alpha F + beta IG
   const double* h = nullptr;         // Cohen's h
+  const int64_t* entries = nullptr;  // [n_entries] strictly increasing, or nullptr: every entry is held
+  int64_t n_entries = 0;
 };
 
 // What scoring and writing need besides the batch.
@@ -174,6 +185,7 @@ struct Scoring {
   std::vector<double> by_slot;
   Buffer<MemoSlot> memo;
   LocalStatistics stats;
+  bool unlisted = false;  // a table missing from the grid's `entries` was met (see strength_of)
 };
 
 // A thread's state for one group at a time, reused across groups and calls. Counting lists the group's
@@ -633,12 +645,27 @@ inline double score_of(Strength s, uint64_t f_c, uint64_t f_w, Bm25& tf, const M
   return std::min(m.bound, std::max(-m.bound, m.top * std::tanh(key / 2.0))) + 0.0;  // + 0.0: no -0.0 scores
 }
 
+// The statistics of grid entry `entry` from a grid that lists its entries: found by binary search. An
+// entry not listed (only a caller's bug: method.distinct_tables lists every row's table) reads nothing
+// past the arrays: it flags the workspace, so that advantage raises, and gives strength and h 0.
+inline Strength listed_strength(const Grid& grid, int64_t entry, Workspace& ws) {
+  const int64_t* const end = grid.entries + grid.n_entries;
+  const int64_t* const at = std::lower_bound(grid.entries, end, entry);
+  if (at == end || *at != entry) {
+    ws.scoring.unlisted = true;
+    return {0.0, 0.0};
+  }
+  const int64_t k = at - grid.entries;
+  return {grid.strength[k], grid.h[k]};
+}
+
 // The statistics of table (a, b) of group g with totals `tot`: from the grid, or from the caches.
 inline Strength strength_of(int64_t g, int64_t a, int64_t b, const GroupTotals& tot, const Params& p,
                             Workspace& ws) {
   const Grid& grid = p.grid;
   if (grid.offset != nullptr) {
     const int64_t entry = grid.offset[g] + a * grid.stride[g] + b;
+    if (grid.entries != nullptr) return listed_strength(grid, entry, ws);
     return {grid.strength[entry], grid.h[entry]};
   }
   const TableStats s = ws.scoring.stats.get(Table{a, b, tot.n_c, tot.n_w});
@@ -986,8 +1013,11 @@ bool for_each_group(int64_t n_groups, int threads, Fn fn) {
 
 // The batch's arrays as Python passes them: ids, mask, order, start, correct.
 using BatchArrays = std::tuple<Array, Array, Array, Array, Array>;
-// A grid's arrays: offset, stride, strength, h (see Grid).
-using GridArrays = std::tuple<Array, Array, Array, Array>;
+// A grid's arrays (see Grid): offset, stride, strength, h over every entry, or the same over the listed
+// entries followed by `entries`.
+using FullGridArrays = std::tuple<Array, Array, Array, Array>;
+using ListedGridArrays = std::tuple<Array, Array, Array, Array, Array>;
+using GridArrays = std::variant<FullGridArrays, ListedGridArrays>;
 
 // `start` (int64 [n_groups + 1], checked) rises from 0 to B.
 void check_start(const Check& check, const Array& start, int64_t B) {
@@ -1016,9 +1046,9 @@ Batch batch_of(const Check& check, const BatchArrays& arrays) {
                static_cast<const int64_t*>(start.data()), static_cast<const uint8_t*>(correct.data())};
 }
 
-// A grid's arrays, checked for n_groups groups.
-Grid grid_of(const Check& check, const GridArrays& arrays, int64_t n_groups) {
-  const auto& [offset, stride, strength, h] = arrays;
+// A grid's offset, stride, strength and h, checked for n_groups groups.
+Grid lookup_of(const Check& check, const Array& offset, const Array& stride, const Array& strength, const Array& h,
+               int64_t n_groups) {
   check.vector("offset", offset, kInt64, n_groups);
   check.vector("stride", stride, kInt64, n_groups);
   check.vector("strength", strength, kFloat64);
@@ -1027,7 +1057,25 @@ Grid grid_of(const Check& check, const GridArrays& arrays, int64_t n_groups) {
               static_cast<const double*>(strength.data()), static_cast<const double*>(h.data())};
 }
 
-// advantage(...) -> True when every masked id was in range (else the output is incomplete).
+// A grid's arrays, checked for n_groups groups: listed entries are int64 [len(strength)], strictly increasing.
+Grid grid_of(const Check& check, const GridArrays& arrays, int64_t n_groups) {
+  if (const auto* full = std::get_if<FullGridArrays>(&arrays)) {
+    const auto& [offset, stride, strength, h] = *full;
+    return lookup_of(check, offset, stride, strength, h, n_groups);
+  }
+  const auto& [offset, stride, strength, h, entries] = std::get<ListedGridArrays>(arrays);
+  Grid grid = lookup_of(check, offset, stride, strength, h, n_groups);
+  check.vector("entries", entries, kInt64, extent(strength, 0));
+  grid.entries = static_cast<const int64_t*>(entries.data());
+  grid.n_entries = extent(entries, 0);
+  if (std::adjacent_find(grid.entries, grid.entries + grid.n_entries, std::greater_equal<int64_t>()) !=
+      grid.entries + grid.n_entries)
+    throw nb::value_error((std::string(check.fn) + ": `entries` must be strictly increasing").c_str());
+  return grid;
+}
+
+// advantage(...) -> True when every masked id was in range (else the output is incomplete); raises
+// RuntimeError when a row's table is missing from a listed grid's entries.
 bool advantage(const BatchArrays& batch, const Array& base, const Array& ignore, const Array& out,
                const Method& method, const std::optional<GridArrays>& grid, int threads) {
   const Check check{"_cpu.advantage"};
@@ -1039,20 +1087,27 @@ bool advantage(const BatchArrays& batch, const Array& base, const Array& ignore,
                  extent(ignore, 0), static_cast<const double*>(base.data())};
   if (!grid) ensure_log_factorials();
   float* result = static_cast<float*>(out.data());
+  std::atomic<bool> unlisted{false};
   bool bad;
   {
     nb::gil_scoped_release release;
     bad = for_each_group(in.n_groups, threads, [&](int64_t g, Workspace& ws) {
-      if (advantage_compact(in, g, p, ws, result)) return false;
-      const GroupTotals tot = count_group(in, g, ws);
-      if (!tot.bad_id) {  // an out-of-range id was never counted: do not look it up
-        score_group(g, tot, p, ws);
-        write_group(in, g, p, ws, result);
+      bool bad_id = false;
+      if (!advantage_compact(in, g, p, ws, result)) {
+        const GroupTotals tot = count_group(in, g, ws);
+        bad_id = tot.bad_id;
+        if (!bad_id) {  // an out-of-range id was never counted: do not look it up
+          score_group(g, tot, p, ws);
+          write_group(in, g, p, ws, result);
+        }
+        ws.reset();
       }
-      ws.reset();
-      return tot.bad_id;
+      if (std::exchange(ws.scoring.unlisted, false)) unlisted.store(true, std::memory_order_relaxed);
+      return bad_id;
     });
   }
+  if (unlisted.load(std::memory_order_relaxed))
+    throw std::runtime_error(std::string(check.fn) + ": a row's table is not among the grid's `entries`");
   return !bad;
 }
 
@@ -1140,7 +1195,9 @@ NB_MODULE(_cpu, m) {
         "grid"_a = nb::none(), "threads"_a,
         "Fused count, score and write of the float32 [B, L] advantages of `batch` (ids, mask, order, start, "
         "correct) into `out`; False when a masked id was out of range. With a `grid` (offset, stride, strength, h) "
-        "the statistics are looked up there, else computed here once per distinct table and memoised.");
+        "the statistics are looked up there by entry; with (offset, stride, strength, h, entries) strength and h "
+        "hold the sorted grid `entries` only, found by binary search (RuntimeError for a row's table not listed). "
+        "Without a grid they are computed here once per distinct table and memoised.");
   m.def("rows", &ktae::rows, "batch"_a, "row_offset"_a, "cols"_a, "totals"_a, nb::kw_only(), "threads"_a,
         "Per-group (token, a, b, f_c, f_w) rows sorted by token into cols [5, capacity], and n_rows, T_c, T_w "
         "into totals [3, n_groups]; False when a masked id was out of range.");
