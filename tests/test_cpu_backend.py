@@ -12,6 +12,7 @@ from cases import adversarial_cases, assert_same_signs, assert_scores_match, mak
 from ktae_kernels import BackendUnavailableError, KTAEConfig, available_backends, key_token_scores, method, token_advantage
 from ktae_kernels.registry import get_backend
 from test_properties import batches, configs
+from test_torch_backend import big_group_peak_growth_mb
 
 pytestmark = pytest.mark.skipif(cpu.unavailable_reason() is not None and not os.environ.get("CI"),
                                 reason="the native CPU kernel is not built (CI requires it)")
@@ -69,6 +70,30 @@ def test_rows_first_path_matches_reference(case, monkeypatch):
     _, responses, mask, rewards, index = case
     torch.testing.assert_close(token_advantage(responses, mask, rewards, index, backend="cpu"),
                                token_advantage(responses, mask, rewards, index, backend="reference"), rtol=0, atol=1e-6)
+
+
+def test_upstream_groups_past_the_full_grid_equal_torch_and_reference(threads):
+    """fisher="upstream" finds each row's table among the listed distinct tables: groups of several shapes in
+    one batch, two of them too big for a full grid in any mode, give the torch backend's bits at one and two
+    threads and the reference's scores."""
+    rng = np.random.default_rng(11)
+    batch = make_batch(rng, [16, 300, 9, 520, 16], 12, 400, zipf=True, p_correct=0.35, shuffle=True)
+    _, _, rewards, index = batch
+    n_c = torch.zeros(5, dtype=torch.int64).index_add_(0, index, (rewards > 0).long())
+    n_w = torch.bincount(index, minlength=5) - n_c
+    for big in (1, 3):
+        assert method.full_grid_statistics(n_c[big:big + 1], n_w[big:big + 1], KTAEConfig()) is None
+    config = KTAEConfig(fisher="upstream")
+    one, two = _advantages_at(threads, (1, 2), *batch, config=config)
+    assert torch.equal(one, two) and torch.equal(one, token_advantage(*batch, config=config, backend="torch"))
+    torch.testing.assert_close(one, token_advantage(*batch, config=config, backend="reference"), rtol=0, atol=1e-6)
+
+
+def test_upstream_memory_does_not_grow_with_the_tables_a_group_could_have():
+    """One group of 8,000 rollouts could have 16 million tables (40 bytes each as a grid); in upstream mode the
+    kernel gets only the tables its rows use, so a call's peak memory stays with its rows, in a fresh process."""
+    grown_mb = big_group_peak_growth_mb("cpu", fisher="upstream")
+    assert grown_mb < 100, grown_mb
 
 
 @settings(max_examples=40, deadline=None)

@@ -96,16 +96,23 @@ def test_a_group_of_thousands_of_rollouts_matches_reference_through_the_sorted_t
     assert_scores_match(key_token_scores(*batch, config=config, backend="torch"), sorted_tables, p_rtol=0, atol=0)
 
 
-def test_memory_does_not_grow_with_the_tables_a_group_could_have():
-    """One group of 8,000 rollouts could have 16 million tables; a call's peak memory stays with its rows
-    (tens of MB), in a fresh process."""
-    code = ("import resource, torch, test_torch_backend as t; from ktae_kernels import token_advantage\n"
-            "batch = t._one_big_group(8000); token_advantage(*t._one_big_group(16), backend='torch')\n"
+def big_group_peak_growth_mb(backend: str, fisher: str = "exact") -> int:
+    """MB that one ``token_advantage`` call on a group of 8,000 short rollouts adds to the peak RSS of a fresh
+    process (after a warm-up call on a small group)."""
+    code = ("import resource, torch, test_torch_backend as t; from ktae_kernels import KTAEConfig, token_advantage\n"
+            f"config, backend = KTAEConfig(fisher={fisher!r}), {backend!r}\n"
+            "batch = t._one_big_group(8000); token_advantage(*t._one_big_group(16), config=config, backend=backend)\n"
             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            "token_advantage(*batch, backend='torch')\n"
+            "token_advantage(*batch, config=config, backend=backend)\n"
             "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)")
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
-    grown_mb = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                  env=env).stdout)
+    return int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env=env).stdout)
+
+
+def test_memory_does_not_grow_with_the_tables_a_group_could_have():
+    """One group of 8,000 rollouts could have 16 million tables; a call's peak memory stays with its rows
+    (tens of MB), in a fresh process."""
+    grown_mb = big_group_peak_growth_mb("torch")
     assert grown_mb < 100, grown_mb

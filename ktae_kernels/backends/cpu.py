@@ -10,11 +10,13 @@ kernel's own (``csrc/cpu/workers.h``), which claim groups one at a time and join
 left, so that a worker the operating system does not schedule (a node shared with other processes)
 holds no call back. The result does not depend on the thread count.
 
-When the full grid of tables is large (big groups), the kernel computes the statistics of each
-distinct table it meets itself (the same float64 formulas) and memoises them across groups and
-calls. With ``fisher="upstream"`` (whose p-value depends on the rows present) and a large grid, a
-first kernel call lists the rows, ``method.grid_statistics`` computes exactly the tables they use,
-and the fused call follows. ``key_token_scores`` uses the row listing and ``method.score_rows``.
+In exact mode, when the full grid of tables is large (big groups), the kernel computes the statistics
+of each distinct table it meets itself (the same float64 formulas) and memoises them across groups
+and calls. With ``fisher="upstream"`` (whose p-value depends on the rows present), whatever the group
+sizes, a first kernel call lists the rows, ``method.distinct_tables`` computes exactly the tables they
+use, and the fused call finds each row's table among their sorted grid entries by binary search:
+memory grows with the rows, not with the ``(n_c + 1)(n_w + 1)`` tables a group could have (16 million
+for one group of 8,000 rollouts). ``key_token_scores`` uses the row listing and ``method.score_rows``.
 Token ids are range-checked inside the kernels (the registry declares ``checks_token_ids``); the
 kernel checks its arrays' dtype, shape, strides and device itself.
 """
@@ -143,17 +145,21 @@ def _list_rows(inputs: _Inputs, threads: int) -> tuple[method.Rows, Tensor, Tens
 
 def _grid_for(inputs: _Inputs, counts: method.GroupCounts, config: KTAEConfig,
               threads: int) -> tuple[np.ndarray, ...] | None:
-    """The kernel's ``grid`` argument (``offset, stride, strength, h``): the whole grid of tables when it
+    """The kernel's ``grid`` argument: ``offset, stride, strength, h`` of the whole grid of tables when it
     is small (``method.full_grid_statistics``); None (the kernel computes and memoises the tables it
-    meets) for big groups in exact mode; in upstream mode the tables of the rows listed first."""
+    meets) for big groups in exact mode; in upstream mode ``offset, stride, strength, h, entries`` of
+    exactly the tables of the rows listed first (``method.distinct_tables``: float64 / int64 ``[K]``,
+    O(rows) memory), which the kernel finds by binary search in the sorted ``entries``."""
     full = method.full_grid_statistics(counts.n_c, counts.n_w, config)
     if full is not None:
         return full.offset, full.stride, full.strength, full.h
     if config.fisher == "exact":
         return None
     rows, _, _ = _list_rows(inputs, threads)
-    grid, stats = method.grid_statistics(rows, counts.n_c, counts.n_w, config)
-    return _host(grid.offset), _host(grid.stride), _host(stats.strength), _host(stats.h)
+    tables = method.distinct_tables(rows, counts.n_c, counts.n_w, config)
+    grid, stats = tables.grid, tables.stats
+    return (_host(grid.offset), _host(grid.stride), _host(stats.strength), _host(stats.h),
+            _host(tables.entries))
 
 
 def _method(config: KTAEConfig):
