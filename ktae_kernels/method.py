@@ -8,8 +8,9 @@ uses this module:
   only on the table ``(a, b, n_c, n_w)`` (and, for ``fisher="upstream"``, the group's grid width), and a
   group of ``n_c`` correct and ``n_w`` wrong rollouts has at most ``(n_c + 1)(n_w + 1)`` tables. They
   are computed once per distinct table a batch's rows use; ``TableGrid`` numbers the tables
-  (``grid.offset[g] + a * grid.stride[g] + b``) for kernels that look them up in flat arrays
-  (``grid_statistics``, ``full_grid_statistics``);
+  (``grid.offset[g] + a * grid.stride[g] + b``) for kernels that look them up by entry: among the
+  sorted entries of ``distinct_tables`` (the CPU kernel in upstream mode), or in flat arrays of every
+  entry (``full_grid_statistics``; ``grid_statistics``: the triton backend in upstream mode);
 - ``score_rows``: per ``(group, token)`` row, its table's statistics (``row_tables``: from the cached full
   grid for small groups on the CPU), the BM25 term-frequency ratio, the direction ``x`` and the squashed
   score (the only per-row maths);
@@ -356,7 +357,9 @@ def _distinct(entry: Tensor, size: int) -> tuple[Tensor, Tensor]:
 
 def grid_statistics(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[TableGrid, TableStats]:
     """The grid of the rows' groups and statistics indexed by its entries (``[grid.size]``: for a kernel
-    that looks a row's table up by entry): the tables the rows use, p = 1 and zeros elsewhere."""
+    that looks a row's table up by entry, the triton backend in upstream mode): the tables the rows
+    use, p = 1 and zeros elsewhere. 40 bytes per table the groups could have, whatever the rows: about
+    640 MB for one group of 8,000 rollouts; ``distinct_tables`` holds only the rows' tables."""
     tables = distinct_tables(rows, n_c, n_w, config)
     full = torch.zeros(5, tables.grid.size, dtype=torch.float64, device=tables.entries.device)
     full[0] = 1.0
