@@ -82,7 +82,8 @@ def triton_variants() -> list[tuple[object, dict, dict]]:
         *[(p.KERNELS["score"], dict(**grp, tab_ptr=ptr("i32"), occ_ptr=ptr("i64"), order_at="i64", bits_at="i64",
                                  values_ptr=ptr("fp64"), grid_size="i32", const_ptr=ptr("fp64"), n_ignore="i32",
                                  lf_ptr=ptr("fp64"), angle_ptr=ptr("fp64"), stat_const_ptr=ptr("fp64")),
-           dict(USE_TF=tf, INLINE=inline, BLOCK=128)) for tf, inline in itertools.product((True, False), repeat=2)],
+           dict(USE_TF=tf, INLINE=inline, BY_ROW=by_row, BLOCK=128))
+          for tf, (inline, by_row) in itertools.product((True, False), ((False, False), (True, False), (False, True)))],
         (p.KERNELS["rows"], dict(**grp, tab_ptr=ptr("i32"), occ_ptr=ptr("i64"), order_at="i64", bits_at="i64",
                               row_start_ptr=ptr("i64"), out_ptr=ptr("i64"), n_rows="i32"), dict(BLOCK=128)),
         *[(p.KERNELS["advantage"], dict(B="i32", L="i32", group_ptr=ptr("i64"), rewards_ptr=ptr("fp64"),

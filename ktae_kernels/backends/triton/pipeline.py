@@ -17,8 +17,8 @@ advantages, or the rows a caller reads back.
              again (a plan, a clear and an insert that find nothing to do when no group overflowed)
 ``score``    per occupied slot: ``a, b`` from the presence words (correct rollouts have the low
              ranks), its table's statistics from the device grid (or computed in place for groups
-             past ``device.GRID_MAX_GROUP``), the per-row direction and squash; the score replaces
-             the slot's counters
+             past ``device.GRID_MAX_GROUP``; with ``fisher="upstream"``, the host's for its row), the
+             per-row direction and squash; the score replaces the slot's counters
 ``advantage`` ``(A_i + weight * score) * mask`` from each position's slot (NaN everywhere after a failed
              replay of a captured call, nothing after a failed eager call)
 ``rows``     (``key_token_scores`` and ``fisher="upstream"``) each occupied slot as a row
@@ -56,7 +56,8 @@ from .statistics import direction, grid_statistics_kernel, squash, table_statist
 
 # float64 constant vector (``constants``), then the ignored ids
 _ALPHA, _BETA, _TOP, _BOUND, _K1, _B, _TF_EPS, _WEIGHT, _THRESH, _EPS, _IGNORE = (tl.constexpr(i) for i in range(11))
-# rows of the int64 per-group buffer ``grp`` (each ``n_groups`` long; RSUM, MEAN, VAR hold float64 bits)
+# rows of the int64 per-group buffer ``grp`` (each ``n_groups`` long; RSUM, MEAN, VAR hold float64 bits;
+# GRID_OFF: the group's block of the statistics grid, or with ``fisher="upstream"`` its first row)
 (_N_C, _N_W, _T_C, _T_W, _FILL, _OFFSET, _LOG_CAP, _WORDS, _BITS_OFF, _GRID_OFF, _STRIDE, _RSUM, _MEAN,
  _VAR, _OVER) = (tl.constexpr(i) for i in range(15))
 _ROWS_PER_GROUP = tl.constexpr(15)
@@ -382,10 +383,12 @@ def _slot_counts(grp_ptr, n, g, tab_ptr, occ_ptr, order_at, bits_at, rows, valid
 
 @triton.jit
 def _score_kernel(grp_ptr, n, tab_ptr, occ_ptr, order_at, bits_at, values_ptr, grid_size, const_ptr, n_ignore,
-                  lf_ptr, angle_ptr, stat_const_ptr, USE_TF: tl.constexpr, INLINE: tl.constexpr, BLOCK: tl.constexpr):
+                  lf_ptr, angle_ptr, stat_const_ptr, USE_TF: tl.constexpr, INLINE: tl.constexpr,
+                  BY_ROW: tl.constexpr, BLOCK: tl.constexpr):
     """Group ``program_id(0)``'s occupied slots, a share each of ``num_programs(1)``: the score of each
     replaces its counters (float64 bits in ``occ``); the first of each group's programs adds its
-    distinct ids to the flags' largest."""
+    distinct ids to the flags' largest. ``values``: float64 ``[5, grid_size]`` per grid entry, or with
+    ``BY_ROW`` ``[2, grid_size]`` (``h``, ``strength``) per row, at the place ``_rows_kernel`` gave it."""
     g = tl.program_id(0)
     ok = tl.load(grp_ptr + _ROWS_PER_GROUP * n + _RETRY) == 0
     fill = tl.where(ok, tl.load(grp_ptr + _FILL * n + g), 0).to(tl.int32)
@@ -413,6 +416,9 @@ def _score_kernel(grp_ptr, n, tab_ptr, occ_ptr, order_at, bits_at, values_ptr, g
             zero = tl.zeros([BLOCK], tl.int32)
             _, _, _, x, strength = table_statistics(a, b, zero + n_c.to(tl.int32), zero + n_w.to(tl.int32), valid,
                                                     lf_ptr, angle_ptr, stat_const_ptr)
+        elif BY_ROW:  # fisher="upstream": the host's statistics of each row (grid_off: the group's first row)
+            x = tl.load(values_ptr + grid_off + rows, mask=valid, other=0.0)
+            strength = tl.load(values_ptr + grid_size + grid_off + rows, mask=valid, other=0.0)
         else:
             entry = grid_off + a.to(tl.int64) * stride + b
             x = tl.load(values_ptr + 3 * grid_size + entry, mask=valid, other=0.0)
@@ -713,22 +719,22 @@ def build(batch: Batch, config: KTAEConfig, sizes: Sizes, tuning: TritonTuning, 
     return Run(grp, tab, occ, n, sizes)
 
 
-def score(run: Run, config: KTAEConfig, device: torch.device, table: tuple[Tensor, Tensor] | None = None) -> None:
-    """Enqueue the score kernel: every occupied slot's score in place of its counters. ``table``: per-table
-    ``values`` float64 ``[5, size]`` and int64 ``[2, n]`` grid offsets and strides of the rows' tables
-    (``fisher="upstream"``) in place of the device grid."""
+def score(run: Run, config: KTAEConfig, device: torch.device, by_row: Tensor | None = None) -> None:
+    """Enqueue the score kernel: every occupied slot's score in place of its counters. ``by_row``
+    (``fisher="upstream"``): float64 ``[2, U]``, each row's ``h`` and ``strength`` in ``_rows``' order,
+    in place of the device grid."""
     consts = constants(config, device)
-    if table is None:
+    if by_row is None:
         values, lf, angle, stat_consts = _statistics(config, run.sizes.bound, device)
     else:
-        values, index = table
-        run.grp[_GRID_OFF.value * run.n:(_STRIDE.value + 1) * run.n].copy_(index.reshape(-1))
-        lf = angle = stat_consts = values
+        values = lf = angle = stat_consts = by_row
+        run.group_row(_GRID_OFF).copy_(_row_start(run))
     if run.n:
         _score_kernel[(run.n, _SCORE_SPLIT)](
             run.grp, run.n, run.tab, run.occ, run.sizes.order_at, run.sizes.bits_at, values, values.shape[-1], consts,
             consts.shape[0] - _IGNORE.value, lf, angle, stat_consts, USE_TF=config.use_tf,
-            INLINE=table is None and inline(run.sizes.bound), BLOCK=_SCORE_BLOCK, enable_fp_fusion=False)
+            INLINE=by_row is None and inline(run.sizes.bound), BY_ROW=by_row is not None, BLOCK=_SCORE_BLOCK,
+            enable_fp_fusion=False)
 
 
 def advantage(run: Run, batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor, report: bool) -> None:
@@ -796,8 +802,8 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
         run, _, _ = _built(batch, config, tuning, True, grpo)
     else:  # the rows' statistics come from the host (upstream float32 p-values)
         run, rows = _rows(batch, config, tuning, grpo)
-        grid, table = method.grid_statistics(rows, run.group_row(_N_C), run.group_row(_N_W), config)
-        score(run, config, batch.device, (table.stacked(), torch.stack([grid.offset, grid.stride])))
+        tables = method.distinct_tables(rows, run.group_row(_N_C), run.group_row(_N_W), config)
+        score(run, config, batch.device, torch.stack([tables.stats.h, tables.stats.strength])[:, tables.index])
     advantage(run, batch, config, given, out, report=False)
     return out
 
@@ -805,13 +811,19 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
 def _rows(batch: Batch, config: KTAEConfig, tuning: TritonTuning, grpo: bool = False) -> tuple[Run, method.Rows]:
     """The tables and their rows (``method.Rows``, each group's in claim order)."""
     run, flags, (n_rows,) = _built(batch, config, tuning, False, grpo)
-    fill = run.group_row(_FILL)
     ints = torch.empty(6, n_rows, dtype=torch.int64, device=batch.device)
     if n_rows:
         _rows_kernel[(run.n, _SCORE_SPLIT)](run.grp, run.n, run.tab, run.occ, run.sizes.order_at, run.sizes.bits_at,
-                                           torch.cumsum(fill, 0) - fill, ints, n_rows, BLOCK=_SCORE_BLOCK)
-    group = torch.repeat_interleave(torch.arange(run.n, device=batch.device), fill, output_size=n_rows)
+                                           _row_start(run), ints, n_rows, BLOCK=_SCORE_BLOCK)
+    group = torch.repeat_interleave(torch.arange(run.n, device=batch.device), run.group_row(_FILL), output_size=n_rows)
     return run, method.Rows(group=group, token=ints[0], a=ints[1], b=ints[2], f_c=ints[3], f_w=ints[4])
+
+
+def _row_start(run: Run) -> Tensor:
+    """int64 ``[n]``: each group's first row among the rows ``_rows`` lists (its occupied slots, group
+    after group)."""
+    fill = run.group_row(_FILL)
+    return torch.cumsum(fill, 0) - fill
 
 
 def key_token_scores(batch: Batch, config: KTAEConfig, tuning: TritonTuning) -> KeyTokenScores:
