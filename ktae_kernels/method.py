@@ -10,7 +10,7 @@ uses this module:
   are computed once per distinct table a batch's rows use; ``TableGrid`` numbers the tables
   (``grid.offset[g] + a * grid.stride[g] + b``) for kernels that look them up by entry: among the
   sorted entries of ``distinct_tables`` (the CPU kernel in upstream mode), or in flat arrays of every
-  entry (``full_grid_statistics``; ``grid_statistics``: the triton backend in upstream mode);
+  entry (``full_grid_statistics``, for small groups);
 - ``score_rows``: per ``(group, token)`` row, its table's statistics (``row_tables``: from the cached full
   grid for small groups on the CPU), the BM25 term-frequency ratio, the direction ``x`` and the squashed
   score (the only per-row maths);
@@ -353,18 +353,6 @@ def _distinct(entry: Tensor, size: int) -> tuple[Tensor, Tensor]:
     used = torch.zeros(size, dtype=torch.bool, device=entry.device)
     used[entry] = True
     return flat_nonzero(used), gather(prefix_sums(used), entry).long()  # the used entries before each
-
-
-def grid_statistics(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[TableGrid, TableStats]:
-    """The grid of the rows' groups and statistics indexed by its entries (``[grid.size]``: for a kernel
-    that looks a row's table up by entry, the triton backend in upstream mode): the tables the rows
-    use, p = 1 and zeros elsewhere. 40 bytes per table the groups could have, whatever the rows: about
-    640 MB for one group of 8,000 rollouts; ``distinct_tables`` holds only the rows' tables."""
-    tables = distinct_tables(rows, n_c, n_w, config)
-    full = torch.zeros(5, tables.grid.size, dtype=torch.float64, device=tables.entries.device)
-    full[0] = 1.0
-    full[:, tables.entries] = tables.stats.stacked()
-    return tables.grid, TableStats(*full.unbind(0))
 
 
 def row_tables(rows: Rows, n_c: Tensor, n_w: Tensor, config: KTAEConfig) -> tuple[TableStats, Tensor]:
