@@ -24,10 +24,8 @@ def host_tensor(name: str, value: np.ndarray | Sequence) -> Tensor:
     except ValueError:
         raise ValueError(f"`{name}` must be a rectangular array (every row of one length), got a ragged nested "
                          f"list; pad the rows to one length (and set `response_mask` to 0 on the padding)") from None
-    if array.dtype == object:
-        bad = next((v for v in array.reshape(-1) if not isinstance(v, (int, float, np.number, bool))), None)
-        raise ValueError(f"`{name}` must hold numbers, found {bad!r} ({type(bad).__name__}); "
-                         f"replace missing values before the call")
+    if array.dtype == object or (array.dtype == np.float64 and not isinstance(value, np.ndarray)):
+        array = _python_numbers(name, value, array)
     if array.size == 0 and not isinstance(value, np.ndarray) and array.dtype == np.float64:
         array = array.astype(np.int64)  # e.g. responses [[], []]: B rows of no token, no float among them
     plain = all(stride >= 0 and stride % array.itemsize == 0 for stride in array.strides)
@@ -37,6 +35,30 @@ def host_tensor(name: str, value: np.ndarray | Sequence) -> Tensor:
         return torch.as_tensor(array)
     except (TypeError, ValueError) as err:
         raise ValueError(f"`{name}` must be a tensor or a numeric array: {err}") from None
+
+
+def _python_numbers(name: str, value: np.ndarray | Sequence, array: np.ndarray) -> np.ndarray:
+    """``array`` (numpy's reading of ``value``) typed where numpy could not: an object array of numbers
+    as numpy types a list of them, and integers alone (which numpy makes float64 past int64, object past
+    uint64) as int64, else uint64; ValueError naming ``name`` for a value that is no number or an int
+    past 64 bits."""
+    items = (array if array.dtype == object else np.asarray(value, dtype=object)).reshape(-1)
+    if array.dtype != object and not all(plain_int(v) for v in items):
+        return array  # floats among the numbers: float64 is their type
+    for v in items:
+        if not isinstance(v, (int, float, np.number, bool, np.bool_)):
+            raise ValueError(f"`{name}` must hold numbers, found {v!r} ({type(v).__name__}); "
+                             f"replace missing values before the call")
+    if not all(plain_int(v) for v in items):
+        return np.array(items.tolist()).reshape(array.shape)
+    for dtype in (np.int64, np.uint64):
+        try:
+            return np.array(items.tolist(), dtype=dtype).reshape(array.shape)
+        except OverflowError:
+            pass
+    ints = [int(v) for v in items]
+    raise ValueError(f"`{name}` must hold integers that one 64-bit type holds (int64 or uint64), found "
+                     f"{min(ints)} and {max(ints)}")
 
 
 def as_tensor(name: str, value: Any) -> Tensor:
@@ -113,8 +135,14 @@ def check_real_rows(name: str, t: Tensor, batch_size: int) -> None:
 
 
 def finite_real(value: object) -> bool:
-    """Whether ``value`` is a finite real number: a Python or numpy int or float, not a bool."""
-    return not isinstance(value, (bool, np.bool_)) and isinstance(value, numbers.Real) and math.isfinite(value)
+    """Whether ``value`` is a finite real number: a Python or numpy int or float, not a bool, and not an
+    int past float64's range."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def plain_int(value: object) -> bool:
@@ -152,6 +180,8 @@ def index_values(index: Any, name: str = "index") -> np.ndarray:
             raise ValueError(f"{_ONE_KIND.format(name=name)}, got a ragged nested list") from None
         if values.dtype.kind in "US":  # numpy writes ints as text beside strings: the items say which they were
             check_one_kind(index, name)
+        if values.dtype.kind == "f" and all(map(plain_int, index)):  # ints past int64 beside others: numpy's float64
+            values = np.asarray(index, dtype=object)
     else:
         raise ValueError(f"`{name}` must be a tensor, numpy array or list of group ids, got {type(index).__name__}")
     if values.size == 0:

@@ -1,6 +1,7 @@
 """KTAEConfig: the method's hyper-parameters, frozen and validated on construction."""
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Literal
@@ -15,7 +16,7 @@ BASELINES: tuple[str, ...] = ("grpo", "mean", "none")
 FISHER_MODES: tuple[str, ...] = ("exact", "upstream")
 #: token ids must fit a signed 32-bit int (every vocabulary does; the GPU and CPU kernels rely on it).
 MAX_TOKEN_ID = 2**31 - 1
-#: the real-valued fields, taken as Python floats when given as numpy scalars.
+#: the real-valued fields, stored as Python floats (the kernels take float64 scalars).
 REAL_FIELDS: tuple[str, ...] = ("alpha", "beta", "top", "k1", "b", "correct_threshold", "weight", "eps")
 
 
@@ -53,7 +54,7 @@ class KTAEConfig:
 
     Raises:
         ValueError: a field is out of range or of the wrong type (the message names the field). Real
-            fields take Python or numpy numbers (numpy ones are stored as Python floats), never bools.
+            fields take Python or numpy numbers (stored as Python floats), never bools.
         TypeError: an unknown keyword (the message lists the fields; ``threads`` is in ``ExecutionOptions``).
 
     Example:
@@ -78,8 +79,9 @@ class KTAEConfig:
     def __post_init__(self) -> None:
         _check_real("alpha", self.alpha, minimum=0.0)
         _check_real("beta", self.beta, minimum=0.0)
-        if self.alpha + self.beta <= 0:
-            raise ValueError("KTAEConfig.alpha + KTAEConfig.beta must be > 0 (they weight F and IG)")
+        if not 0 < float(self.alpha) + float(self.beta) < math.inf:
+            raise ValueError(f"KTAEConfig.alpha + KTAEConfig.beta must be > 0 and finite (they weight F and IG and "
+                             f"divide the key), got {self.alpha!r} + {self.beta!r}")
         if not isinstance(self.use_tf, bool):
             raise ValueError(f"KTAEConfig.use_tf must be a bool, got {self.use_tf!r}")
         _check_real("top", self.top, positive=True)
@@ -99,17 +101,20 @@ class KTAEConfig:
         if self.fisher not in FISHER_MODES:
             raise ValueError(f"KTAEConfig.fisher must be one of {FISHER_MODES}, got {self.fisher!r}")
         object.__setattr__(self, "ignore_token_ids", _normalise_ids(self.ignore_token_ids))
-        for name in REAL_FIELDS:
-            if type(getattr(self, name)) not in (int, float):  # a numpy scalar: the kernels take Python numbers
-                object.__setattr__(self, name, float(getattr(self, name)))
+        for name in REAL_FIELDS:  # ints and numpy scalars as Python floats: the kernels take float64
+            object.__setattr__(self, name, float(getattr(self, name)))
 
 
 def _normalise_ids(ids: object) -> tuple[int, ...]:
     """Sorted, de-duplicated tuple of Python ints in ``[0, MAX_TOKEN_ID]``."""
-    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-        raise ValueError(f"KTAEConfig.ignore_token_ids must be an iterable of ints, got {ids!r}")
+    try:
+        if isinstance(ids, (str, bytes)):
+            raise TypeError(ids)
+        values = list(ids)  # type: ignore[call-overload]
+    except TypeError:  # not iterable, or a 0-d array or tensor
+        raise ValueError(f"KTAEConfig.ignore_token_ids must be an iterable of ints, got {ids!r}") from None
     out = set()
-    for v in ids:  # type: ignore[union-attr]
+    for v in values:
         if not plain_int(v):
             raise ValueError(f"KTAEConfig.ignore_token_ids must hold ints, got {v!r}")
         v = int(v)

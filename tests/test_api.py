@@ -390,9 +390,29 @@ def test_bad_correct_is_rejected_by_name(batch):
         token_advantage(*batch, correct=torch.full((8,), 0.5))
 
 
+def test_object_arrays_and_ints_past_int64_are_taken_as_the_numbers_they_hold():
+    """verl's non-tensor columns are object arrays: one of plain numbers is read as numpy reads a list of
+    them; a list of group ids past int64 groups as those ints (numpy alone makes it float64)."""
+    responses = [[5, 7], [5, 8], [6, 7], [6, 9]]
+    args = (responses, [[1, 1]] * 4, [1.0, 1.0, 0.0, 0.0], [0, 0, 1, 1])
+    expected = token_advantage(*args, correct=[True, False, True, False], backend="torch")
+    as_objects = [np.array(a, dtype=object) for a in args]
+    got = token_advantage(*as_objects, correct=np.array([np.bool_(True), False, True, False], dtype=object),
+                          backend="torch")
+    assert torch.equal(got, expected)
+    big = token_advantage(*args[:3], [2**63, 2**63, 5, 5], correct=[True, False, True, False], backend="torch")
+    assert torch.equal(big, token_advantage(*args[:3], [1, 1, 0, 0], correct=[True, False, True, False],
+                                            backend="torch"))
+
+
 @pytest.mark.parametrize("mistake, error, message", [
     (dict(responses=torch.tensor([[5.0, 7.0], [5.0, 8.0]])), ValueError, r"`responses`.*`responses\.long\(\)`"),
     (dict(rewards=[1.0, None]), ValueError, r"`rewards` must hold numbers, found None"),
+    (dict(rewards=np.array([1.0, "x"], dtype=object)), ValueError, r"`rewards` must hold numbers, found 'x' \(str\)"),
+    (dict(responses=[[5, 2**64], [5, 8]]), ValueError,
+     r"^`responses` must hold integers that one 64-bit type holds \(int64 or uint64\), found 5 and 18446744073709551616$"),
+    (dict(responses=[[-1, 2**63], [5, 8]]), ValueError, r"found -1 and 9223372036854775808$"),
+    (dict(responses=[[5, 2**63], [5, 8]]), ValueError, r"`responses` token ids must be < 2\*\*31, found 9223372036854775808"),
     (dict(index=torch.zeros(2, dtype=torch.int64, device="meta")), ValueError, r"`index` is a meta tensor"),
     (dict(index=torch.tensor([0.0, 0.0])), ValueError, r"`index`.*`index\.long\(\)`"),
     (dict(response_mask=torch.tensor([[2, 1], [1, 1]])), ValueError, r"`response_mask`.*responses != pad_id"),

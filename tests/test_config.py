@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktae_kernels import CudaTuning, ExecutionOptions, KernelVariant, KTAEConfig, token_advantage
+from ktae_kernels import CudaTuning, ExecutionOptions, KernelVariant, KTAEConfig, key_token_scores, token_advantage
 
 
 def test_defaults_follow_the_method():
@@ -54,6 +54,30 @@ def test_numpy_real_scalars_are_taken_as_python_floats(value):
     config = KTAEConfig(alpha=value, beta=value, top=value, correct_threshold=value, weight=value)
     assert (config.alpha, config.top, config.weight) == (float(value),) * 3
     assert type(config.alpha) is float and type(config.correct_threshold) is float
+
+
+def test_real_fields_are_floats_so_every_backend_takes_them():
+    """A Python int past int64 in a real field is stored as a float (the kernels take float64 scalars); one
+    past float64's range is refused naming the field, as is alpha + beta past it (the key divides by it)."""
+    config = KTAEConfig(top=2**70, correct_threshold=2**80, alpha=1, weight=3)
+    assert (type(config.top), type(config.correct_threshold), type(config.alpha)) == (float, float, float)
+    responses = torch.tensor([[5, 7], [5, 8], [6, 7], [6, 9]])
+    batch = (responses, torch.ones_like(responses, dtype=torch.bool), [1.0, 1.0, 0.0, 0.0], [0, 0, 0, 0])
+    for backend in ("torch", "cpu", "reference"):
+        scores = key_token_scores(*batch, config=KTAEConfig(top=2**70), backend=backend)
+        assert torch.equal(scores.score, key_token_scores(*batch, config=KTAEConfig(top=float(2**70)),
+                                                          backend=backend).score), backend
+    with pytest.raises(ValueError, match=r"^KTAEConfig.alpha must be a finite number"):
+        KTAEConfig(alpha=2**1100)
+    with pytest.raises(ValueError, match=r"^KTAEConfig.alpha \+ KTAEConfig.beta must be > 0 and finite"):
+        KTAEConfig(alpha=1e308, beta=1e308)
+
+
+@pytest.mark.parametrize("value", [np.array(5), torch.tensor(5), 5, b"ab"])
+def test_ignore_ids_that_are_not_a_collection_are_named(value):
+    with pytest.raises(ValueError, match=r"^KTAEConfig.ignore_token_ids must be an iterable of ints"):
+        KTAEConfig(ignore_token_ids=value)
+    assert KTAEConfig(ignore_token_ids=(i for i in (7, 3))).ignore_token_ids == (3, 7)
 
 
 def test_ignore_ids_must_fit_the_token_id_range():
