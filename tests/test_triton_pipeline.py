@@ -180,31 +180,22 @@ def test_groups_past_the_inline_bound_are_refused(device, monkeypatch):
         token_advantage(*on(device, responses, mask, rewards, index), backend="triton")
 
 
-class _Launches:
-    """A Triton kernel whose launches record their arguments (``args``: one tuple per launch)."""
-
-    def __init__(self, kernel):
-        self.kernel, self.args = kernel, []
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.args.append(args)
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def test_upstream_statistics_grow_with_the_rows_not_the_tables_a_group_could_have(device, monkeypatch):
-    """fisher="upstream": one group of 600 rollouts could have about 90,000 tables; the score kernel gets
-    only the host's statistics of its rows (two float64 each), and the reference's advantages."""
-    score = _Launches(pipeline._score_kernel)
-    monkeypatch.setattr(pipeline, "_score_kernel", score)
+    """fisher="upstream": one group of 600 rollouts could have about 90,000 tables; the score pass gets
+    only the host's statistics of its rows (float64 ``[2, rows]``), and the reference's advantages."""
+    score, by_rows = pipeline.score, []
+
+    def recording(run, config, device, by_row=None):
+        by_rows.append(by_row)
+        return score(run, config, device, by_row)
+
+    monkeypatch.setattr(pipeline, "score", recording)
     responses, mask, rewards, index = make_batch(np.random.default_rng(12), [600], 4, 30)
     config = KTAEConfig(fisher="upstream")
     assert_matches(responses, mask, rewards, index, device, config)
     rows = len(key_token_scores(responses, mask, rewards, index, config=config, backend="torch"))
-    float64 = [arg.numel() for args in score.args for arg in args
-               if isinstance(arg, torch.Tensor) and arg.dtype == torch.float64]
-    assert len(score.args) == 1 and 0 < max(float64) <= 2 * rows <= 60
+    assert len(by_rows) == 1 and by_rows[0].dtype == torch.float64
+    assert by_rows[0].shape == (2, rows) and 0 < rows <= 30
 
 
 def test_sizes_are_static_bounds_of_the_shape():
