@@ -12,7 +12,7 @@
 #   variants  bench/gpu_variants.py: every cuda launch variant on the paper batch (exactness, calls and graph
 #             replays between CUDA events, per-kernel times, a host profile), ranked; its JSON handed back
 #   tests     the tests that need a GPU (KTAE_GPU_TESTS: other test files, e.g. for a rerun):
-#             pytest -v -ra --durations=20, each test at most 60 s
+#             pytest -v -ra -n 0 --durations=20 (one process: one GPU), each test at most 60 s
 #   bench     what time is left: the paper batch through python -m bench (torch, triton, cuda)
 # Nothing that runs without a GPU runs here (the interpreter and emulator tests, the compile report).
 # After every stage, what the run has so far is copied to $OUT when it is set (the lending tool's
@@ -121,6 +121,7 @@ import importlib, sys
 # what the later stages import, and where it comes from
 need = {"numpy": "a dependency", "scipy": "a dependency", "torch": "a dependency",
         "tqdm": "the [bench] extra: pip install tqdm", "pytest": "the [test] extra: pip install pytest",
+        "xdist": "the [test] extra: pip install pytest-xdist",
         "cuda.core": 'the [cuda] extra: pip install -e ".[cuda]"',
         "ktae_kernels.backends.cuda.runtime": "the cuda backend",
         "bench.gpu_check": "the check stage", "bench.runner": "the bench stage"}
@@ -158,7 +159,7 @@ stage versions 40 bash -c versions
 if [[ -n "$DRY" ]]; then
   stage build 30 "$PY" -c "import ktae_kernels as k; print('backends on cpu:', k.available_backends('cpu'))"
   stage check 120 "$PY" -m bench.gpu_check --dry-run --repeats 2 --out "$RESULTS"
-  stage tests 60 "$PY" -m pytest --collect-only -q -p no:cacheprovider $GPU_TESTS
+  stage tests 60 "$PY" -m pytest --collect-only -q -n 0 -p no:cacheprovider $GPU_TESTS
   stage bench 20 "$PY" -m bench --device cpu --shape 4x2x64 --backends torch,triton --repeats 1 --no-progress \
     --no-plot --out "$RESULTS"
 else
@@ -166,7 +167,7 @@ else
   stage check 100 "$PY" -m bench.gpu_check --repeats 20 --out "$RESULTS"
   stage variants 90 "$PY" -m bench.gpu_variants --repeats 20 --out "$RESULTS"
   TIMEOUT=$("$PY" -c "import pytest_timeout" 2>/dev/null && echo "--timeout=60")
-  stage tests 100 "$PY" -m pytest -v -ra --durations=20 -p no:cacheprovider $TIMEOUT $GPU_TESTS
+  stage tests 100 "$PY" -m pytest -v -ra -n 0 --durations=20 -p no:cacheprovider $TIMEOUT $GPU_TESTS
   stage bench 60 "$PY" -m bench --device cuda --shape 16x1024x3072 --backends torch,triton,cuda --repeats 5 \
     --no-progress --no-plot --out "$RESULTS"
 fi
