@@ -1,9 +1,10 @@
 """pytest-benchmark timings of the core ops on a medium batch (G=16, 16 prompts, L=1024).
 
-Not part of the default test run (``testpaths = ["tests"]``); run them with::
+Not part of the default test run (``testpaths = ["tests"]``); run them in one process (pytest-benchmark
+times nothing on pytest-xdist workers) with::
 
-    python -m pytest bench/ --benchmark-only
-    python -m pytest bench/ --benchmark-only --benchmark-json bench-results/ops.json
+    python -m pytest bench/ -n 0 --benchmark-only
+    python -m pytest bench/ -n 0 --benchmark-only --benchmark-json bench-results/ops.json
 
 On a CUDA machine every op runs on "cpu" and "cuda". Each test also checks its result: the library
 backends must reproduce the reference's advantages.
