@@ -4,7 +4,7 @@ A trainer whose batches keep one layout (the same ``index`` and ``[B, L]`` every
 calls the plan every step: the group ids are made dense once, not per call. On CUDA tensors with the
 ``cuda`` or ``triton`` backend in exact mode, a plan's call can be captured in a CUDA graph
 (``torch.cuda.graph``) after a warm-up call of the plan, and replayed on new data copied into the
-captured tensors; ``plan.check()`` after a replay raises if that replay found a bad input or could not
+captured tensors; ``plan.check()`` after a replay raises if a call it replayed found a bad input or could not
 complete (its ``out`` then holds NaN).
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ from .validation import (GroupIds, check_config, check_options, check_out, check
 MAX_CAPTURES = 64
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TokenAdvantagePlan:
     """``token_advantage`` for batches of one shape and group layout (build it with ``plan_token_advantage``).
 
@@ -40,6 +40,7 @@ class TokenAdvantagePlan:
     group_labels: numpy ``[n_groups]``, the caller's label of each dense id. spec: the backend.
     captured: one ``CapturedCall`` per CUDA graph this plan's call was captured in, in capture order.
     layout: the group sizes (``GroupLayout``, made from ``group``): what the backends size a capture by.
+    Plans compare and hash by identity (each owns its captures and replay counts).
     """
 
     shape: tuple[int, int]
@@ -63,6 +64,8 @@ class TokenAdvantagePlan:
         object.__setattr__(self, "members", torch.argsort(self.group, stable=True))
         object.__setattr__(self, "replays", torch.zeros(1 + MAX_CAPTURES, dtype=torch.int64, device=self.device))
         object.__setattr__(self, "_lock", threading.Lock())
+        #: the replay count ``check()`` saw last, and the captured calls it read then.
+        object.__setattr__(self, "_checked", (0, ()))
 
     def __call__(self, responses: ArrayLike, response_mask: ArrayLike, rewards: ArrayLike, *,
                  rollout_advantage: ArrayLike | None = None, correct: ArrayLike | None = None,
@@ -112,9 +115,11 @@ class TokenAdvantagePlan:
         return out
 
     def check(self, call: CapturedCall | None = None) -> None:
-        """After a replay: raise if the last replay of this plan's graphs (or of ``call``, one of
-        ``captured``) could not write its advantages. One read of the device; call it after the replay
-        (in stream order: on the replay's stream, or after synchronising it).
+        """After a replay: raise if a captured call of this plan that replayed since the previous ``check()``
+        (every call of the graphs replayed since, each call's last replay; with none since, the calls the
+        previous ``check()`` read), or ``call`` (one of ``captured``) in its last replay, could not write
+        its advantages. One read of the device; call it after the replay (in stream order: on the
+        replay's stream, or after synchronising it).
 
         Raises:
             ValueError: the replayed batch held a token id out of range or a group past the backend's
@@ -131,7 +136,7 @@ class TokenAdvantagePlan:
             if counts[0] == 0:
                 raise GraphCaptureError("no CUDA graph of this plan has replayed yet: call check() after "
                                         "graph.replay()")
-            index = counts.index(counts[0], 1) - 1  # the graph that replayed last
+            calls = self._replayed_since_check(counts)
         else:
             index = next((i for i, each in enumerate(self.captured) if each is call), None)
             if index is None:
@@ -139,7 +144,20 @@ class TokenAdvantagePlan:
             if counts[1 + index] == 0:
                 raise GraphCaptureError(f"captured call {index} of this plan has not replayed yet: call check() "
                                         f"after its graph's replay()")
-        self.captured[index].check()
+            calls = (index,)
+        for index in calls:
+            self.captured[index].check()
+
+    def _replayed_since_check(self, counts: list[int]) -> tuple[int, ...]:
+        """The captured calls (indexes, in replay order) whose last replay counted past what the previous
+        ``check()`` saw, remembered for the next; the previous ones when none did."""
+        with self._lock:
+            seen, previous = self._checked
+            since = sorted((i for i, count in enumerate(counts[1:]) if count > seen), key=lambda i: counts[1 + i])
+            if not since:
+                return previous
+            object.__setattr__(self, "_checked", (counts[0], tuple(since)))
+            return tuple(since)
 
     def _check_capturable(self) -> None:
         if not self.spec.capturable:

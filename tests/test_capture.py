@@ -4,8 +4,8 @@ Triton's interpreter and the CUDA kernels in the emulator (tests/emulator.py).
 A stubbed capture runs the kernels at once, with the sizes a real capture would record, so a call made
 while the flag is set stands for a replay of the captured call on that call's data. What these check:
 a replay never leaves a finite wrong value in ``out`` (the right advantages, or NaN and ``plan.check()``
-says why); a capture is refused until the plan's own layout ran outside a graph; ``check()`` reads the
-graph that replayed last (or the one it is given) and refuses before any replay; what a captured call
+says why); a capture is refused until the plan's own layout ran outside a graph; ``check()`` reads every
+call replayed since the previous ``check()`` (or the one it is given) and refuses before any replay; what a captured call
 reads from the backends' caches outlives any number of other configs; nothing is read back, waited for
 or uploaded while capturing. The real capture and replay are tests/test_plan.py's GPU test.
 """
@@ -146,11 +146,11 @@ def test_a_plan_is_captured_only_after_its_own_layout_ran(backend, monkeypatch):
     torch.testing.assert_close(out, reference(responses, mask, rewards, skewed_index), rtol=0, atol=1e-6)
 
 
-def test_check_reads_the_graph_that_replayed_last_or_the_one_it_is_given(backend, monkeypatch):
+def test_check_reads_the_calls_replayed_since_the_last_check_or_the_one_it_is_given(backend, monkeypatch):
     """A plan captured in two graphs (A on a good batch, B on one with a bad id) keeps a ``CapturedCall``
-    each; ``check()`` reads the flags of the graph that replayed last, ``check(call)`` those of ``call``.
-    The stub cannot replay A again: it does the bookkeeping A's replay adds to its kernels (``replays``),
-    on A's unchanged flags."""
+    each; ``check()`` reads the flags of every call replayed since the previous ``check()`` (again the
+    same ones when none replayed since), ``check(call)`` those of ``call``. The stub cannot replay A
+    again: it does the bookkeeping A's replay adds to its kernels (``replays``), on A's unchanged flags."""
     repeated, _, index = batches()
     plan = make_plan(backend, index, (8, 40))
     plan(*repeated)
@@ -158,16 +158,41 @@ def test_check_reads_the_graph_that_replayed_last_or_the_one_it_is_given(backend
         plan(*repeated, out=torch.empty(8, 40))
         plan(*with_bad_id(repeated), out=torch.empty(8, 40))
     good, bad = plan.captured
-    with pytest.raises(ValueError, match="found -4"):
-        plan.check()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="found -4"):
+            plan.check()
     plan.check(good)
     with pytest.raises(ValueError, match="found -4"):
         plan.check(bad)
     plan.replays[0] += 1  # A replays
     plan.replays[1] = plan.replays[0]
     plan.check()
+    plan.check()
+    for replayed in (2, 1):  # B, then A, replay before the next check(): B's bad id is not lost
+        plan.replays[0] += 1
+        plan.replays[replayed] = plan.replays[0]
+    with pytest.raises(ValueError, match="found -4"):
+        plan.check()
     with pytest.raises(ValueError, match="one of this plan's `captured` calls"):
         plan.check(CapturedCall(keep=(), check=lambda: None))
+
+
+def test_check_reads_every_call_of_a_graph_that_holds_several(backend, monkeypatch):
+    """One graph holding two calls of the plan (two micro-batches), the first with a bad id: its replay
+    leaves NaN in the first ``out`` and the right advantages in the second, and ``check()`` raises the
+    first call's error, not only the last call's flags."""
+    repeated, _, index = batches()
+    plan = make_plan(backend, index, (8, 40))
+    plan(*repeated)
+    outs = torch.zeros(2, 8, 40)
+    with capturing(monkeypatch):
+        plan(*with_bad_id(repeated), out=outs[0])
+        plan(*repeated, out=outs[1])
+    assert torch.isnan(outs[0]).all()
+    torch.testing.assert_close(outs[1], reference(*repeated, index), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="found -4"):
+        plan.check()
+    plan.check(plan.captured[1])
 
 
 def test_check_before_any_replay_raises(backend, monkeypatch):
@@ -238,6 +263,18 @@ def test_a_capture_before_any_warm_up_is_refused(backend, monkeypatch):
     plan = make_plan(backend, index, (8, 40))
     device_state.state(plan.device).clear()  # nothing cached, nothing learnt
     with capturing(monkeypatch), pytest.raises(GraphCaptureError, match="make one call of the plan .* before capturing"):
+        plan(*repeated)
+
+
+def test_a_warm_up_that_counted_no_token_does_not_allow_a_capture(backend, monkeypatch):
+    """A warm-up on a batch with every mask value 0 completes (zeros) but sizes no table: the capture is
+    refused, and the error says why that warm-up did not count."""
+    repeated, _, index = batches()
+    plan = make_plan(backend, index, (8, 40))
+    device_state.state(plan.device).clear()
+    masked_out = (repeated[0], torch.zeros_like(repeated[1]), repeated[2])
+    assert torch.equal(plan(*masked_out), torch.zeros(8, 40))
+    with capturing(monkeypatch), pytest.raises(GraphCaptureError, match="every mask value 0 .* does not count"):
         plan(*repeated)
 
 

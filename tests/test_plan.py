@@ -47,6 +47,14 @@ def test_a_plan_serves_new_data_of_its_layout_with_every_option():
         assert torch.equal(plan(responses, mask, rewards, rollout_advantage=given, correct=correct), want)
 
 
+def test_plans_compare_and_hash_by_identity():
+    """A plan holds tensors, captures and replay counts of its own: two plans of one layout are two
+    plans, and either may key a dict."""
+    first, second = (plan_token_advantage([0, 0, 1], (3, 4)) for _ in range(2))
+    assert first == first and first != second
+    assert len({first: 1, second: 2}) == 2
+
+
 @pytest.mark.parametrize("shape", [(4,), (4, -1), "ab", (4, 2.0), None])
 def test_a_plan_needs_a_shape(shape):
     with pytest.raises(ValueError, match="`shape` must be \\(B, L\\)"):
@@ -239,9 +247,10 @@ def test_a_plan_call_is_captured_in_a_cuda_graph_and_replayed(backend):
 
 @pytest.mark.skipif(not GPU_BACKENDS, reason="needs a CUDA GPU (and triton or the cuda extra)")
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_check_reads_the_graph_of_a_plan_that_replayed_last(backend):
+def test_check_reads_the_graph_of_a_plan_replayed_since_the_last_check(backend):
     """A plan captured in two graphs: ``check`` refuses before any replay, then reads the flags of
-    whichever graph replayed last, and ``check(call)`` those of ``call``; a failed replay leaves NaN."""
+    the graph replayed since the previous ``check()``, and ``check(call)`` those of ``call``; a failed
+    replay leaves NaN."""
     gen = torch.Generator().manual_seed(8)
     B, L = 32, 128
     index = torch.arange(B) // 8

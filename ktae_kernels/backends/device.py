@@ -27,8 +27,9 @@ MAX_GROUP_TOKENS = 2**30
 BASELINE_CODES = {"grpo": 0, "mean": 1, "none": 2, "given": 3}
 #: what a capture refused for want of a warm-up says.
 WARM_UP = ("this plan's group layout has not run outside a CUDA graph on this device yet (or `clear_caches` "
-           "forgot it): make one call of the plan (on a batch as diverse as the replays will be) before "
-           "capturing it, as every CUDA graph needs a warm-up")
+           "forgot it; a call that counted no token id, every mask value 0 or a bad id, does not count): make "
+           "one call of the plan (on a batch as diverse as the replays will be) before capturing it, as every "
+           "CUDA graph needs a warm-up")
 #: what a replay that could not complete says.
 WARM_UP_MORE = ("Warm the plan up on a batch at least as diverse as the replays, then capture it again "
                 "(or use backend='cuda', whose tables cannot overflow).")
