@@ -417,6 +417,21 @@ def test_settings_travel_as_json_with_ignore_token_ids():
             ktae_openrlhf.settings_from_env({ktae_openrlhf.ENV_VAR: f'{{"backend": {bad}}}'})
 
 
+def test_a_baseline_openrlhfs_estimator_replaces_is_refused(monkeypatch):
+    """OpenRLHF's estimator makes ``A_i``: a ``baseline`` or ``eps`` other than the default would do nothing,
+    so the launcher's ``runtime_env`` and the trainer actor's ``install`` refuse it."""
+    for config in (KTAEConfig(baseline="mean"), KTAEConfig(eps=1e-3)):
+        settings = AdapterSettings(config)
+        with pytest.raises(ValueError, match=r"the KTAE settings sets \{'(baseline|eps)': .*\}, which would have no "
+                                             r"effect: OpenRLHF's advantage estimator"):
+            ktae_openrlhf.runtime_env(settings)
+        monkeypatch.setenv(ktae_openrlhf.ENV_VAR, ktae_openrlhf.settings_json(settings))
+        with pytest.raises(ValueError, match="which would have no effect"):
+            ktae_openrlhf.install()
+    monkeypatch.setenv(ktae_openrlhf.ENV_VAR, '{"baseline": "grpo"}')  # the default: nothing is lost
+    assert ktae_openrlhf.settings_from_env().config == KTAEConfig()
+
+
 def test_runtime_env_merges_openrlhfs_own_and_the_users():
     """OpenRLHF's defaults (zero-copy tensors, NCCL_DEBUG, TOKENIZERS_PARALLELISM) are kept; a value set in
     the launching shell or in the user's runtime_env wins; the hook is the named function's path."""

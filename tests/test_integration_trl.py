@@ -256,6 +256,79 @@ def test_correct_reward_funcs_define_the_labels(tmp_path):
                         processing_class=_tokenizer(), ktae_correct_reward_funcs=["acc"])
 
 
+def _scored(completions, completion_ids, kind, **kwargs):
+    """A format or an accuracy reward, as ``kind`` says (two partials of it share TRL's name ``_scored``)."""
+    return (formatted if kind == "format" else accuracy)(completions, completion_ids)
+
+
+def test_reward_functions_sharing_a_name_are_named_by_the_function_itself(tmp_path):
+    """Two ``functools.partial`` of one function share TRL's name: naming it is refused as ambiguous
+    (it would label by the first, the format reward, and call every rollout correct); passing the
+    accuracy partial itself labels by it."""
+    import functools
+
+    fmt, acc = functools.partial(_scored, kind="format"), functools.partial(_scored, kind="acc")
+    build = dict(reward_funcs=[fmt, acc], args=_args(tmp_path), train_dataset=_prompts(), processing_class=_tokenizer())
+    with pytest.raises(ValueError, match=r"names '_scored', the name TRL gives to the reward functions at positions "
+                                         r"\[0, 1\] .* ktae_correct_reward_funcs=\[reward_funcs\[1\]\]"):
+        KTAEGRPOTrainer(_model(), ktae_correct_reward_funcs=["_scored"], **build)
+    with pytest.raises(ValueError, match=r"names of this trainer's reward functions \(\['_scored', '_scored'\]\) or the "
+                                         r"functions themselves; got <function accuracy"):
+        KTAEGRPOTrainer(_model(), ktae_correct_reward_funcs=[accuracy], **build)
+    trainer = _Recording(_model(), ktae_correct_reward_funcs=acc, **build)
+    trainer.seen = []
+    trainer.train()
+    step = trainer.seen[0]
+    correct = step["rewards"][:, 1] > 0
+    assert trainer.ktae_correct_columns == [1] and torch.any(~correct)
+    assert torch.equal(step["labels"].correct, correct)
+
+
+def test_a_labelling_reward_that_grades_nothing_is_refused(tmp_path):
+    """A labelling function with reward weight 0 (logged only) would call every rollout wrong: refused at
+    construction. One that returns None for some rows that another function scored (ungraded) stops the
+    step, naming the rows, instead of counting them wrong; with a second labelling function grading
+    those rows it trains, and so it does where no function scored those rows (they join no group)."""
+    def partial_accuracy(completions, completion_ids, **kwargs):
+        return [None if i % 4 == 1 else v for i, v in enumerate(accuracy(completions, completion_ids))]
+
+    def other_accuracy(completions, completion_ids, **kwargs):
+        return [v if i % 4 == 1 else None for i, v in enumerate(accuracy(completions, completion_ids))]
+
+    build = dict(train_dataset=_prompts(), processing_class=_tokenizer())
+    with pytest.raises(ValueError, match=r"reward functions \['accuracy'\] that label rollouts correct or wrong have "
+                                         r"reward weight 0"):
+        KTAEGRPOTrainer(_model(), reward_funcs=[formatted, accuracy], args=_args(tmp_path, reward_weights=[1.0, 0.0]),
+                        ktae_correct_reward_funcs=["accuracy"], **build)
+    trainer = KTAEGRPOTrainer(_model(), reward_funcs=[formatted, partial_accuracy], args=_args(tmp_path),
+                              ktae_correct_reward_funcs=["partial_accuracy"], **build)
+    with pytest.raises(ValueError, match=r"\(partial_accuracy\) returned None for the gathered rows \[1, 5\] of this "
+                                         r"step"):
+        trainer.train()
+    trainer = _Recording(_model(), reward_funcs=[formatted, partial_accuracy, other_accuracy], args=_args(tmp_path),
+                         ktae_correct_reward_funcs=["partial_accuracy", "other_accuracy"], **build)
+    trainer.seen = []
+    trainer.train()
+    step = trainer.seen[0]
+    assert torch.equal(step["labels"].correct, step["rewards"][:, 1:].nansum(1) > 0)
+    trainer = _Recording(_model(), reward_funcs=partial_accuracy, args=_args(tmp_path), **build)
+    trainer.seen = []
+    trainer.train()
+    assert trainer.seen[0]["rewards"][1::4].isnan().all() and torch.all(trainer.seen[0]["ktae"][1::4] == 0)
+
+
+def test_a_baseline_trls_advantage_replaces_is_refused(tmp_path):
+    """``KTAEConfig.baseline`` / ``eps`` make ``A_i`` only with ``ktae_use_trl_advantage=False``; set with
+    TRL's own advantage they would do nothing, so the trainer refuses them."""
+    build = dict(reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
+                 processing_class=_tokenizer())
+    for config in (KTAEConfig(baseline="none"), KTAEConfig(eps=1e-3)):
+        with pytest.raises(ValueError, match=r"`ktae_config` sets \{'(baseline|eps)': .*\}, which would have no effect: "
+                                             r"with ktae_use_trl_advantage=True"):
+            KTAEGRPOTrainer(_model(), ktae_config=config, **build)
+        KTAEGRPOTrainer(_model(), ktae_config=config, ktae_use_trl_advantage=False, **build)
+
+
 def test_trls_overlong_punishment_does_not_relabel_a_correct_answer(tmp_path):
     """Real ``GRPOTrainer`` with an accuracy reward plus TRL's own DAPO length penalty
     (``get_soft_overlong_punishment``) and no ``ktae_correct_reward_funcs``: the labels come from the
@@ -335,15 +408,20 @@ def _gmpo_trainer() -> type:
         return GMPOTrainer
 
 
-@pytest.mark.parametrize("kind", ["gmpo", "replay"])
+@pytest.mark.parametrize("kind", ["gmpo", "replay", "gmpo-listed-first"])
 def test_a_subclass_that_replaces_what_ktae_relies_on_is_refused(tmp_path, kind):
     """A GRPOTrainer subclass with its own loss (GMPO: ``(B,)`` advantages) or its own batch making (a
-    replay buffer) under the mixin would run KTAE's ``(B, T)`` advantages through code never checked with
-    them: refused when the trainer is built, naming the class and the method, unless allowed explicitly."""
-    base, method = (_gmpo_trainer(), "_compute_loss") if kind == "gmpo" else (_Replaying, "_generate_and_score_completions")
+    replay buffer) under the mixin, or listed before ``KTAEGRPOTrainer`` (its methods then run first),
+    would run KTAE's ``(B, T)`` advantages through code never checked with them: refused when the
+    trainer is built, naming the class and the method, unless allowed explicitly."""
+    base, method = (_Replaying, "_generate_and_score_completions") if kind == "replay" else (_gmpo_trainer(), "_compute_loss")
 
-    class KTAEVariant(KTAEGRPOMixin, base):
-        pass
+    if kind == "gmpo-listed-first":
+        class KTAEVariant(base, KTAEGRPOTrainer):
+            pass
+    else:
+        class KTAEVariant(KTAEGRPOMixin, base):
+            pass
 
     build = dict(reward_funcs=_even_majority, args=_args(tmp_path), train_dataset=_prompts(),
                  processing_class=_tokenizer())

@@ -28,8 +28,8 @@ from torch import Tensor
 
 from ..api import key_token_scores, token_advantage
 from .import_hooks import patch_on_import
-from .shared import (ALLOW_UNTESTED, AdapterSettings, backend_that_runs, check_version, column_values, correct_labels,
-                     missing_target, settings_from_mapping, step_metrics)
+from .shared import (ALLOW_UNTESTED, AdapterSettings, backend_that_runs, check_baseline_unused, check_version,
+                     column_values, correct_labels, missing_target, settings_from_mapping, step_metrics)
 
 #: environment variable ``worker_setup`` / ``install`` read the settings from (a JSON object).
 ENV_VAR = "KTAE_OPENRLHF"
@@ -176,6 +176,13 @@ def settings_json(settings: AdapterSettings) -> str:
                        "correct_key": settings.correct_key, "threads": settings.options.threads})
 
 
+def check_settings(settings: AdapterSettings) -> None:
+    """ValueError for settings OpenRLHF would ignore: ``baseline`` and ``eps`` (its estimator makes ``A_i``;
+    KTAE adds ``weight * score`` to it)."""
+    check_baseline_unused(settings.config, "the KTAE settings", "OpenRLHF's advantage estimator "
+                          "(--algo.advantage.estimator) makes the rollout advantage, and KTAE adds weight * score to it")
+
+
 def settings_from_env(environ: Mapping[str, str] | None = None) -> AdapterSettings:
     """``AdapterSettings`` from the JSON object in ``$KTAE_OPENRLHF`` (defaults when unset)."""
     raw = (os.environ if environ is None else environ).get(ENV_VAR, "").strip()
@@ -257,6 +264,7 @@ def install(settings: AdapterSettings | None = None) -> None:
     """Make OpenRLHF's trainer build a KTAE experience maker in this process, when (if ever) it imports
     ``openrlhf.trainer.ppo_trainer``; settings from ``$KTAE_OPENRLHF`` when None."""
     settings = settings_from_env() if settings is None else settings
+    check_settings(settings)
     patch_on_import(__name__, {TRAINER_MODULE: lambda module: patch_trainer_module(module, settings)})
 
 
@@ -272,6 +280,7 @@ def runtime_env(settings: AdapterSettings = AdapterSettings(), base: Mapping[str
     runtime_env) plus ``worker_setup`` as the setup hook and, in ``env_vars``, the settings as JSON
     and OpenRLHF's own defaults (``OPENRLHF_ENV_DEFAULTS``), where ``environ`` (the launching shell)
     and ``base`` set nothing else; ``$KTAE_ALLOW_UNTESTED`` when ``environ`` sets it."""
+    check_settings(settings)
     environ = os.environ if environ is None else environ
     base = dict(base or {})
     hook = base.get("worker_process_setup_hook")

@@ -98,6 +98,20 @@ def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
         raise ValueError(f"{where}: {err}") from None
 
 
+#: the ``KTAEConfig`` fields that make the rollout advantage ``A_i``: unused where an adapter keeps the
+#: framework's own ``A_i``.
+BASELINE_FIELDS = ("baseline", "eps")
+
+
+def check_baseline_unused(config: KTAEConfig, where: str, why: str) -> None:
+    """ValueError naming ``where`` when ``config`` sets a ``BASELINE_FIELDS`` field to other than its default,
+    where the framework makes ``A_i`` (``why`` says how), so that the setting would silently do nothing."""
+    default = KTAEConfig()
+    changed = {name: getattr(config, name) for name in BASELINE_FIELDS if getattr(config, name) != getattr(default, name)}
+    if changed:
+        raise ValueError(f"{where} sets {changed}, which would have no effect: {why}")
+
+
 def _did_you_mean(unknown: list[str], accepted: set[str]) -> str:
     """" (did you mean 'alpha'?)" for the first unknown key close to an accepted one, else ""."""
     for key in unknown:

@@ -28,8 +28,8 @@ from ..options import ExecutionOptions
 from ..metrics import ktae_metrics
 from ..registry import DISTRIBUTED_BACKENDS, check_backend_name
 from .gathered import grpo_groups, grpo_token_advantages
-from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_metrics_mode,
-                     check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
+from .shared import (AdapterSettings, FrameworkMismatchError, Labels, backend_that_runs, check_baseline_unused,
+                     check_metrics_mode, check_version, correct_labels, missing_target, rollout_baseline, step_metrics)
 
 __all__ = ["RELIED_ON", "SHAPING_REWARDS", "KTAEGRPOMixin", "KTAEGRPOTrainer", "check_mixin_order",
            "check_subclass_overrides", "grpo_token_advantages", "liger_loss_takes_sequence_advantages"]
@@ -83,12 +83,13 @@ def check_mixin_order(cls: type) -> None:
 
 
 def check_subclass_overrides(cls: type) -> None:
-    """Raise TypeError when a class between ``KTAEGRPOMixin`` and ``GRPOTrainer`` in ``cls``'s method
-    resolution order (the user's ``GRPOTrainer`` subclass under the mixin) defines one of ``RELIED_ON``,
-    naming the class and the method."""
+    """Raise TypeError when a class before ``GRPOTrainer`` in ``cls``'s method resolution order that is not
+    built on ``KTAEGRPOMixin`` (the user's ``GRPOTrainer`` subclass under the mixin, or a trainer listed
+    before ``KTAEGRPOTrainer`` in the bases, whose methods then run before KTAE's) defines one of
+    ``RELIED_ON``, naming the class and the method."""
     mro = cls.__mro__
-    between = mro[mro.index(KTAEGRPOMixin) + 1:mro.index(GRPOTrainer)]
-    found = [(klass.__name__, name) for klass in between for name in RELIED_ON if name in vars(klass)]
+    foreign = [klass for klass in mro[:mro.index(GRPOTrainer)] if not issubclass(klass, KTAEGRPOMixin)]
+    found = [(klass.__name__, name) for klass in foreign for name in RELIED_ON if name in vars(klass)]
     if found:
         owner, name = found[0]
         raise TypeError(
@@ -112,14 +113,17 @@ class KTAEGRPOMixin:
     is created). Keywords: ``ktae_config`` (``KTAEConfig()`` when None), ``ktae_backend`` ("auto" or a
     registered backend name; "auto" or "torch" with several processes), ``ktae_use_trl_advantage`` (a
     bool; True: ``A_i`` is TRL's own advantage, following its ``scale_rewards`` and
-    ``multi_objective_aggregation``; False: ``ktae_config.baseline`` on the weighted reward), ``ktae_metrics`` ("advantages", "scores" or "off"),
+    ``multi_objective_aggregation``, and a ``ktae_config`` baseline or eps other than the default is
+    refused; False: ``ktae_config.baseline`` on the weighted reward), ``ktae_metrics`` ("advantages", "scores" or "off"),
     ``ktae_correct_reward_funcs`` (names of the reward functions that define correctness, e.g.
-    ``["accuracy"]``: a rollout is correct when their weighted sum is > ``ktae_config.correct_threshold``;
-    None: the only reward function, or the only one that is not in ``SHAPING_REWARDS``; ValueError at
-    construction when that leaves several or none), ``ktae_options`` (``ExecutionOptions``: how the
+    ``["accuracy"]``, or the functions themselves: a rollout is correct when their weighted sum is >
+    ``ktae_config.correct_threshold``; None: the only reward function, or the only one that is not in
+    ``SHAPING_REWARDS``; ValueError at construction when that leaves several or none, for a name several
+    functions share, or a labelling function of reward weight 0; ValueError at a step where they all
+    returned None for a rollout another function scored), ``ktae_options`` (``ExecutionOptions``: how the
     kernels run; ``ExecutionOptions()`` when None; a dict is refused) and ``ktae_allow_overrides``
-    (False: a ``GRPOTrainer`` subclass under the mixin that replaces one of ``RELIED_ON`` raises TypeError
-    at construction; True: run it, once you have checked it takes KTAE's ``(B, T)`` advantages).
+    (False: a ``GRPOTrainer`` subclass under the mixin, or before it in the bases, that replaces one of
+    ``RELIED_ON`` raises TypeError at construction; True: run it, once you have checked it takes KTAE's ``(B, T)`` advantages).
     ``ktae_rewards_per_func``: the last step's gathered ``[N, n_funcs]`` rewards (None before it).
     """
 
@@ -129,7 +133,7 @@ class KTAEGRPOMixin:
 
     def __init__(self, *args: Any, ktae_config: KTAEConfig | None = None, ktae_backend: str = "auto",
                  ktae_use_trl_advantage: bool = True, ktae_metrics: str = "advantages",
-                 ktae_correct_reward_funcs: Sequence[str] | None = None, ktae_options: ExecutionOptions | None = None,
+                 ktae_correct_reward_funcs: Sequence[Any] | None = None, ktae_options: ExecutionOptions | None = None,
                  ktae_allow_overrides: bool = False, **kwargs: Any) -> None:
         check_trainer_class(type(self).__mro__[type(self).__mro__.index(KTAEGRPOMixin) + 1])
         if not isinstance(ktae_allow_overrides, bool):
@@ -149,7 +153,11 @@ class KTAEGRPOMixin:
                              f"build one with ExecutionOptions(threads=...)")
         if not isinstance(ktae_use_trl_advantage, bool):
             raise ValueError(f"`ktae_use_trl_advantage` must be True or False, got {ktae_use_trl_advantage!r}")
-        if isinstance(ktae_correct_reward_funcs, str):
+        if ktae_use_trl_advantage and ktae_config is not None:
+            check_baseline_unused(ktae_config, "`ktae_config`", "with ktae_use_trl_advantage=True the rollout advantage "
+                                  "is TRL's own (its scale_rewards decides the scaling); pass "
+                                  "ktae_use_trl_advantage=False to use KTAEConfig.baseline and eps")
+        if isinstance(ktae_correct_reward_funcs, str) or callable(ktae_correct_reward_funcs):
             ktae_correct_reward_funcs = [ktae_correct_reward_funcs]
         check_backend_name(ktae_backend, "`ktae_backend`")
         check_metrics_mode(ktae_metrics, "`ktae_metrics`")
@@ -169,21 +177,56 @@ class KTAEGRPOMixin:
         """The method's settings (``ktae_settings.config``)."""
         return self.ktae_settings.config
 
-    def _ktae_reward_columns(self, names: Sequence[str] | None) -> list[int]:
-        """Columns of ``rewards_per_func`` that label rollouts: the named reward functions; without
-        names, the only one, or the only one that is not a TRL shaping reward (else ValueError)."""
+    def _ktae_reward_columns(self, names: Sequence[Any] | None) -> list[int]:
+        """Columns of ``rewards_per_func`` that label rollouts: the named (or given) reward functions;
+        without names, the only one, or the only one that is not a TRL shaping reward. ValueError for a
+        name that is not a reward function's or is shared by several, for none or several candidates,
+        and for a labelling function whose reward weight is 0."""
         available = list(self.reward_func_names)
-        if names is not None:
-            missing = [n for n in names if n not in available]
-            if missing or not names:
+        if names is None:
+            columns = self._ktae_only_task_reward(available)
+        else:
+            columns = [self._ktae_reward_column(name, available) for name in names]
+            if not columns:
                 raise ValueError(f"`ktae_correct_reward_funcs` must name reward functions of this trainer, one of "
-                                 f"{available}; got {list(names)}")
-            return [available.index(n) for n in names]
+                                 f"{available}; got []")
+        zero = [available[c] for c in columns if float(self.reward_weights[c]) == 0.0]
+        if zero:
+            raise ValueError(f"the reward functions {zero} that label rollouts correct or wrong have reward weight 0, "
+                             f"so their weighted sum is 0 and every rollout would be wrong: give them a nonzero "
+                             f"weight in `reward_weights`, or name other functions in `ktae_correct_reward_funcs`")
+        return columns
+
+    def _ktae_reward_column(self, entry: Any, available: list[str]) -> int:
+        """The column of one ``ktae_correct_reward_funcs`` entry: a reward function's name, or the function
+        itself (one of ``reward_funcs``; needed where two share a name)."""
+        if not isinstance(entry, str):
+            found = [i for i, func in enumerate(self.reward_funcs) if func is entry]
+            if not found:
+                raise ValueError(f"`ktae_correct_reward_funcs` must hold names of this trainer's reward functions "
+                                 f"({available}) or the functions themselves; got {entry!r}")
+            return found[0]
+        if entry not in available:
+            raise ValueError(f"`ktae_correct_reward_funcs` must name reward functions of this trainer, one of "
+                             f"{available}; got {entry!r}")
+        shared = [i for i, n in enumerate(available) if n == entry]
+        if len(shared) > 1:
+            raise ValueError(f"`ktae_correct_reward_funcs` names {entry!r}, the name TRL gives to the reward functions "
+                             f"at positions {shared} of `reward_funcs` (a functools.partial takes the name of the "
+                             f"function it wraps): pass the function that says whether an answer is correct itself, "
+                             f"e.g. ktae_correct_reward_funcs=[reward_funcs[{shared[-1]}]], or give the functions "
+                             f"distinct names")
+        return shared[0]
+
+    @staticmethod
+    def _ktae_only_task_reward(available: list[str]) -> list[int]:
+        """The one reward function, or the one that is not a TRL shaping reward; else ValueError."""
         task = [i for i, n in enumerate(available) if n not in SHAPING_REWARDS]
         if len(available) == 1 or len(task) == 1:
             return task or [0]
         shaping = [n for n in available if n in SHAPING_REWARDS]
-        example = available[task[0]] if task else available[0]
+        first = task[0] if task else 0
+        example = first if available.count(available[first]) > 1 else available[first]
         raise ValueError(f"KTAE splits each group into correct and wrong rollouts, and cannot tell which of the reward "
                          f"functions {available} say whether an answer is correct"
                          + (f" (TRL's shaping rewards {shaping} never do)" if shaping else "")
@@ -224,12 +267,19 @@ class KTAEGRPOMixin:
 
     def ktae_labels(self) -> Labels:
         """Correct / wrong flags of the gathered rows and their source (see the class docstring)."""
-        rewards, _, _ = grpo_groups(self.ktae_rewards_per_func, self.reward_weights,
-                                    num_generations=self._ktae_num_generations())
+        rewards, _, unscorable = grpo_groups(self.ktae_rewards_per_func, self.reward_weights,
+                                             num_generations=self._ktae_num_generations())
         columns = self.ktae_correct_columns
-        weights = self.reward_weights.to(rewards.device)[columns]
-        task = (self.ktae_rewards_per_func[:, columns] * weights).nansum(dim=1)
+        values = self.ktae_rewards_per_func[:, columns]
         name = "+".join(self.reward_func_names[c] for c in columns)
+        ungraded = (values.isnan().all(dim=1) & ~unscorable).nonzero().flatten().tolist()  # unscorable: no group
+        if ungraded:
+            raise ValueError(f"the reward functions that label rollouts ({name}) returned None for the gathered rows "
+                             f"{ungraded[:8]}{' ...' if len(ungraded) > 8 else ''} of this step, so KTAE cannot say "
+                             f"whether those answers are correct: return 0.0 for a wrong answer, or name in "
+                             f"`ktae_correct_reward_funcs` every function that grades some rollouts (their weighted "
+                             f"sum labels each row)")
+        task = (values * self.reward_weights.to(values.device)[columns]).nansum(dim=1)
         return correct_labels(rewards, self.ktae_config.correct_threshold, [(name, task)])
 
     def _ktae_mask(self, output: dict[str, Any]) -> Tensor:
