@@ -134,6 +134,16 @@ def check_real_rows(name: str, t: Tensor, batch_size: int) -> None:
         raise ValueError(f"`{name}` must be real with shape [B] = [{batch_size}], got {t.dtype} {tuple(t.shape)}")
 
 
+def check_finite_rows(name: str, t: Tensor) -> None:
+    """ValueError naming ``name`` and the first row of the float ``[B]`` ``t`` that holds NaN or inf (one
+    read of a device tensor)."""
+    finite = np.isfinite(t.numpy()).all() if t.device.type == "cpu" else bool(torch.isfinite(t).all())
+    if not finite:
+        bad = torch.nonzero(~torch.isfinite(t)).reshape(-1)
+        more = f" ({bad.numel()} rows are not finite)" if bad.numel() > 1 else ""
+        raise ValueError(f"`{name}` must be finite, found {float(t[bad[0]])} at row {int(bad[0])}{more}")
+
+
 def finite_real(value: object) -> bool:
     """Whether ``value`` is a finite real number: a Python or numpy int or float, not a bool, and not an
     int past float64's range."""

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import (as_tensor, check_index_shape, check_mask_shape, check_one_kind, check_real_rows, check_token_tensor,
-                     finite_real, index_values, plain_int, zero_one_flags)
+from .checks import (as_tensor, check_finite_rows, check_index_shape, check_mask_shape, check_one_kind, check_real_rows,
+                     check_token_tensor, finite_real, index_values, plain_int, zero_one_flags)
 
 #: what the public functions accept for a tensor argument: a tensor, a numpy array or a (nested) list.
 ArrayLike = Union[Tensor, np.ndarray, Sequence]
@@ -209,6 +209,7 @@ class KeyTokenScores:
         on = zero_one_flags("response_mask", mask.cpu(), "build it as `responses != pad_id`")
         base = as_tensor("rollout_advantage", rollout_advantage).detach()
         check_real_rows("rollout_advantage", base, shape[0])
+        check_finite_rows("rollout_advantage", base.to(torch.float64))
         if not finite_real(weight):
             raise ValueError(f"`weight` must be a finite number, got {weight!r}")
         values = base.cpu().to(torch.float64)[:, None] + float(weight) * score

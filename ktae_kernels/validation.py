@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .checks import (as_tensor, check_flag_dtype, check_index_shape, check_mask_shape, check_one_kind,
-                     check_real_rows, check_token_tensor, index_tensor, index_values, zero_one_flags)
+from .checks import (as_tensor, check_finite_rows, check_flag_dtype, check_index_shape, check_mask_shape,
+                     check_one_kind, check_real_rows, check_token_tensor, index_tensor, index_values, zero_one_flags)
 from .config import MAX_TOKEN_ID, KTAEConfig  # the id range, here for the backends that check ids
 from .options import DEFAULT_OPTIONS, ExecutionOptions
 from .types import ArrayLike, Batch, ValueCheck
@@ -233,13 +233,8 @@ def _finite_float64(name: str, t: Tensor, read: bool = True) -> Tensor:
     """``t`` (``[B]``) detached as float64; ValueError naming ``name`` and the first row holding NaN or inf
     (checked when ``read``)."""
     t = t.detach().to(torch.float64)
-    if not read:
-        return t
-    finite = np.isfinite(t.numpy()).all() if t.device.type == "cpu" else bool(torch.isfinite(t).all())
-    if not finite:
-        bad = torch.nonzero(~torch.isfinite(t)).reshape(-1)
-        more = f" ({bad.numel()} rows are not finite)" if bad.numel() > 1 else ""
-        raise ValueError(f"`{name}` must be finite, found {float(t[bad[0]])} at row {int(bad[0])}{more}")
+    if read:
+        check_finite_rows(name, t)
     return t
 
 

@@ -568,6 +568,8 @@ def test_scores_methods_take_lists_and_numpy_as_the_api_does(batch, scores):
      r"^`response_mask` must be bool or hold only 0 and 1, found 2 at row 0, column 0 \(\d+ values are neither"),
     (lambda s, r, m, i: s.token_advantage(r, m, i, torch.zeros(1)),
      r"^`rollout_advantage` must be real with shape \[B\] = \[8\], got torch.float32 \(1,\)$"),
+    (lambda s, r, m, i: s.token_advantage(r, m, i, torch.tensor([0.0] * 6 + [float("inf"), float("nan")])),
+     r"^`rollout_advantage` must be finite, found inf at row 6 \(2 rows are not finite\)$"),
     (lambda s, r, m, i: s.token_advantage(r, m, i, torch.zeros(8), weight="1"),
      r"^`weight` must be a finite number, got '1'$"),
 ])
