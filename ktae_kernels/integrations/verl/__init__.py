@@ -1,7 +1,8 @@
 """verl adapter: the "ktae" advantage estimator, fed with what verl does not pass to estimators.
 
 Use: ``algorithm.adv_estimator=ktae`` plus optional ``+algorithm.ktae.<KTAEConfig field>``,
-``+algorithm.ktae.backend``, ``+algorithm.ktae.metrics`` and ``+algorithm.ktae.correct_key``, with
+``+algorithm.ktae.backend``, ``+algorithm.ktae.metrics``, ``+algorithm.ktae.correct_key`` and
+``+algorithm.ktae.threads``, with
 verl's own trainer (any v1 ``trainer.v1.trainer_mode`` or the legacy trainer). Importing this package
 registers the estimator and patches verl's trainers as they are imported; verl imports it through the
 ``verl.plugins`` entry point (>= 0.9) or ``VERL_USE_EXTERNAL_MODULES=ktae_kernels.integrations.verl``.
