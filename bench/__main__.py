@@ -27,8 +27,8 @@ from bench.data import Shape
 from bench.grid import PAPER_SHAPE, PRESETS, budget_for
 from bench.machine import load_average, machine_info, machine_slug, today
 from bench.paper import copy_bandwidth_gb_s, format_paper_summary, paper_summary
-from bench.report import format_table, plot, result_json, write_json
-from bench.runner import run_grid
+from bench.report import format_table, plot, result_json, shape_title, write_json
+from bench.runner import EXACT_TOLERANCE, Result, run_grid
 
 #: the default output folder, in the current directory (git-ignored); the committed results in
 #: bench/results/ are only written when asked for with --out bench/results.
@@ -192,7 +192,17 @@ def main(argv: list[str] | None = None) -> int:
         where = info["gpu"]["name"] if info["gpu"] else f"{info['cpu_model']} ({info['cpu_cores']} cores)"
         plot(results, stem.with_suffix(".png"), f"ktae_kernels on {where}, {today()}, {grid_name} grid")
     print(f"wrote {stem}.json" + ("" if args.no_plot else " and .png"))
-    return 0
+    return _report_mismatches(results)
+
+
+def _report_mismatches(results: list[Result]) -> int:
+    """1, naming each, when a library backend's advantages differ from the reference's by more than
+    ``EXACT_TOLERANCE`` (or hold NaN / inf); else 0."""
+    wrong = [r for r in results if r.matches_reference is False]
+    for r in wrong:
+        print(f"error: {r.backend} differs from the reference by {r.max_abs_diff_vs_reference:.3g} on "
+              f"{shape_title(r.shape)} (more than {EXACT_TOLERANCE:g})", file=sys.stderr)
+    return 1 if wrong else 0
 
 
 def run_contend(args: argparse.Namespace, shapes: tuple[Shape, ...], stem: Path) -> int:

@@ -219,7 +219,7 @@ def result_json(results: list[Result]) -> list[dict]:
             "speedup_vs_reference": sp["vs_reference"], "speedup_vs_upstream": sp["vs_upstream"],
             "speedup_vs_reference_extrapolated": sp["vs_reference_extrapolated"],
             "speedup_vs_upstream_extrapolated": sp["vs_upstream_extrapolated"],
-            "max_abs_diff_vs_reference": r.max_abs_diff_vs_reference,
+            "max_abs_diff_vs_reference": r.max_abs_diff_vs_reference, "matches_reference": r.matches_reference,
             "memory_floor_s": r.floor_s, "memory_floor_samples_s": r.floor_samples_s, "x_memory_floor": r.x_floor,
             "x_memory_floor_error": r.floor_error, "peak_extra_bytes": r.peak_extra_bytes,
         })

@@ -16,13 +16,15 @@ from torch import Tensor
 from tqdm import tqdm
 
 from bench import timing
-from bench.contenders import Contender, make_contender, unavailable_reason
+from bench.contenders import UPSTREAM, Contender, make_contender, unavailable_reason
 from bench.data import BenchBatch, Shape, batch_tokens, make_batch
 from bench.floor import memory_floor_s, peak_extra_bytes
 from bench.floor_stats import floor_ratio, floor_samples, floor_seconds, is_measuring_error
 from bench.grid import Budget
 from bench.timing import MIN_GROUPS, Timing, measure_per_group, measure_vectorised
 
+#: a library backend matches the reference when its advantages are within this of the reference's.
+EXACT_TOLERANCE = 1e-6
 #: the batch each contender runs once, untimed, before the grid.
 WARMUP_SHAPE = Shape(4, 2, 64)
 #: groups drawn for a shape that only per-group contenders run on (enough for their time budget).
@@ -62,6 +64,14 @@ class Result:
         return not self.extrapolated and is_measuring_error(floor_ratio(self.seconds, self.floor_s))
 
     @property
+    def matches_reference(self) -> bool | None:
+        """Whether a library backend's advantages are within ``EXACT_TOLERANCE`` of the reference's; None
+        when not compared, and for the upstream-style loop (its float32 Fisher differs by design)."""
+        if self.max_abs_diff_vs_reference is None or self.backend == UPSTREAM:
+            return None
+        return self.max_abs_diff_vs_reference <= EXACT_TOLERANCE
+
+    @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds and self.tokens is not None else None
 
@@ -72,6 +82,7 @@ def run_grid(shapes: Iterable[Shape], names: list[str], device: torch.device, bu
     """Every contender in ``names`` on every shape; never raises for one contender's failure.
     ``on_shape_done(results so far)`` is called after each shape (to save partial results)."""
     shapes = list(shapes)
+    names = sorted(names, key=lambda name: name != "reference")  # first: the others are compared with it
     results: list[Result] = []
     warm_up([n for n in names if unavailable_reason(n, device) is None], device)
     loops: dict[tuple[str, tuple], Timing] = {}  # per-group timings by (name, shape family), see _cached
@@ -168,6 +179,9 @@ def _not_run(name: str, shape: Shape, device: torch.device, budget: Budget) -> t
     reason = unavailable_reason(name, device)
     if reason is not None:
         return "unavailable", reason
+    if name == UPSTREAM and shape.spread_ids:
+        return "skipped", ("the published loop's table has a row per id up to the largest, and these ids reach "
+                           "2**31 (tens of GB)")
     reason = budget.skip_reason(shape, make_contender(name).per_group)
     return None if reason is None else ("skipped", reason)
 
@@ -196,10 +210,11 @@ def _result(shape: Shape, name: str, measured: Timing | str, tokens: int) -> Res
 
 
 def _max_diff(reference: tuple[int, Tensor], output: Tensor, groups: int, G: int) -> float:
-    """max |output - reference| over the rows both cover (the first groups of the batch)."""
+    """max |output - reference| over the rows both cover (the first groups of the batch); inf where the
+    output holds NaN or inf (the reference's values are finite)."""
     rows = min(reference[0], groups) * G
     ref, out = reference[1][:rows].double(), output[:rows].cpu().double()
-    return float((ref - out).abs().max()) if rows else 0.0
+    return float((ref - out).abs().nan_to_num(nan=float("inf")).max()) if rows else 0.0
 
 
 def _free(device: torch.device) -> None:

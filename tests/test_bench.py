@@ -152,9 +152,48 @@ def test_peak_memory_is_measured_after_every_timing_of_the_shape(monkeypatch):
     monkeypatch.setattr(runner, "_measure", lambda *args: events.append("time") or measure(*args))
     results = runner.run_grid([Shape(16, 4, 1024)], ["torch", "reference"], torch.device("cpu"),
                               Budget(1e9, 1e9, 1.0, 0.1), repeats=3, progress=False)
-    assert [r.peak_extra_bytes for r in results] == [123, None]  # per-group loops get no peak
+    assert [r.backend for r in results] == ["reference", "torch"]  # the reference first, whatever the order given
+    assert [r.peak_extra_bytes for r in results] == [None, 123]  # per-group loops get no peak
     assert events.index("peak") > max(i for i, e in enumerate(events) if e in ("time", "floor"))
     assert events.count("peak") == 1
+
+
+def test_every_output_is_compared_with_the_reference_and_a_wrong_one_fails_the_run(monkeypatch, tmp_path, capsys):
+    """The reference listed last still runs first, so ``torch`` is compared with it; an output holding
+    NaN is a mismatch (``matches_reference`` false, not a null difference) and ``python -m bench``
+    exits 1 naming it."""
+    from bench import __main__ as bench_main
+    from bench import contenders
+
+    args = ["--shape", "4x2x64", "--backends", "torch,reference", "--repeats", "1", "--no-plot", "--no-progress",
+            "--out", str(tmp_path)]
+    assert bench_main.main(args) == 0
+    library = contenders._library
+
+    def broken(name):
+        contender = library(name)
+        if name != "torch":
+            return contender
+        return contenders.Contender(name, lambda batch: contender.run(batch).index_fill(0, torch.tensor([1]), float("nan")),
+                                    per_group=False)
+
+    monkeypatch.setattr(contenders, "_library", broken)
+    assert bench_main.main([*args, "--tag", "broken"]) == 1
+    assert "error: torch differs from the reference by inf on 4 x 2 x 64" in capsys.readouterr().err
+    import json
+    cells = {c["backend"]: c for c in json.loads(next(tmp_path.glob("*broken.json")).read_text())["results"]}
+    assert cells["torch"]["matches_reference"] is False and cells["reference"]["matches_reference"] is None
+
+
+def test_the_upstream_loop_skips_ids_past_any_vocabulary():
+    """The published loop's table has a row per id up to the largest: ids spread to 2**31 would take
+    tens of GB, so that batch is skipped with the reason."""
+    from bench.contenders import UPSTREAM
+
+    spread = Shape(4, 1, 64, spread_ids=True)
+    (result,) = runner.run_grid([spread], [UPSTREAM], torch.device("cpu"), Budget(1e9, 1e9, 1.0, 0.1), repeats=1,
+                                progress=False)
+    assert result.status == "skipped" and "2**31" in result.note
 
 
 def test_new_runs_write_to_the_ignored_folder_unless_told_otherwise():
