@@ -109,6 +109,27 @@ def test_presets_fill_unset_fields_and_cli_parses():
     assert (args.adv, args.preset, args.dynamic_sampling, args.kl_coef) == ("grpo", "dapo", False, 0.01)
     with pytest.raises(ValueError, match="group_size"):
         TrainConfig(group_size=1)
+    with pytest.raises(ValueError, match=r"TrainConfig.eval_every must be >= 1, got 0"):
+        TrainConfig(eval_every=0)  # it divided by zero after the warm-up
+    with pytest.raises(ValueError, match=r"TrainConfig.eval_size must be >= 0, got -1"):
+        TrainConfig(eval_size=-1)
+
+
+def test_the_verifier_sees_special_tokens_inside_an_answer():
+    """Only the eos that ends a response is dropped before the exact match: an answer with a pad or bos
+    inside (``0<pad><bos>92``) is wrong, not read as ``092``."""
+    from training.model import build_char_tokenizer
+    from training.tasks import Problem
+    from training.train import score
+
+    tokenizer = build_char_tokenizer()
+    problem = Problem("07+85=", "092")
+    digits = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    eos, pad, bos = tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.bos_token_id
+    responses = [digits("092") + [eos], digits("0") + [pad, bos] + digits("92") + [eos], digits("092")]
+    rewards, correct = score(TrainConfig(max_new_tokens=8).resolved(), tokenizer, AdditionTask(), [problem] * 3,
+                             responses)
+    assert correct.tolist() == [True, False, True]
 
 
 def test_vllm_rollout_fails_fast_with_a_clear_message(tmp_path):

@@ -82,9 +82,13 @@ class TrainConfig:
         _check_choice("dtype", self.dtype, DTYPES)
         if self.loss_agg is not None:
             _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
-        for name in ("steps", "prompts_per_step", "max_new_tokens", "mini_batches", "ppo_epochs", "max_gen_batches"):
+        for name in ("steps", "prompts_per_step", "max_new_tokens", "mini_batches", "ppo_epochs", "max_gen_batches",
+                     "eval_every", "warmup_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_size", "warmup_steps"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.report_every < 0:
             raise ValueError(f"TrainConfig.report_every must be >= 0 (0: no reports), got {self.report_every}")
         if self.group_size < 2:

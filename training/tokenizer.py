@@ -32,6 +32,13 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def decode_answers(tokenizer: PreTrainedTokenizerBase, responses: list[list[int]]) -> list[str]:
+    """The responses' text for the verifier: the eos that ends a response dropped, every other token kept,
+    so that a special token inside an answer (pad, bos, unk) makes it wrong instead of vanishing."""
+    eos = tokenizer.eos_token_id
+    return tokenizer.batch_decode([r[:-1] if r and r[-1] == eos else r for r in responses], skip_special_tokens=False)
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Prompt token ids: bos (when the tokenizer has one) followed by the text's tokens."""
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -31,7 +31,7 @@ from .loss import LOSS_AGGS, grpo_advantage, overlong_penalty, policy_loss, toke
 from .model import load_policy
 from .rollout import HFRollout, Rollouts, VLLMRollout, pack
 from .tasks import TASKS, AdditionTask, Problem
-from .tokenizer import encode_prompt
+from .tokenizer import decode_answers, encode_prompt
 from .warmup import sft_warmup
 
 RUNS_DIR = Path(__file__).resolve().parent / "runs"
@@ -191,7 +191,7 @@ def collect(cfg: TrainConfig, engine: Engine, policy: PreTrainedModel, tokenizer
 def score(cfg: TrainConfig, tokenizer: PreTrainedTokenizerBase, task: AdditionTask, problems: list[Problem],
           responses: list[list[int]]) -> tuple[Tensor, Tensor]:
     """float64 rewards ``[N]`` (1 if correct, plus the overlong penalty) and bool correct ``[N]``."""
-    texts = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    texts = decode_answers(tokenizer, responses)
     correct = torch.tensor([task.is_correct(t, p) for t, p in zip(texts, problems)], dtype=torch.bool)
     lengths = torch.tensor([len(r) for r in responses])
     penalty = overlong_penalty(lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_factor)
@@ -245,7 +245,7 @@ def evaluate(engine: Engine, policy: PreTrainedModel, tokenizer: PreTrainedToken
     if not task.eval_set:
         return float("nan")
     prompts = [encode_prompt(tokenizer, p.prompt) for p in task.eval_set]
-    texts = tokenizer.batch_decode(engine.generate(policy, prompts, 1, greedy=True), skip_special_tokens=True)
+    texts = decode_answers(tokenizer, engine.generate(policy, prompts, 1, greedy=True))
     return statistics.fmean(task.is_correct(t, p) for t, p in zip(texts, task.eval_set))
 
 
