@@ -22,7 +22,7 @@ from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos  # noqa: E402
 
 from cases import random_cases  # noqa: E402
-from verl_fakes import FakeTransferQueue, Meta  # noqa: E402
+from verl_fakes import FakeTransferQueue, Meta, RowTransferQueue  # noqa: E402
 
 VERL_VERSION = tuple(int(x) for x in verl.__version__.split(".")[:2])
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,11 +240,99 @@ def test_v1_compute_advantage_gets_the_ids_in_every_mode(monkeypatch, mode):
     T = got.shape[1]
     expected = token_advantage(responses[:, :T], mask[:, :T], scores.sum(1), uid, config=KTAE)
     assert torch.equal(got, expected)
-    assert V1_FIELDS in fake.gets
+    assert [*V1_FIELDS, "acc"] in fake.gets  # acc: a colocated reward model's own field
     assert METRIC_KEYS <= set(metrics)
     grpo, grpo_metrics, fake = _run_v1(monkeypatch, mode, responses, mask, scores, uid, keys,
                                        _algorithm(adv_estimator="grpo"))
-    assert V1_FIELDS not in fake.gets and not any(k.startswith("ktae/") for k in grpo_metrics)
+    assert not any("extra_fields" in get for get in fake.gets) and not any(k.startswith("ktae/") for k in grpo_metrics)
+
+
+def _v1_rows(uid, acc, seed=0):
+    """Rows of a v1 batch stored per key (one output per session): ids, mask, task score on the last
+    token, the fields verl's padding template copies, and ``acc`` in the agent loop's reward extra info."""
+    g = torch.Generator().manual_seed(seed)
+    keys, rows = [f"{u}_{i}_0" for i, u in enumerate(uid)], {}
+    for i, (key, u, a) in enumerate(zip(keys, uid, acc)):
+        n = int(torch.randint(3, 8, (1,), generator=g))
+        rows[key] = {"prompts": torch.tensor([1, 2, 3][:2 + i % 2]),  # ragged, so the queue nests them
+                     "responses": torch.randint(10, 20, (n,), generator=g),
+                     "response_mask": torch.ones(n, dtype=torch.long), "uid": u,
+                     "rm_scores": torch.cat([torch.zeros(n - 1), torch.tensor([float(a)])]),
+                     "input_ids": torch.ones(n + 3, dtype=torch.long), "attention_mask": torch.ones(n + 3, dtype=torch.long),
+                     "position_ids": torch.arange(n + 3), "extra_fields": {"reward_extra_info": {"acc": bool(a)}}}
+    return keys, rows
+
+
+def _v1_trainer(trainer_base):
+    trainer = object.__new__(trainer_base.get_trainer_cls("sync"))  # _compute_advantage reads only the config
+    trainer.config = OmegaConf.create({"algorithm": _algorithm(ktae={"backend": "auto"}),
+                                       "actor_rollout_ref": {"rollout": {"n": 4}}})
+    return trainer
+
+
+def test_v1_padding_rows_verl_appends_count_in_no_metric(monkeypatch):
+    """verl's own ``upsample_batch_to_divisible_size`` appends padding rows (no tokens, their own uid, a
+    copy of the first row's extra fields, tagged ``is_padding``) before the advantage step: they get
+    advantage 0, and the metrics are those of the real rows (4 padding groups made mixed_group_share 1/2)."""
+    trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base", reason="verl < 0.9 has no v1 trainer")
+    padding_utils = pytest.importorskip("verl.trainer.ppo.padding_utils")
+    uid = np.array(["p0"] * 4 + ["p1"] * 4 + ["p2"] * 4, dtype=object)
+    keys, rows = _v1_rows(uid, [1, 0, 1, 0, 1, 1, 0, 0, 1, 1, 1, 1])
+    tq = RowTransferQueue(rows)
+    monkeypatch.setattr(trainer_base, "tq", tq)
+    monkeypatch.setattr(padding_utils, "tq", tq)
+    real = {}
+    _v1_trainer(trainer_base)._compute_advantage(Meta(keys), real)
+    want = tq.put["advantages"].to_padded_tensor(padding=0.0)
+    padded = padding_utils.upsample_batch_to_divisible_size(Meta(keys), 16, eos_token_id=2)
+    assert len(padded) == 16 and sum(tag.get("is_padding", False) for tag in padded.tags) == 4
+    metrics = {}
+    _v1_trainer(trainer_base)._compute_advantage(padded, metrics)
+    got = tq.put["advantages"].to_padded_tensor(padding=0.0)
+    assert torch.equal(got[:12, :want.shape[1]], want) and not got[12:].any()
+    drop = lambda m: {k: v for k, v in m.items() if k != "ktae/time_ms"}  # noqa: E731
+    assert drop(metrics) == drop(real) and metrics["ktae/mixed_group_share"] == pytest.approx(2 / 3)
+
+
+def test_v1_colocated_reward_model_labels_by_its_acc_field(monkeypatch):
+    """With a colocated reward model verl's ``_compute_reward_colocate`` writes each reward extra key
+    (``acc``) as a TransferQueue field of its own, not into ``extra_fields``: the labels come from it, so
+    a correct answer whose score a length penalty took to 0 stays correct."""
+    trainer_base = pytest.importorskip("verl.trainer.ppo.v1.trainer_base", reason="verl < 0.9 has no v1 trainer")
+    uid = np.array(["p0"] * 4 + ["p1"] * 4, dtype=object)
+    acc = [True, False, True, False, True, False, False, True]
+    keys, rows = _v1_rows(uid, acc, seed=1)
+    for row in rows.values():
+        del row["extra_fields"]["reward_extra_info"]  # the agent loop fills it on the async reward path only
+    rows[keys[2]]["responses"] = torch.randint(10, 20, (16,))  # correct, at the length limit: penalised to 0
+    rows[keys[2]]["response_mask"] = torch.ones(16, dtype=torch.long)
+    lengths = [len(rows[k]["responses"]) for k in keys]
+    score = [(1.0 if a else -1.0) - (1.0 if n == 16 else 0.0) for a, n in zip(acc, lengths)]
+
+    class ColocatedRewardModel:  # what verl's RewardLoopManager.compute_rm_score returns
+        def compute_rm_score(self, data):
+            rm = torch.zeros(data.batch["responses"].shape)
+            for i, n in enumerate(lengths):
+                rm[i, n - 1] = score[i]
+            return DataProto(batch=TensorDict({"rm_scores": rm}, batch_size=len(data)),
+                             non_tensor_batch={"acc": np.array(acc), "score": np.array(score)},
+                             meta_info={"reward_extra_keys": ["acc", "score"]})
+
+    from tensordict import TensorDict
+
+    rows = {k: {**row, "raw_prompt": [{"role": "user", "content": "q"}]} for k, row in rows.items()}
+    tq = RowTransferQueue(rows)
+    monkeypatch.setattr(trainer_base, "tq", tq)
+    trainer = _v1_trainer(trainer_base)
+    trainer.reward_loop_manager, trainer.tokenizer = ColocatedRewardModel(), type("Tokenizer", (), {"pad_token_id": 0})()
+    trainer._compute_reward_colocate(Meta(keys))
+    metrics = {}
+    trainer._compute_advantage(Meta(keys), metrics)
+    assert metrics["ktae/label_source/acc"] == 1.0
+    got = tq.put["advantages"].to_padded_tensor(padding=0.0)
+    responses = torch.nn.utils.rnn.pad_sequence([rows[k]["responses"] for k in keys], batch_first=True)
+    want = token_advantage(responses, responses > 0, torch.tensor(score), uid, config=KTAE, correct=torch.tensor(acc))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
 def test_v1_kl_in_reward_labels_by_task_score(monkeypatch):
@@ -451,6 +539,11 @@ def test_check_names_a_bad_section_and_passes_a_good_one():
     assert config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktae.alpha=2.0"]) is None
     assert "unknown keys ['alhpa']" in config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktae.alhpa=2"])
     assert "misspelled" in config_problem(["algorithm.adv_estimator=ktae", "+algorithm.ktea.weight=0"])
+    assert "algorithm.ktae_weight looks like a misspelled" in config_problem(["algorithm.adv_estimator=ktae",
+                                                                               "+algorithm.ktae_weight=0.5"])
+    for bad in ("null", "3.5"):  # a ValueError naming the setting, not a TypeError traceback
+        problem = config_problem(["algorithm.adv_estimator=ktae", f"+algorithm.ktae.ignore_token_ids={bad}"])
+        assert problem is not None and "algorithm.ktae.ignore_token_ids must be a token id or a list of them" in problem
     assert "not 'ktae'" in config_problem(["algorithm.adv_estimator=grpo"])
     for bad in ("gpu", "null"):  # a typo, or Hydra's null (the string "None" once str() was applied)
         problem = config_problem(["algorithm.adv_estimator=ktae", f"+algorithm.ktae.backend={bad}"])

@@ -20,8 +20,37 @@ class FakeTransferQueue:
 class Meta:
     """The batch handle the queue returns: keys, partition and extra info."""
 
-    def __init__(self, keys):
+    def __init__(self, keys, tags=None):
         self.keys, self.partition_id, self.extra_info = keys, "train", {}
+        self.tags = [{} for _ in keys] if tags is None else tags
+        self.fields = None
 
     def __len__(self):
         return len(self.keys)
+
+
+class RowTransferQueue:
+    """A TransferQueue over rows stored per key (what verl's padding and colocated-reward code read and
+    write one sample at a time): ``kv_batch_get`` drops fields a row does not have, as the real one."""
+
+    def __init__(self, rows):
+        self.rows, self.put = rows, None
+
+    def kv_batch_get(self, keys, partition_id, select_fields=None):
+        from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+        return list_of_dict_to_tensordict([{k: v for k, v in self.rows[key].items()
+                                            if select_fields is None or k in select_fields} for key in keys])
+
+    def kv_batch_put(self, keys, partition_id, fields=None, tags=None):
+        import torch
+
+        if fields is None:
+            return None
+        for i, key in enumerate(keys):
+            row = fields[i]
+            for name in row.keys():
+                value = row.get(name)
+                self.rows.setdefault(key, {})[name] = value if isinstance(value, torch.Tensor) else getattr(value, "data", value)
+        self.put = fields
+        return Meta(keys)

@@ -91,6 +91,8 @@ def settings_from_mapping(section: Mapping[str, Any] | None, *, where: str,
         values.setdefault("baseline", default_baseline)
     if "ignore_token_ids" in values:
         ids = values["ignore_token_ids"]
+        if not isinstance(ids, int) and not (hasattr(ids, "__iter__") and not isinstance(ids, (str, bytes, Mapping))):
+            raise ValueError(f"{where}.ignore_token_ids must be a token id or a list of them, got {ids!r}")
         values["ignore_token_ids"] = (ids,) if isinstance(ids, int) else tuple(ids)
     try:
         return AdapterSettings(KTAEConfig(**values), backend, metrics, correct_key, ExecutionOptions(threads=threads))

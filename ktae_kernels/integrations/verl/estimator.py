@@ -30,7 +30,9 @@ class StepInputs:
     responses: int ``[bs, T]`` response ids (required); scores: ``[bs, T]`` task scores
     (``token_level_scores``) or None; extra: the reward manager's ``reward_extra_info`` as per-row
     columns (``{"acc": [...], ...}``) or None; keys: v1 batch keys ``{uid}_{session}_{index}`` or None;
-    metrics: a dict to update with ``ktae/*`` or None. ``logged``: the metrics of the call.
+    metrics: a dict to update with ``ktae/*`` or None; padding: per row, whether verl appended it to make
+    the batch divisible (v1 ``is_padding`` tags; no tokens, its own uid) or None. ``logged``: the metrics
+    of the call.
     """
 
     responses: Tensor | None = None
@@ -38,6 +40,7 @@ class StepInputs:
     extra: Mapping[str, Any] | None = None
     keys: list[str] | None = None
     metrics: dict | None = None
+    padding: list[bool] | None = None
     logged: dict = field(default_factory=dict)
 
 
@@ -85,12 +88,34 @@ def compute_ktae_advantage(token_level_rewards: Tensor, response_mask: Tensor, i
             "inside provide_step(...)")
     if index is None:
         raise ValueError("the 'ktae' estimator needs `index` (verl's uid per rollout) to form groups")
-    advantages, metrics = ktae_step(responses, response_mask, token_level_rewards, index, ktae_settings(config),
-                                    scores=scores, extra=step.extra, keys=step.keys)
+    settings = ktae_settings(config)
+    if step.padding is not None and any(step.padding):
+        advantages, metrics = _without_padding(step, responses, response_mask, token_level_rewards, index, settings,
+                                               scores)
+    else:
+        advantages, metrics = ktae_step(responses, response_mask, token_level_rewards, index, settings,
+                                        scores=scores, extra=step.extra, keys=step.keys)
     step.logged = metrics
     if step.metrics is not None:
         step.metrics.update(metrics)
     return advantages, advantages
+
+
+def _without_padding(step: StepInputs, responses: Tensor, response_mask: Tensor, token_level_rewards: Tensor,
+                     index: Any, settings: AdapterSettings,
+                     scores: Tensor | None) -> tuple[Tensor, dict[str, float]]:
+    """``ktae_step`` on the rows verl did not append as padding (so that they count in no metric); the
+    padding rows, which have no response token, get advantage 0."""
+    real = [i for i, pad in enumerate(step.padding or []) if not pad]
+    rows = torch.tensor(real, dtype=torch.int64)
+    take = lambda t: None if t is None else t[rows.to(t.device)]  # noqa: E731
+    extra = None if step.extra is None else {k: [list(v)[i] for i in real] for k, v in step.extra.items()}
+    keys = None if step.keys is None else [step.keys[i] for i in real]
+    kept, metrics = ktae_step(take(responses), take(response_mask), take(token_level_rewards),
+                              np.asarray(index)[real], settings, scores=take(scores), extra=extra, keys=keys)
+    advantages = torch.zeros(response_mask.shape, dtype=kept.dtype, device=kept.device)
+    advantages[rows.to(kept.device)] = kept
+    return advantages, metrics
 
 
 def ktae_step(responses: Tensor, response_mask: Tensor, token_level_rewards: Tensor, index: Any,

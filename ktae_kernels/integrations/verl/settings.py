@@ -28,9 +28,11 @@ def is_ktae(adv_estimator: Any) -> bool:
 
 
 def misspelled_sections(algorithm: Any) -> list[str]:
-    """Keys of verl's ``algorithm`` config that look like a misspelled ``ktae`` (``ktea``, ``kate``...)."""
+    """Keys of verl's ``algorithm`` config that look like a misspelled ``ktae`` section (``ktea``, ``kate``,
+    or a setting written beside it: ``ktae_weight``, ``ktae_config``...)."""
     keys = [str(k) for k in (algorithm.keys() if hasattr(algorithm, "keys") else vars(algorithm))]
-    return [k for k in keys if k != ESTIMATOR and difflib.get_close_matches(k.lower(), [ESTIMATOR], cutoff=0.6)]
+    return [k for k in keys if k != ESTIMATOR and (k.lower().startswith(ESTIMATOR)
+                                                   or difflib.get_close_matches(k.lower(), [ESTIMATOR], cutoff=0.6))]
 
 
 def _check_estimator_name(name: str) -> None:

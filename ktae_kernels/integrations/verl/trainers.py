@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import numpy as np
 from torch import Tensor
 
 from .estimator import StepInputs, fit_width, provide_step
 from .framework import (CONFIG_MODULE, LEGACY_MODULE, METRICS_MODULE, PATCH_PROBLEMS, SEPARATION_MODULE, TARGETS,
                         V1_MODULE, attribute)
-from .settings import check_trainer_config, is_ktae
+from .settings import check_trainer_config, is_ktae, ktae_settings
 
 #: the v1 TransferQueue fields the estimator needs beside those verl fetches itself.
 V1_FIELDS = ["responses", "rm_scores", "extra_fields"]
@@ -47,6 +48,12 @@ def reward_extra_columns(extra_fields: Any) -> dict[str, list[Any]]:
     return {name: [record.get(name, None) for record in records] for name in names}
 
 
+def _item(value: Any) -> Any:
+    """One row's value of a non-tensor TransferQueue field: a ``NonTensorData``'s payload, else the value
+    (numpy scalars kept: their ``.data`` is a buffer)."""
+    return value if isinstance(value, (np.generic, np.ndarray, Tensor)) else getattr(value, "data", value)
+
+
 def _width(t: Tensor) -> int:
     return int(t.to_padded_tensor(padding=0).shape[1]) if t.is_nested else int(t.shape[1])
 
@@ -55,17 +62,25 @@ def _width(t: Tensor) -> int:
 def wrap_v1_compute_advantage(original: Callable[..., Any], tq_of: Callable[[], Any]) -> Callable[..., Any]:
     """verl v1 ``PPOTrainer._compute_advantage(self, batch, metrics)`` that, for "ktae", fetches the
     response ids, the task scores (``rm_scores``, which verl's method turns into ``token_level_scores``)
-    and the reward extra info, and keeps the batch keys and the metrics dict for the estimator."""
+    and the reward extra info (the agent loop's ``extra_fields["reward_extra_info"]``; a colocated reward
+    model writes each key as a field of its own, and that field wins), and keeps the batch keys, the
+    padding flags of the batch's tags and the metrics dict for the estimator."""
     def _compute_advantage(self: Any, batch: Any, metrics: dict, *args: Any, **kwargs: Any) -> Any:
         if not is_ktae(self.config.algorithm.adv_estimator):
             return original(self, batch, metrics, *args, **kwargs)
-        data = tq_of().kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=V1_FIELDS)
+        correct_key = ktae_settings(self.config.algorithm).correct_key
+        own = [] if correct_key is None or correct_key in V1_FIELDS else [str(correct_key)]
+        data = tq_of().kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=V1_FIELDS + own)
         present = set(data.keys())
         scores = data["rm_scores"] if "rm_scores" in present else None
+        extra = reward_extra_columns(data["extra_fields"]) if "extra_fields" in present else None
+        if own and own[0] in present:  # written by verl's colocated reward model
+            extra = {**(extra or {}), own[0]: [_item(v) for v in list(data[own[0]])]}
+        tags = getattr(batch, "tags", None)
         step = StepInputs(responses=fit_width(data["responses"], _width(data["responses"])),
-                          scores=None if scores is None else fit_width(scores, _width(scores)),
-                          extra=reward_extra_columns(data["extra_fields"]) if "extra_fields" in present else None,
-                          keys=list(batch.keys), metrics=metrics)
+                          scores=None if scores is None else fit_width(scores, _width(scores)), extra=extra,
+                          keys=list(batch.keys), metrics=metrics,
+                          padding=None if tags is None else [bool(tag.get("is_padding", False)) for tag in tags])
         with provide_step(step):
             return original(self, batch, metrics, *args, **kwargs)
     return _compute_advantage
