@@ -173,12 +173,134 @@ def test_auto_falls_back_to_triton_with_one_warning(a_gpu_seen, monkeypatch):
     clear_caches()
 
 
+def _fake_driver(monkeypatch, calls: list, load_result=None) -> None:
+    """The driver calls ``DriverLauncher`` makes, recorded in ``calls`` (no GPU); ``cuModuleLoadData``
+    answers ``load_result`` when given (a refusal)."""
+    from cuda.bindings import driver
+
+    ok = driver.CUresult.CUDA_SUCCESS
+
+    def launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        pointed = ctypes.c_void_p.from_address(params).value  # the first argument's address
+        calls.append(("launch", f, (gx, gy, gz), (bx, by, bz), smem, int(stream), pointed))
+        return (ok,)
+
+    def load(image):
+        calls.append(("load", bytes(image)))
+        return (load_result,) if load_result is not None else (ok, "module")
+
+    fake = dict(cuInit=lambda flags: (ok,), cuDeviceGet=lambda index: (ok, index),
+                cuDevicePrimaryCtxRetain=lambda device: (ok, "context"),
+                cuCtxSetCurrent=lambda context: (calls.append(("current", context)), (ok,))[1],
+                cuModuleLoadData=load, cuModuleGetFunction=lambda module, name: (ok, name.decode()),
+                cuDeviceGetAttribute=lambda attribute, device: (ok, 166912),
+                cuFuncSetAttribute=lambda f, attribute, value: (calls.append(("limit", f, value)), (ok,))[1],
+                cuLaunchKernel=launch, cuGetErrorName=lambda status: (ok, status.name.encode()))
+    for name, call in fake.items():
+        monkeypatch.setattr(driver, name, call)
+
+
 @needs_nvrtc
-def test_the_check_lists_cuda_where_it_compiles(a_gpu_seen, cache):
+def test_the_check_lists_cuda_where_it_compiles_and_loads(a_gpu_seen, cache, monkeypatch):
     from ktae_kernels.registry import availability
 
+    _fake_driver(monkeypatch, calls := [])
     status = {s.name: s.problem for s in availability("cuda")}
-    assert status["cuda"] is None
+    assert status["cuda"] is None and [c[0] for c in calls].count("load") == 1
+
+
+@needs_nvrtc
+def test_a_driver_that_refuses_the_kernels_makes_cuda_unavailable_once(a_gpu_seen, cache, monkeypatch):
+    """A driver older than NVRTC refuses its cubin: "auto" is told why (so it runs triton) after one
+    rebuild, and later calls answer at once, with no compile or load, until ``clear_caches()``."""
+    from cuda.bindings import driver
+
+    from ktae_kernels.backends import cuda
+
+    _fake_driver(monkeypatch, calls := [], load_result=driver.CUresult.CUDA_ERROR_UNSUPPORTED_PTX_VERSION)
+    compiles = []
+    compile_ = runtime._compile
+    monkeypatch.setattr(runtime, "_compile", lambda *args, **kwargs: compiles.append(args) or compile_(*args, **kwargs))
+    reason = cuda.unavailable_reason()
+    assert reason is not None and "the CUDA driver cannot load the kernels NVRTC" in reason
+    assert "CUDA_ERROR_UNSUPPORTED_PTX_VERSION" in reason and "backend='triton'" in reason
+    assert len(compiles) == 2 and [c[0] for c in calls].count("load") == 2  # the cached cubin, then a rebuild
+    assert cuda.unavailable_reason() == reason and len(compiles) == 2 and [c[0] for c in calls].count("load") == 2
+    with pytest.raises(BackendUnavailableError, match="the CUDA driver cannot load"):
+        cuda.load_launcher(torch.device("cuda", 0))
+
+
+def test_a_failed_compile_is_not_paid_again(cache, monkeypatch, tmp_path):
+    """A compile that fails (here: a syntax error) raises the same error on later calls without compiling
+    again (a failing ptxas costs seconds a call); ``clear_caches()`` forgets it."""
+    broken = tmp_path / "ktae_kernels.cu"
+    broken.write_text(runtime.SOURCE.read_text().replace("namespace ktae {", "namespace ktae { oops", 1))
+    (tmp_path / "ktae_args.h").write_text(abi.HEADER.read_text())
+    monkeypatch.setattr(runtime, "SOURCE", broken)
+    compiles = []
+    compile_ = runtime._compile
+    monkeypatch.setattr(runtime, "_compile", lambda *args, **kwargs: compiles.append(args) or compile_(*args, **kwargs))
+    for _ in range(3):
+        with pytest.raises(BackendUnavailableError, match="NVRTC failed to compile"):
+            runtime.cubin(80)
+    assert len(compiles) == 1
+    clear_caches()
+    with pytest.raises(BackendUnavailableError, match="NVRTC failed to compile"):
+        runtime.cubin(80)
+    assert len(compiles) == 2
+
+
+def test_without_a_home_directory_the_cache_is_in_the_temporary_directory(monkeypatch):
+    monkeypatch.delenv("KTAE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", no_home)
+    import tempfile
+
+    assert runtime.cache_dir() == Path(tempfile.gettempdir()) / "ktae_kernels-cache" / "cuda"
+
+
+def _batch():
+    """A small validated batch (on the CPU: the stand-ins above never touch it)."""
+    from ktae_kernels.validation import normalise_batch
+
+    responses = torch.tensor([[5, 7, 2], [5, 8, 2]])
+    return normalise_batch(responses, responses != 0, torch.tensor([1.0, 0.0]), [0, 0])
+
+
+def test_the_kernels_load_with_the_calls_device_current(monkeypatch):
+    """Loading a device's kernels makes its context current: it happens inside the call's device guard,
+    so a caller on device 0 with tensors on another device keeps device 0 current."""
+    import contextlib
+
+    from ktae_kernels import ExecutionOptions, KTAEConfig
+    from ktae_kernels.backends import cuda
+
+    inside = []
+
+    @contextlib.contextmanager
+    def guard(device):
+        inside.append(True)
+        yield
+        inside.pop()
+
+    class Loaded(Exception):
+        pass
+
+    def load(device, variant):
+        assert inside, "the kernels were loaded outside the device guard"
+        raise Loaded
+
+    monkeypatch.setattr(cuda, "on_device", guard)
+    monkeypatch.setattr(cuda, "load_launcher", load)
+    batch = _batch()
+    for call in (lambda: cuda.token_advantage(batch, KTAEConfig(), None),
+                 lambda: cuda.key_token_scores(batch, KTAEConfig(), ExecutionOptions())):
+        with pytest.raises(Loaded):
+            call()
 
 
 # ------------------------------------------------------------------------------ the structs (abi)
@@ -235,25 +357,7 @@ def test_the_driver_launcher_enqueues_on_torchs_stream_and_raises_shared_memory_
     each argument, and a kernel's shared memory limit is set only when a launch needs more than before."""
     import types
 
-    from cuda.bindings import driver
-
-    ok, calls = driver.CUresult.CUDA_SUCCESS, []
-
-    def launch(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        pointed = ctypes.c_void_p.from_address(params).value  # the first argument's address
-        calls.append(("launch", f, (gx, gy, gz), (bx, by, bz), smem, int(stream), pointed))
-        return (ok,)
-
-    fake = dict(cuInit=lambda flags: (ok,), cuDeviceGet=lambda index: (ok, index),
-                cuDevicePrimaryCtxRetain=lambda device: (ok, "context"),
-                cuCtxSetCurrent=lambda context: (calls.append(("current", context)), (ok,))[1],
-                cuModuleLoadData=lambda image: (calls.append(("load", bytes(image))), (ok, "module"))[1],
-                cuModuleGetFunction=lambda module, name: (ok, name.decode()),
-                cuDeviceGetAttribute=lambda attribute, device: (ok, 166912),
-                cuFuncSetAttribute=lambda f, attribute, value: (calls.append(("limit", f, value)), (ok,))[1],
-                cuLaunchKernel=launch)
-    for name, call in fake.items():
-        monkeypatch.setattr(driver, name, call)
+    _fake_driver(monkeypatch, calls := [])
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: types.SimpleNamespace(cuda_stream=4242))
     launcher = runtime.launcher(0)

@@ -183,8 +183,8 @@ def token_advantage(batch: Batch, config: KTAEConfig, given: Tensor | None, out:
     """float32 ``[B, L]``: ``(A_i + weight * score[group(i), token]) * mask`` (arguments as above;
     ``given``: optional float64 ``[B]`` rollout advantage replacing ``config.baseline``), in ``out`` when given.
     Raises the API's ValueError for a bad input, ``out`` untouched."""
-    ext = launcher_for(batch.device, options.cuda, launcher)
-    with on_device(batch.device):
+    with on_device(batch.device):  # first: loading the kernels makes the device's context current
+        ext = launcher_for(batch.device, options.cuda, launcher)
         rows = None
         if config.fisher != "exact":  # the rows' float32 p-values come from the host first
             rows = _given_rows(_scores(ext, batch, config, options.cuda))
@@ -205,11 +205,11 @@ def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor 
     overflow (the global pass takes any group), so a replay completes unless an input is bad, and then
     writes NaN over ``out``; the returned ``CapturedCall`` holds the cached tensors the graph reads and
     reads a replay's flags."""
-    ext = launcher_for(batch.device, options.cuda, launcher)
     learnt = device_state.state(batch.device).learnt(device_state.learnt_key("cuda", batch))
     if learnt is None and batch.responses.numel():
         raise GraphCaptureError(device_state.WARM_UP)
     with on_device(batch.device):
+        ext = launcher_for(batch.device, options.cuda, launcher)
         plan = static_plan(ext, batch, config, options.cuda)
         out, workspace = enqueue(plan, batch, config, given, out, None, nan_on_error=True)
         keep = _cached_inputs(plan, config, batch.device)
@@ -220,11 +220,12 @@ def capture(batch: Batch, config: KTAEConfig, given: Tensor | None, out: Tensor 
 
 
 def unavailable_reason() -> str | None:
-    """None when the kernels compile (or are cached) for the current GPU's arch, else why not and the fix
-    (cuda-core or NVRTC missing, an arch NVRTC does not know, a failed compile)."""
+    """None when the kernels compile (or are cached) for the current GPU's arch and its driver loads them,
+    else why not and the fix (cuda-core or NVRTC missing, an arch NVRTC does not know, a failed compile, a
+    driver that refuses NVRTC's code). A failure is kept: later calls answer at once."""
     try:
-        runtime.cubin(runtime.device_arch(torch.cuda.current_device()))
-    except BackendUnavailableError as err:
+        load_launcher(torch.device("cuda", torch.cuda.current_device()))
+    except RuntimeError as err:  # BackendUnavailableError, or a driver call that failed
         return str(err)
     return None
 

@@ -24,6 +24,7 @@ import io
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -61,10 +62,16 @@ class Cubin:
 
 def cache_dir() -> Path:
     """Where compiled kernels are kept: ``$KTAE_CACHE_DIR/cuda``, else ``$XDG_CACHE_HOME/ktae_kernels/cuda``,
-    else ``~/.cache/ktae_kernels/cuda``."""
+    else ``~/.cache/ktae_kernels/cuda``; without a home directory (no ``$HOME``, a uid with no passwd
+    entry, as in some containers), ``ktae_kernels-cache/cuda`` in the temporary directory."""
     if os.environ.get("KTAE_CACHE_DIR"):
         return Path(os.environ["KTAE_CACHE_DIR"]) / "cuda"
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ktae_kernels" / "cuda"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "ktae_kernels" / "cuda"
+    try:
+        return Path.home() / ".cache" / "ktae_kernels" / "cuda"
+    except RuntimeError:  # Path.home(): "Could not determine home directory."
+        return Path(tempfile.gettempdir()) / "ktae_kernels-cache" / "cuda"
 
 
 def _nvrtc():
@@ -106,7 +113,9 @@ def cache_key(arch: int, variant: KernelVariant = KernelVariant()) -> str:
 
 
 _MEMORY: dict[tuple[int, KernelVariant], Cubin] = {}
-#: guards _MEMORY, _COMPILING and _LAUNCHERS (held for lookups only, never through a compile)
+#: compiles that failed, by (arch, variant): a failure is raised again, not paid again, until clear_caches()
+_FAILED: dict[tuple[int, KernelVariant], BackendUnavailableError] = {}
+#: guards _MEMORY, _FAILED, _COMPILING, _LAUNCHERS and _LOAD_FAILED (held for lookups only, never through a compile)
 _LOCK = threading.Lock()
 #: one lock per (arch, variant), held while its cubin is read or compiled
 _COMPILING: dict[tuple[int, KernelVariant], threading.Lock] = {}
@@ -115,21 +124,31 @@ _COMPILING: dict[tuple[int, KernelVariant], threading.Lock] = {}
 def cubin(arch: int, variant: KernelVariant = KernelVariant(), *, rebuild: bool = False) -> Cubin:
     """The kernels for ``arch`` (e.g. 90) in ``variant``: from memory, else from the disk cache, else
     compiled (and cached). ``rebuild``: compile again, replacing the cached entry (one the driver refused).
-    A compile holds only its own (arch, variant): other threads' calls go on meanwhile."""
+    A compile holds only its own (arch, variant): other threads' calls go on meanwhile. A failed compile's
+    BackendUnavailableError is kept and raised again by later calls, until ``clear_caches()``."""
     _nvrtc()  # BackendUnavailableError naming the fix, even for kernels compiled before
     key = (arch, variant)
     with _LOCK:
         if not rebuild and key in _MEMORY:
             return _MEMORY[key]
+        if key in _FAILED:
+            raise _FAILED[key]
         compiling = _COMPILING.setdefault(key, threading.Lock())
     with compiling:
         with _LOCK:
             if not rebuild and key in _MEMORY:  # another thread made it meanwhile
                 return _MEMORY[key]
+            if key in _FAILED:
+                raise _FAILED[key]
         path = cache_dir() / f"{cache_key(arch, variant)}-sm_{arch}.cubin"
         found = None if rebuild else _read_entry(path, arch)
         if found is None:
-            found = _compile(arch, variant)
+            try:
+                found = _compile(arch, variant)
+            except BackendUnavailableError as err:
+                with _LOCK:
+                    _FAILED[key] = err
+                raise
             _write_entry(path, found)
         with _LOCK:
             _MEMORY[key] = found
@@ -230,6 +249,8 @@ class DriverLauncher:
     lock (a limit only grows, so two threads never lower each other's)."""
 
     def __init__(self, index: int, variant: KernelVariant = KernelVariant()) -> None:
+        arch = device_arch(index)
+        found = cubin(arch, variant)  # first: BackendUnavailableError naming the fix without cuda-core or NVRTC
         from cuda.bindings import driver
 
         self.index, self.variant = index, variant
@@ -238,11 +259,19 @@ class DriverLauncher:
         _check(driver.cuInit(0), "cuInit")
         (self._device,) = _check(driver.cuDeviceGet(index), "cuDeviceGet")
         (self._context,) = _check(driver.cuDevicePrimaryCtxRetain(self._device), "cuDevicePrimaryCtxRetain")
-        arch = device_arch(index)
         try:
-            self._kernels = self._load(cubin(arch, variant))
+            self._kernels = self._load(found)
         except RuntimeError:  # a cached cubin the driver refuses: compile it again
-            self._kernels = self._load(cubin(arch, variant, rebuild=True))
+            try:
+                self._kernels = self._load(cubin(arch, variant, rebuild=True))
+            except BackendUnavailableError:
+                raise
+            except RuntimeError as err:
+                major, minor = nvrtc_version()
+                raise BackendUnavailableError(
+                    f"the CUDA driver cannot load the kernels NVRTC {major}.{minor} compiled for sm_{arch} ({err}): "
+                    f"a driver older than NVRTC refuses its code; install the NVRTC of the driver's CUDA release "
+                    f"(`pip install \"ktae_kernels[cuda12]\"` for CUDA 12) or use backend='triton'") from None
         (self.max_shared,) = _check(driver.cuDeviceGetAttribute(
             driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._device),
             "cuDeviceGetAttribute")
@@ -290,17 +319,27 @@ class DriverLauncher:
 
 
 _LAUNCHERS: dict[tuple[int, KernelVariant], DriverLauncher] = {}
+#: devices' kernels that could not be compiled or loaded, by (index, variant): raised again until clear_caches()
+_LOAD_FAILED: dict[tuple[int, KernelVariant], BackendUnavailableError] = {}
 
 
 def launcher(index: int, variant: KernelVariant = KernelVariant()) -> DriverLauncher:
     """The kernels of ``variant`` loaded on CUDA device ``index`` (loaded on first use; compiled then if
-    not cached)."""
+    not cached); BackendUnavailableError, kept and raised again, when they cannot be compiled or loaded."""
+    key = (index, variant)
     with _LOCK:
-        found = _LAUNCHERS.get((index, variant))
+        found = _LAUNCHERS.get(key)
+        if found is None and key in _LOAD_FAILED:
+            raise _LOAD_FAILED[key]
     if found is None:
-        made = DriverLauncher(index, variant)
+        try:
+            made = DriverLauncher(index, variant)
+        except BackendUnavailableError as err:
+            with _LOCK:
+                _LOAD_FAILED[key] = err
+            raise
         with _LOCK:
-            found = _LAUNCHERS.setdefault((index, variant), made)
+            found = _LAUNCHERS.setdefault(key, made)
     return found
 
 
@@ -309,4 +348,6 @@ def _forget() -> None:
     """The compiled kernels kept in memory and the devices' loaded kernels (the disk cache stays)."""
     with _LOCK:
         _MEMORY.clear()
+        _FAILED.clear()
         _LAUNCHERS.clear()
+        _LOAD_FAILED.clear()
