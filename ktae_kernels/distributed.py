@@ -203,30 +203,40 @@ def _union(arrays: list[np.ndarray]) -> np.ndarray:
     arrays = [a for a in arrays if len(a)]
     if not arrays:
         return np.zeros(0, dtype=np.int64)
-    numeric = [_holds_ints(a) for a in arrays]
-    if any(numeric) and not all(numeric):
-        raise ValueError("`index` group ids must be of one kind on every rank (all ints or all strings), "
-                         f"got dtypes {[str(a.dtype) for a in arrays]}")
-    if all(numeric) and np.result_type(*arrays).kind == "f":  # uint64 beside signed ids: numpy's common type is float64
-        arrays = [_as_int64(a) for a in arrays]
+    kinds = [_kind(a) for a in arrays]
+    if len(set(kinds)) > 1:
+        raise ValueError("`index` group ids must be of one kind on every rank (all ints, all strings or all bytes), "
+                         f"got {', '.join(f'{k} ({a.dtype})' for k, a in zip(kinds, arrays))}")
+    if kinds[0] == "int" and np.result_type(*arrays).kind == "f":  # uint64 beside signed ids: numpy would use float64
+        arrays = _common_ints(arrays)
     try:
         return np.unique(np.concatenate(arrays))
     except TypeError as err:
         raise ValueError(f"`index` group ids must be mutually comparable across ranks: {err}") from None
 
 
-def _holds_ints(labels: np.ndarray) -> bool:
-    """Whether a rank's (non-empty, one-kind) labels are ints: an int dtype, or Python ints in an object array."""
-    return labels.dtype.kind in "iu" or (labels.dtype == object and isinstance(labels[0], (int, np.integer)))
+def _kind(labels: np.ndarray) -> str:
+    """"int", "str" or "bytes": the kind of a rank's (non-empty, one-kind) labels, by dtype or, in an object
+    array, by its first label."""
+    by_dtype = {"i": "int", "u": "int", "U": "str", "S": "bytes"}.get(labels.dtype.kind)
+    if by_dtype is not None:
+        return by_dtype
+    first = labels[0]
+    return "int" if isinstance(first, (int, np.integer)) else "bytes" if isinstance(first, bytes) else "str"
 
 
-def _as_int64(labels: np.ndarray) -> np.ndarray:
-    """A rank's int labels as int64; ValueError for uint64 ids from 2**63 on (no int dtype holds them
-    beside negative ids, and float64 would merge distinct ids)."""
-    if labels.dtype.kind == "u" and labels.max() > np.iinfo(np.int64).max:
-        raise ValueError(f"`index` group ids must fit one integer dtype on every rank, got uint64 ids up to "
-                         f"{labels.max()} (past int64) beside signed ids; pass the same dtype on every rank")
-    return labels.astype(np.int64)
+def _common_ints(arrays: list[np.ndarray]) -> list[np.ndarray]:
+    """The ranks' int labels in one dtype, as one process's ``np.asarray`` of them all would hold them:
+    int64, or uint64 when ids from 2**63 on sit beside no negative id (float64 would merge distinct ids);
+    ValueError when both are there (no integer dtype holds them)."""
+    top = max(int(a.max()) for a in arrays)
+    bottom = min(int(a.min()) for a in arrays)
+    if top <= np.iinfo(np.int64).max:
+        return [a.astype(np.int64) for a in arrays]
+    if bottom >= 0:
+        return [a.astype(np.uint64) for a in arrays]
+    raise ValueError(f"`index` group ids must fit one integer dtype over every rank, got ids up to {top} (past "
+                     f"int64) and down to {bottom} (below 0)")
 
 
 def _merge_tables(local: tb.Tables, split: Tensor, process_group: Any) -> tb.Tables:

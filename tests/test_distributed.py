@@ -200,10 +200,16 @@ BIG = 2**60
 INDEX_KINDS = {
     "uint64-beside-int64": (lambda k, g: (BIG + g).astype((np.int64, np.uint64)[k]), None),
     "object-ints-beside-int64": (lambda k, g: np.array(g.tolist(), dtype=object) if k == 0 else torch.as_tensor(g), None),
-    "uint64-past-2**63-beside-int64": (
-        lambda k, g: g if k == 0 else g.astype(np.uint64) + np.uint64(2**63),
-        r"`index` group ids must fit one integer dtype on every rank, got uint64 ids up to 9223372036854775811 "
-        r"\(past int64\) beside signed ids; pass the same dtype on every rank"),
+    # as one process's np.asarray of every rank's ids holds them: uint64
+    "uint64-past-2**63-beside-int64": (lambda k, g: g if k == 0 else g.astype(np.uint64) + np.uint64(2**63), None),
+    "uint64-past-2**63-beside-negative-int64": (
+        lambda k, g: g - 100 if k == 0 else g.astype(np.uint64) + np.uint64(2**63),
+        r"`index` group ids must fit one integer dtype over every rank, got ids up to \d+ \(past int64\) and "
+        r"down to -\d+ \(below 0\)"),
+    "bytes-beside-str": (  # np.unique would merge b"3" and "3"
+        lambda k, g: np.array([str(v).encode() if k == 0 else str(v) for v in g.tolist()], dtype=object),
+        r"`index` group ids must be of one kind on every rank \(all ints, all strings or all bytes\), got "
+        r"bytes \(object\), str \(object\)"),
 }
 
 
@@ -279,7 +285,7 @@ def test_ranks_stay_in_step_after_a_refused_call(mismatch_results):
 
 
 @pytest.mark.parametrize("name", INDEX_KINDS)
-def test_int_ids_of_different_dtypes_per_rank(mismatch_results, name):
+def test_ids_of_different_dtypes_or_kinds_per_rank(mismatch_results, name):
     _, shard0, shard1 = SHARDS[0]
     r, m, w, uid = _concat(shard0, shard1)
     index, refused = INDEX_KINDS[name]
@@ -289,7 +295,7 @@ def test_int_ids_of_different_dtypes_per_rank(mismatch_results, name):
         return
     one = np.concatenate([np.asarray(index(k, _group_ids(s[3])), dtype=object) for k, s in enumerate((shard0, shard1))])
     labels = sorted(set(one.tolist()))
-    expected = token_advantage(r, m, w, torch.as_tensor(one.astype(np.int64)))
+    expected = token_advantage(r, m, w, torch.as_tensor(np.unique(one, return_inverse=True)[1]))  # ids past int64 too
     got = torch.cat([mismatch_results[k][name][0] for k in range(WORLD)])
     assert torch.equal(got, expected[:, :got.shape[1]])
     for rank in range(WORLD):
