@@ -200,6 +200,15 @@ def _fake_driver(monkeypatch, calls: list, load_result=None) -> None:
         monkeypatch.setattr(driver, name, call)
 
 
+def _count_compiles(monkeypatch) -> list:
+    """A list that gets an entry per NVRTC program made (each compile, failed or not)."""
+    import cuda.core
+
+    made, program = [], cuda.core.Program
+    monkeypatch.setattr(cuda.core, "Program", lambda *args, **kwargs: made.append(args) or program(*args, **kwargs))
+    return made
+
+
 @needs_nvrtc
 def test_the_check_lists_cuda_where_it_compiles_and_loads(a_gpu_seen, cache, monkeypatch):
     from ktae_kernels.registry import availability
@@ -218,9 +227,7 @@ def test_a_driver_that_refuses_the_kernels_makes_cuda_unavailable_once(a_gpu_see
     from ktae_kernels.backends import cuda
 
     _fake_driver(monkeypatch, calls := [], load_result=driver.CUresult.CUDA_ERROR_UNSUPPORTED_PTX_VERSION)
-    compiles = []
-    compile_ = runtime._compile
-    monkeypatch.setattr(runtime, "_compile", lambda *args, **kwargs: compiles.append(args) or compile_(*args, **kwargs))
+    compiles = _count_compiles(monkeypatch)
     reason = cuda.unavailable_reason()
     assert reason is not None and "the CUDA driver cannot load the kernels NVRTC" in reason
     assert "CUDA_ERROR_UNSUPPORTED_PTX_VERSION" in reason and "backend='triton'" in reason
@@ -230,6 +237,7 @@ def test_a_driver_that_refuses_the_kernels_makes_cuda_unavailable_once(a_gpu_see
         cuda.load_launcher(torch.device("cuda", 0))
 
 
+@needs_nvrtc
 def test_a_failed_compile_is_not_paid_again(cache, monkeypatch, tmp_path):
     """A compile that fails (here: a syntax error) raises the same error on later calls without compiling
     again (a failing ptxas costs seconds a call); ``clear_caches()`` forgets it."""
@@ -237,9 +245,7 @@ def test_a_failed_compile_is_not_paid_again(cache, monkeypatch, tmp_path):
     broken.write_text(runtime.SOURCE.read_text().replace("namespace ktae {", "namespace ktae { oops", 1))
     (tmp_path / "ktae_args.h").write_text(abi.HEADER.read_text())
     monkeypatch.setattr(runtime, "SOURCE", broken)
-    compiles = []
-    compile_ = runtime._compile
-    monkeypatch.setattr(runtime, "_compile", lambda *args, **kwargs: compiles.append(args) or compile_(*args, **kwargs))
+    compiles = _count_compiles(monkeypatch)
     for _ in range(3):
         with pytest.raises(BackendUnavailableError, match="NVRTC failed to compile"):
             runtime.cubin(80)
