@@ -238,9 +238,10 @@ def test_a_driver_that_refuses_the_kernels_makes_cuda_unavailable_once(a_gpu_see
 
 
 @needs_nvrtc
-def test_a_failed_compile_is_not_paid_again(cache, monkeypatch, tmp_path):
-    """A compile that fails (here: a syntax error) raises the same error on later calls without compiling
-    again (a failing ptxas costs seconds a call); ``clear_caches()`` forgets it."""
+def test_a_failed_compile_is_not_paid_again(a_gpu_seen, cache, monkeypatch, tmp_path):
+    """A compile that fails (here: a syntax error) raises the same error on later calls (every call loads
+    the device's kernels through ``launcher``) without compiling again (a failing ptxas costs seconds a
+    call); ``clear_caches()`` forgets it."""
     broken = tmp_path / "ktae_kernels.cu"
     broken.write_text(runtime.SOURCE.read_text().replace("namespace ktae {", "namespace ktae { oops", 1))
     (tmp_path / "ktae_args.h").write_text(abi.HEADER.read_text())
@@ -248,11 +249,11 @@ def test_a_failed_compile_is_not_paid_again(cache, monkeypatch, tmp_path):
     compiles = _count_compiles(monkeypatch)
     for _ in range(3):
         with pytest.raises(BackendUnavailableError, match="NVRTC failed to compile"):
-            runtime.cubin(80)
+            runtime.launcher(0)
     assert len(compiles) == 1
     clear_caches()
     with pytest.raises(BackendUnavailableError, match="NVRTC failed to compile"):
-        runtime.cubin(80)
+        runtime.launcher(0)
     assert len(compiles) == 2
 
 

@@ -113,9 +113,7 @@ def cache_key(arch: int, variant: KernelVariant = KernelVariant()) -> str:
 
 
 _MEMORY: dict[tuple[int, KernelVariant], Cubin] = {}
-#: compiles that failed, by (arch, variant): a failure is raised again, not paid again, until clear_caches()
-_FAILED: dict[tuple[int, KernelVariant], BackendUnavailableError] = {}
-#: guards _MEMORY, _FAILED, _COMPILING, _LAUNCHERS and _LOAD_FAILED (held for lookups only, never through a compile)
+#: guards _MEMORY, _COMPILING, _LAUNCHERS and _LOAD_FAILED (held for lookups only, never through a compile)
 _LOCK = threading.Lock()
 #: one lock per (arch, variant), held while its cubin is read or compiled
 _COMPILING: dict[tuple[int, KernelVariant], threading.Lock] = {}
@@ -124,31 +122,22 @@ _COMPILING: dict[tuple[int, KernelVariant], threading.Lock] = {}
 def cubin(arch: int, variant: KernelVariant = KernelVariant(), *, rebuild: bool = False) -> Cubin:
     """The kernels for ``arch`` (e.g. 90) in ``variant``: from memory, else from the disk cache, else
     compiled (and cached). ``rebuild``: compile again, replacing the cached entry (one the driver refused).
-    A compile holds only its own (arch, variant): other threads' calls go on meanwhile. A failed compile's
-    BackendUnavailableError is kept and raised again by later calls, until ``clear_caches()``."""
+    A compile holds only its own (arch, variant): other threads' calls go on meanwhile. (``launcher``
+    keeps a failure, so that calls do not compile again.)"""
     _nvrtc()  # BackendUnavailableError naming the fix, even for kernels compiled before
     key = (arch, variant)
     with _LOCK:
         if not rebuild and key in _MEMORY:
             return _MEMORY[key]
-        if key in _FAILED:
-            raise _FAILED[key]
         compiling = _COMPILING.setdefault(key, threading.Lock())
     with compiling:
         with _LOCK:
             if not rebuild and key in _MEMORY:  # another thread made it meanwhile
                 return _MEMORY[key]
-            if key in _FAILED:
-                raise _FAILED[key]
         path = cache_dir() / f"{cache_key(arch, variant)}-sm_{arch}.cubin"
         found = None if rebuild else _read_entry(path, arch)
         if found is None:
-            try:
-                found = _compile(arch, variant)
-            except BackendUnavailableError as err:
-                with _LOCK:
-                    _FAILED[key] = err
-                raise
+            found = _compile(arch, variant)
             _write_entry(path, found)
         with _LOCK:
             _MEMORY[key] = found
@@ -319,7 +308,8 @@ class DriverLauncher:
 
 
 _LAUNCHERS: dict[tuple[int, KernelVariant], DriverLauncher] = {}
-#: devices' kernels that could not be compiled or loaded, by (index, variant): raised again until clear_caches()
+#: devices' kernels that could not be compiled or loaded, by (index, variant): every call runs through
+#: ``launcher``, so a failure is raised again here, not paid again (a compile costs seconds), until clear_caches()
 _LOAD_FAILED: dict[tuple[int, KernelVariant], BackendUnavailableError] = {}
 
 
@@ -348,6 +338,5 @@ def _forget() -> None:
     """The compiled kernels kept in memory and the devices' loaded kernels (the disk cache stays)."""
     with _LOCK:
         _MEMORY.clear()
-        _FAILED.clear()
         _LAUNCHERS.clear()
         _LOAD_FAILED.clear()
