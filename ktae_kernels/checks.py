@@ -1,5 +1,5 @@
 """The conversions and checks of the caller's arguments that ``validation`` (the public functions),
-``types`` (``KeyTokenScores``' methods), ``config``, ``fisher`` and ``metrics`` share, so that each error
+``types`` (``KeyTokenScores``' methods), ``config``, ``fisher``, ``metrics`` and ``distributed`` share, so that each error
 has one wording: a tensor of an ``ArrayLike``, the token-id tensor, the mask's shape and 0 / 1 values, a
 real ``[B]`` vector, group ids, and the scalar tests (a finite real, an int that is not a bool). Imports
 nothing of the package."""
@@ -206,7 +206,7 @@ def index_values(index: Any, name: str = "index") -> np.ndarray:
 _ONE_KIND = "`{name}` must hold group ids of one kind, all ints or all strings"
 
 
-def _label_kind(label_type: type) -> str | None:
+def label_kind(label_type: type) -> str | None:
     """"int", "str" or "bytes": the kind of group id a label of ``label_type`` is; None: it is none."""
     if issubclass(label_type, (bool, np.bool_)):
         return None
@@ -216,9 +216,9 @@ def _label_kind(label_type: type) -> str | None:
 
 def check_one_kind(items: Any, name: str) -> set[type]:
     """The types of the caller's labels ``items``; ValueError naming ``name`` unless they are of one kind
-    (``_label_kind``)."""
+    (``label_kind``)."""
     types = set(map(type, items))
-    kinds = {_label_kind(t) for t in types}
+    kinds = {label_kind(t) for t in types}
     if len(kinds) > 1 or None in kinds:
         mix = " and ".join(sorted(t.__name__ for t in types))
         raise ValueError(f"{_ONE_KIND.format(name=name)}, got {'a mix of ' if len(types) > 1 else ''}{mix}"

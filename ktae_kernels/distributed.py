@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import method
+from .checks import label_kind
 from .backends import torch as tb
 from .config import KTAEConfig
 from .options import DEFAULT_OPTIONS, ExecutionOptions
@@ -215,14 +216,10 @@ def _union(arrays: list[np.ndarray]) -> np.ndarray:
         raise ValueError(f"`index` group ids must be mutually comparable across ranks: {err}") from None
 
 
-def _kind(labels: np.ndarray) -> str:
-    """"int", "str" or "bytes": the kind of a rank's (non-empty, one-kind) labels, by dtype or, in an object
-    array, by its first label."""
-    by_dtype = {"i": "int", "u": "int", "U": "str", "S": "bytes"}.get(labels.dtype.kind)
-    if by_dtype is not None:
-        return by_dtype
-    first = labels[0]
-    return "int" if isinstance(first, (int, np.integer)) else "bytes" if isinstance(first, bytes) else "str"
+def _kind(labels: np.ndarray) -> str | None:
+    """``checks.label_kind`` of a rank's (non-empty, one-kind) labels: by their dtype or, in an object
+    array, by the first label."""
+    return label_kind(labels.dtype.type) or label_kind(type(labels[0]))
 
 
 def _common_ints(arrays: list[np.ndarray]) -> list[np.ndarray]:
