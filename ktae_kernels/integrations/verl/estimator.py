@@ -106,10 +106,11 @@ def _without_padding(step: StepInputs, responses: Tensor, response_mask: Tensor,
                      scores: Tensor | None) -> tuple[Tensor, dict[str, float]]:
     """``ktae_step`` on the rows verl did not append as padding (so that they count in no metric); the
     padding rows, which have no response token, get advantage 0."""
-    real = [i for i, pad in enumerate(step.padding or []) if not pad]
+    real = [i for i, pad in enumerate(step.padding) if not pad]
     rows = torch.tensor(real, dtype=torch.int64)
     take = lambda t: None if t is None else t[rows.to(t.device)]  # noqa: E731
-    extra = None if step.extra is None else {k: [list(v)[i] for i in real] for k, v in step.extra.items()}
+    columns = {} if step.extra is None else {k: list(v) for k, v in step.extra.items()}
+    extra = None if step.extra is None else {k: [column[i] for i in real] for k, column in columns.items()}
     keys = None if step.keys is None else [step.keys[i] for i in real]
     kept, metrics = ktae_step(take(responses), take(response_mask), take(token_level_rewards),
                               np.asarray(index)[real], settings, scores=take(scores), extra=extra, keys=keys)

@@ -36,22 +36,22 @@ def wrap_once(make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Calla
     return factory
 
 
+def _item(value: Any) -> Any:
+    """One row's value of a non-tensor TransferQueue field: a ``NonTensorData``'s payload, else the value
+    (numpy scalars kept: their ``.data`` is a buffer)."""
+    return value if isinstance(value, (np.generic, np.ndarray, Tensor)) else getattr(value, "data", value)
+
+
 def reward_extra_columns(extra_fields: Any) -> dict[str, list[Any]]:
     """v1 rows' ``extra_fields["reward_extra_info"]`` (verl's reward loop) as per-row columns; a row
     without a key holds None there."""
     records = []
     for value in list(extra_fields):
-        value = getattr(value, "data", value)  # a NonTensorData item
+        value = _item(value)
         info = value.get("reward_extra_info", None) if hasattr(value, "get") else None
         records.append(info if hasattr(info, "get") else {})
     names = {name for record in records for name in record}
     return {name: [record.get(name, None) for record in records] for name in names}
-
-
-def _item(value: Any) -> Any:
-    """One row's value of a non-tensor TransferQueue field: a ``NonTensorData``'s payload, else the value
-    (numpy scalars kept: their ``.data`` is a buffer)."""
-    return value if isinstance(value, (np.generic, np.ndarray, Tensor)) else getattr(value, "data", value)
 
 
 def _width(t: Tensor) -> int:
