@@ -209,10 +209,11 @@ class KeyTokenScores:
         on = zero_one_flags("response_mask", mask.cpu(), "build it as `responses != pad_id`")
         base = as_tensor("rollout_advantage", rollout_advantage).detach()
         check_real_rows("rollout_advantage", base, shape[0])
-        check_finite_rows("rollout_advantage", base.to(torch.float64))
+        base = base.cpu().to(torch.float64)
+        check_finite_rows("rollout_advantage", base)
         if not finite_real(weight):
             raise ValueError(f"`weight` must be a finite number, got {weight!r}")
-        values = base.cpu().to(torch.float64)[:, None] + float(weight) * score
+        values = base[:, None] + float(weight) * score
         return torch.where(on, values, 0.0).to(torch.float32).to(mask.device)
 
     def key_rows(self, group: int, top_k: int | None = None, *, scored_only: bool = False) -> list[int]:
